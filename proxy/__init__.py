@@ -1,0 +1,1 @@
+"""laneway's proxy: OpenAI-compatible routes, relay, backends, poller, metrics."""

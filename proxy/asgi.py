@@ -1,0 +1,63 @@
+"""Small ASGI helpers: read a bounded body, send JSON or an error."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+
+from proxy.errors import PayloadTooLarge, ProxyError, error_response
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+def header_map(scope: Scope) -> dict[str, str]:
+    """Request headers by lower-case name (ASGI already lower-cases them)."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+async def read_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the {limit}-byte limit.")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_bytes(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_json(
+    send: Send, status: int, payload: Any, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    body = orjson.dumps(payload)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send_bytes(send, status, body, headers + (extra or []))
+
+
+async def send_error(send: Send, err: ProxyError) -> None:
+    status, headers, body = error_response(err)
+    await send_bytes(send, status, body, headers)

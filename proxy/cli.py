@@ -1,0 +1,67 @@
+"""`laneway` command line: serve the proxy, manage local backends, run tools."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from proxy.config import ConfigError, load_settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        server = settings.server.model_copy(update=overrides)
+        settings = settings.model_copy(update={"server": server})
+    _configure_logging(settings.server.log_level)
+    from proxy.server import run
+
+    run(settings)
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    print(f"config ok: {len(settings.backends)} backends, policy {settings.policy.name}")
+    return 0
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="laneway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the routing proxy")
+    serve.add_argument("--config", "-c", help="YAML config file (env LANEWAY_… overrides)")
+    serve.add_argument("--host", help="override server.host")
+    serve.add_argument("--port", type=int, help="override server.port")
+    serve.set_defaults(func=_serve)
+    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check.add_argument("--config", "-c", required=True)
+    check.set_defaults(func=_check_config)
+    from bench import backends  # light module: heavy imports happen inside its commands
+
+    backends.add_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"laneway: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""One configuration tree, loaded from YAML and overridable by `LANEWAY_…` env vars.
+
+Env vars use `__` between nested keys, e.g. `LANEWAY_SERVER__PORT=9000` or
+`LANEWAY_POLICY__NAME=least_request`. Env overrides YAML; YAML overrides defaults.
+Unknown keys and bad values fail at start with the key's dotted path in the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+
+class ConfigError(ValueError):
+    """A configuration file or env var is invalid; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="larger bodies get 413")
+    max_tokens_limit: int = Field(131_072, gt=0, description="larger max_tokens get 400")
+    session_header: str = Field("x-session-id", description="header naming a session")
+    prefix_block_chars: int = Field(128, gt=0, description="block size of prompt hashing")
+    log_level: str = "info"
+    retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
+    shutdown_timeout_s: int = Field(30, ge=0, description="finish open streams on stop")
+    keep_alive_s: int = Field(75, ge=1, description="idle client connection lifetime")
+
+
+class BackendConfig(_Section):
+    name: str = Field(min_length=1)
+    url: HttpUrl
+    model: str = Field(min_length=1, description="served model name")
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class PolicyConfig(_Section):
+    name: str = "round_robin"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class UpstreamConfig(_Section):
+    """Timeouts and retries of requests relayed to backends."""
+
+    connect_timeout_s: float = Field(3.0, gt=0)
+    first_byte_timeout_s: float = Field(300.0, gt=0, description="until headers + 1st chunk")
+    read_timeout_s: float = Field(60.0, gt=0, description="max gap between stream chunks")
+    max_attempts: int = Field(3, ge=1, description="backends tried before the first byte")
+    pool_size: int = Field(0, ge=0, description="max open connections; 0 = unlimited")
+
+
+class PollerConfig(_Section):
+    interval_s: float = Field(0.1, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    unhealthy_after: int = Field(3, ge=1, description="consecutive failed scrapes")
+    backoff_initial_s: float = Field(0.5, gt=0)
+    backoff_max_s: float = Field(10.0, gt=0)
+
+
+class DebugConfig(_Section):
+    log_decisions: bool = False
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="LANEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    server: ServerConfig = ServerConfig()
+    backends: list[BackendConfig] = Field(default_factory=list)
+    policy: PolicyConfig = PolicyConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    poller: PollerConfig = PollerConfig()
+    debug: DebugConfig = DebugConfig()
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_names(cls, backends: list[BackendConfig]) -> list[BackendConfig]:
+        names = [b.name for b in backends]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate backend names: {', '.join(dupes)}")
+        return backends
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Env first so that LANEWAY_… overrides what the YAML file (init) says.
+        return env_settings, init_settings
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    """Load YAML (if given) + env into a validated `Settings`, or raise ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_yaml(Path(path))
+    try:
+        settings = Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+    _check_policy(settings)
+    return settings
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config {path}: top level must be a mapping")
+    return loaded
+
+
+def _describe(exc: ValidationError, path: str | Path | None) -> str:
+    where = f"config {path}" if path else "config"
+    lines = [f"{where} is invalid:"]
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"]) or "(root)"
+        lines.append(f"  {key}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def _check_policy(settings: Settings) -> None:
+    from policies.base import UnknownPolicyError, build_policy
+
+    try:
+        build_policy(settings.policy.name, settings.policy.params)
+    except UnknownPolicyError as exc:
+        raise ConfigError(f"policy.name: {exc}") from None
+    except ValidationError as exc:
+        details = "; ".join(
+            f"policy.params.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+            for e in exc.errors()
+        )
+        raise ConfigError(f"config is invalid: {details}") from None

@@ -1,0 +1,108 @@
+"""Every error the proxy reports, and the one place that turns them into wire bytes.
+
+Handlers raise `ProxyError` subclasses; `error_response` and `stream_error_event`
+render them in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class ProxyError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return []
+
+
+class InvalidRequest(ProxyError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.", param="model")
+
+
+class MethodNotAllowed(ProxyError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class NoHealthyBackend(ProxyError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_backend"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(self.retry_after_s).encode())]
+
+
+class UpstreamError(ProxyError):
+    """Every backend tried failed before the response started."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_failed"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+def error_json(err: ProxyError) -> bytes:
+    return orjson.dumps(
+        {
+            "error": {
+                "message": err.message,
+                "type": err.type,
+                "param": err.param,
+                "code": err.code,
+            }
+        }
+    )
+
+
+def error_response(err: ProxyError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """(status, headers, body) of a JSON error response."""
+    body = error_json(err)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *err.headers(),
+    ]
+    return err.status, headers, body
+
+
+def stream_error_event(err: ProxyError) -> bytes:
+    """An SSE event reporting an error after the stream started, then `[DONE]`."""
+    return b"data: " + error_json(err) + b"\n\ndata: [DONE]\n\n"

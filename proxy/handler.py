@@ -1,0 +1,200 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: route, relay, account.
+
+The request path of DESIGN.md in one place: parse → predict → pick → relay. Until
+the first byte reaches the client, a failing backend is replaced by another (at
+most `upstream.max_attempts`); after it, a failure is reported in the stream in
+OpenAI's shape and the stream ends cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+
+import aiohttp
+
+from predictors.base import NO_PREDICTION
+from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, send_error
+from proxy.errors import (
+    ModelNotFound,
+    NoHealthyBackend,
+    ProxyError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from proxy.relay import Opened, UpstreamFailure, forward_headers
+from proxy.requests import build_context, parse_body
+from proxy.runtime import Runtime
+from proxy.stream import StreamTally, body_usage
+from proxy.types import Endpoint, Outcome, RequestContext
+
+_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_ids = itertools.count()
+_ID_PREFIX = os.urandom(4).hex()
+
+
+async def handle_completion(
+    rt: Runtime, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+) -> None:
+    headers = header_map(scope)
+    server = rt.settings.server
+    try:
+        body = await read_body(headers, receive, server.max_body_bytes)
+        ctx = build_context(
+            parse_body(body), endpoint, headers,
+            request_id=headers.get("x-request-id") or f"lw-{_ID_PREFIX}-{next(_ids)}",
+            max_tokens_limit=server.max_tokens_limit,
+            session_header=server.session_header,
+            block_chars=server.prefix_block_chars,
+        )
+        if not rt.registry.serves(ctx.model):
+            raise ModelNotFound(ctx.model)
+    except ClientGone:
+        return
+    except ProxyError as err:
+        rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
+        await send_error(send, err)
+        return
+    await Exchange(rt, ctx, body, forward_headers(scope["headers"]), send).run(receive)
+
+
+class Exchange:
+    """One routed request, from the first pick to the last byte sent."""
+
+    def __init__(
+        self, rt: Runtime, ctx: RequestContext, body: bytes, headers: dict[str, str], send: Send
+    ) -> None:
+        self.rt, self.ctx, self.body, self.headers, self.send = rt, ctx, body, headers, send
+        self.finished = False  # set before the last send, so a late disconnect is ignored
+        self.client_gone = False
+        self.tally: StreamTally | None = None
+
+    async def run(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(self._watch_disconnect(receive, task))
+        try:
+            await self._route_and_relay()
+        except asyncio.CancelledError:
+            if not self.client_gone:
+                raise
+            task.uncancel()  # we cancelled ourselves because the client left
+        except ProxyError as err:
+            self.rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
+            await send_error(self.send, err)
+        finally:
+            self.finished = True
+            watcher.cancel()
+
+    async def _watch_disconnect(self, receive: Receive, task: asyncio.Task[None]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.finished:
+            self.client_gone = True
+            task.cancel()
+
+    async def _route_and_relay(self) -> None:
+        rt, ctx = self.rt, self.ctx
+        tried: list[str] = []
+        failures: list[UpstreamFailure] = []
+        for _ in range(rt.settings.upstream.max_attempts):
+            view = rt.registry.view(ctx.model, time.monotonic(), exclude=tried)
+            if not view.candidates:
+                break
+            backend = rt.router.pick(ctx, NO_PREDICTION, view).backend
+            tried.append(backend.name)
+            with rt.registry.guard(backend.name):
+                try:
+                    opened = await rt.upstream.open(
+                        backend, _PATHS[ctx.endpoint], self.body, self.headers, ctx.stream)
+                except UpstreamFailure as failure:
+                    failures.append(failure)
+                    rt.upstream_failed(failure, ctx.model)
+                    continue
+                try:
+                    await self._respond(opened)
+                finally:
+                    opened.close()
+                    self._account(opened)
+                return
+        raise _exhausted(ctx, failures, rt.settings.server.retry_after_s)
+
+    async def _respond(self, opened: Opened) -> None:
+        headers = [
+            (b"content-type", opened.content_type),
+            (b"x-laneway-backend", opened.backend.name.encode()),
+            (b"x-request-id", self.ctx.request_id.encode()),
+        ]
+        self.tally = tally = StreamTally(time.monotonic(), opened.head)
+        if opened.complete:
+            headers.append((b"content-length", str(len(opened.head)).encode()))
+            await self.send({"type": "http.response.start", "status": opened.status,
+                             "headers": headers})
+            self.finished = True
+            await self.send({"type": "http.response.body", "body": opened.head})
+            return
+        await self.send({"type": "http.response.start", "status": opened.status,
+                         "headers": headers})
+        await self.send({"type": "http.response.body", "body": opened.head, "more_body": True})
+        try:
+            while chunk := await opened.next_chunk():
+                await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tally.add(chunk, time.monotonic())
+            if not tally.saw_done:
+                raise aiohttp.ClientPayloadError("stream ended without [DONE]")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            await self._fail_mid_stream(opened, exc)
+        self.finished = True
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _fail_mid_stream(self, opened: Opened, exc: BaseException) -> None:
+        assert self.tally is not None
+        kind = "timeout" if isinstance(exc, TimeoutError) else "broken"
+        self.tally.failed = True
+        self.rt.metrics.upstream_errors.labels(opened.backend.name, kind).inc()
+        err = UpstreamError(
+            f"Backend {opened.backend.name} failed mid-stream ({kind}: {exc!s}); "
+            "the response is incomplete.")
+        await self.send({"type": "http.response.body", "body": self.tally.error_event(err),
+                         "more_body": True})
+
+    def _account(self, opened: Opened) -> None:
+        ctx, tally = self.ctx, self.tally
+        now = time.monotonic()
+        if tally is None:  # cancelled before the first byte was sent
+            status, ok, ttft, tokens, prompt_tokens, tpot = 499, False, None, 0, None, None
+        else:
+            status = 499 if self.client_gone else (502 if tally.failed else opened.status)
+            ok = status == 200
+            ttft = tally.first_at - ctx.arrived_at
+            if opened.complete:
+                prompt_tokens, tokens = body_usage(opened.head)
+                tpot = None
+            else:
+                prompt_tokens, tokens = tally.usage()
+                tpot = tally.tpot(tokens)
+        if self.client_gone:
+            self.rt.metrics.disconnects.labels(ctx.model, opened.backend.name).inc()
+        outcome = Outcome(
+            request_id=ctx.request_id, model=ctx.model, backend=opened.backend.name,
+            policy=self.rt.router.policy_name, status=status, ok=ok,
+            started_at=ctx.arrived_at, ttft_s=ttft, e2e_s=now - ctx.arrived_at,
+            completion_tokens=tokens, prompt_tokens=prompt_tokens, tpot_s=tpot,
+        )
+        self.rt.metrics.observe(outcome)
+        self.rt.router.observe(outcome)
+
+
+def _exhausted(
+    ctx: RequestContext, failures: list[UpstreamFailure], retry_after_s: int
+) -> ProxyError:
+    if not failures:
+        return NoHealthyBackend(
+            f"No healthy backend serves model `{ctx.model}` right now.",
+            retry_after_s=retry_after_s)
+    tried = "; ".join(f"{f.backend.name}: {f.kind} {f.detail[:200]}" for f in failures)
+    if all(f.kind == "timeout" for f in failures):
+        return UpstreamTimeout(f"Every backend tried timed out ({tried}).")
+    return UpstreamError(f"Every backend tried failed ({tried}).")

@@ -1,0 +1,119 @@
+"""The proxy's Prometheus metrics, on a registry of its own (no module globals).
+
+Per-request observations go through cached label children so the hot path pays a
+dict lookup, not prometheus_client's label resolution. Gauges of backend state are
+read at scrape time by a collector instead of being updated per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy.registry import Registry
+from proxy.types import Outcome
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
+_DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2)
+
+
+class Metrics:
+    def __init__(self, registry: Registry) -> None:
+        # `_created` series double the output and nobody reads them.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "laneway_requests", "Requests finished, by outcome",
+            ["model", "backend", "policy", "status"], registry=r)
+        self.ttft = Histogram(
+            "laneway_ttft_seconds", "Time to first token seen by the proxy",
+            ["model", "backend", "policy"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "laneway_tpot_seconds", "Mean time per output token of a stream",
+            ["model", "backend", "policy"], buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "laneway_e2e_seconds", "End-to-end request latency",
+            ["model", "backend", "policy"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.decision = Histogram(
+            "laneway_routing_decision_seconds", "Time spent in a policy's pick",
+            ["policy"], buckets=_DECISION_BUCKETS, registry=r)
+        self.retries = Counter(
+            "laneway_retries", "Attempts moved to another backend before the first byte",
+            ["model", "backend", "reason"], registry=r)
+        self.upstream_errors = Counter(
+            "laneway_upstream_errors", "Backend failures seen by the relay",
+            ["backend", "kind"], registry=r)
+        self.error_responses = Counter(
+            "laneway_error_responses", "Error responses the proxy made itself",
+            ["status", "code"], registry=r)
+        self.disconnects = Counter(
+            "laneway_client_disconnects", "Clients that went away mid-request",
+            ["model", "backend"], registry=r)
+        r.register(_BackendCollector(registry))
+        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
+
+    def observe(self, outcome: Outcome) -> None:
+        key = (outcome.model, outcome.backend, outcome.policy)
+        children = self._children.get(key)
+        if children is None:
+            children = (self.ttft.labels(*key), self.tpot.labels(*key), self.e2e.labels(*key))
+            self._children[key] = children
+        ttft, tpot, e2e = children
+        self.requests.labels(*key, str(outcome.status)).inc()
+        if outcome.ok:
+            if outcome.ttft_s is not None:
+                ttft.observe(outcome.ttft_s)
+            if outcome.tpot_s is not None:
+                tpot.observe(outcome.tpot_s)
+            e2e.observe(outcome.e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _BackendCollector(Collector):
+    """Backend gauges read from the registry at scrape time."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            "inflight": GaugeMetricFamily(
+                "laneway_backend_inflight", "Requests open on the backend via this proxy",
+                labels=["backend", "model"]),
+            "healthy": GaugeMetricFamily(
+                "laneway_backend_healthy", "1 if the backend is routable",
+                labels=["backend", "model"]),
+            "running": GaugeMetricFamily(
+                "laneway_backend_running", "vllm:num_requests_running at the last scrape",
+                labels=["backend", "model"]),
+            "waiting": GaugeMetricFamily(
+                "laneway_backend_waiting", "vllm:num_requests_waiting at the last scrape",
+                labels=["backend", "model"]),
+            "kv": GaugeMetricFamily(
+                "laneway_backend_kv_usage", "KV-cache usage fraction at the last scrape",
+                labels=["backend", "model"]),
+        }
+        for backend in self._registry.all():
+            labels = [backend.name, backend.model]
+            stats = self._registry.stats.get(backend.name)
+            families["inflight"].add_metric(labels, self._registry.inflight.get(backend.name, 0))
+            families["healthy"].add_metric(labels, 1.0 if stats and stats.healthy else 0.0)
+            if stats is not None:
+                families["running"].add_metric(labels, stats.running)
+                families["waiting"].add_metric(labels, stats.waiting)
+                families["kv"].add_metric(labels, stats.kv_usage)
+        yield from families.values()

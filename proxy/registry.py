@@ -1,0 +1,96 @@
+"""The set of backends, their latest stats snapshot and exact in-flight counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
+
+from proxy.types import Backend, BackendStats, ClusterView
+
+
+class Registry:
+    """Backends by name and model.
+
+    `stats` is replaced wholesale by `publish` (the poller's snapshot), so readers
+    may hold on to it. The healthy candidates per model are derived once per
+    snapshot, not once per request.
+    """
+
+    def __init__(self, backends: Iterable[Backend]) -> None:
+        self._backends: dict[str, Backend] = {}
+        self._inflight: dict[str, int] = {}
+        self.inflight: Mapping[str, int] = MappingProxyType(self._inflight)
+        self.stats: Mapping[str, BackendStats] = MappingProxyType({})
+        self._draining: set[str] = set()
+        self._healthy_by_model: dict[str, tuple[Backend, ...]] = {}
+        for backend in backends:
+            self.add(backend)
+
+    # -- membership -------------------------------------------------------------
+    def add(self, backend: Backend) -> None:
+        if backend.name in self._backends:
+            raise ValueError(f"backend {backend.name!r} already registered")
+        self._backends[backend.name] = backend
+        self._inflight.setdefault(backend.name, 0)
+        self._rederive()
+
+    def remove(self, name: str) -> Backend:
+        backend = self._backends.pop(name)
+        self._draining.discard(name)
+        self._rederive()
+        return backend
+
+    def drain(self, name: str) -> None:
+        """Stop routing new requests to `name`; open ones finish where they are."""
+        if name not in self._backends:
+            raise KeyError(name)
+        self._draining.add(name)
+        self._rederive()
+
+    def all(self) -> tuple[Backend, ...]:
+        return tuple(self._backends.values())
+
+    def get(self, name: str) -> Backend | None:
+        return self._backends.get(name)
+
+    def serves(self, model: str) -> bool:
+        """Whether any configured backend (healthy or not) serves `model`."""
+        return any(b.model == model for b in self._backends.values())
+
+    def healthy_models(self) -> list[str]:
+        return sorted(m for m, backends in self._healthy_by_model.items() if backends)
+
+    # -- load signals ----------------------------------------------------------
+    def publish(self, stats: Mapping[str, BackendStats]) -> None:
+        self.stats = MappingProxyType(dict(stats))
+        self._rederive()
+
+    def is_healthy(self, name: str) -> bool:
+        stats = self.stats.get(name)
+        return stats is not None and stats.healthy
+
+    def view(self, model: str, now: float, exclude: Iterable[str] = ()) -> ClusterView:
+        candidates = self._healthy_by_model.get(model, ())
+        if exclude:
+            excluded = set(exclude)
+            candidates = tuple(b for b in candidates if b.name not in excluded)
+        return ClusterView(candidates, self.stats, self.inflight, now)
+
+    @contextmanager
+    def guard(self, name: str) -> Iterator[None]:
+        """Count one open request on `name` for the lifetime of the block."""
+        self._inflight[name] = self._inflight.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._inflight[name] -= 1
+
+    def _rederive(self) -> None:
+        by_model: dict[str, list[Backend]] = {}
+        for backend in self._backends.values():
+            usable = self.is_healthy(backend.name) and backend.name not in self._draining
+            bucket = by_model.setdefault(backend.model, [])
+            if usable:
+                bucket.append(backend)
+        self._healthy_by_model = {m: tuple(bs) for m, bs in by_model.items()}

@@ -1,0 +1,158 @@
+"""Turn a request body into a validated `RequestContext`, or an `InvalidRequest`.
+
+The proxy checks only what it reads itself (model, prompt, stream, max_tokens,
+session, SLO); every other field goes to the backend untouched, in the original
+bytes, so the backend stays the judge of its own parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from proxy.errors import InvalidRequest
+from proxy.types import Endpoint, RequestContext
+
+SLO_HEADER = "x-laneway-slo-ms"
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise InvalidRequest("Request body is empty; expected a JSON object.")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("Request body must be a JSON object.")
+    return data
+
+
+def build_context(
+    data: dict[str, Any],
+    endpoint: Endpoint,
+    headers: Mapping[str, str],
+    *,
+    request_id: str,
+    max_tokens_limit: int,
+    session_header: str,
+    block_chars: int,
+) -> RequestContext:
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("`model` is required and must be a non-empty string.", param="model")
+    prompt_text = _chat_prompt(data) if endpoint == "chat" else _completion_prompt(data)
+    stream = data.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest("`stream` must be a boolean.", param="stream")
+    return RequestContext(
+        request_id=request_id,
+        endpoint=endpoint,
+        model=model,
+        prompt_text=prompt_text,
+        prompt_blocks=prefix_blocks(prompt_text, block_chars),
+        stream=bool(stream),
+        max_tokens=_max_tokens(data, endpoint, max_tokens_limit),
+        session=headers.get(session_header) or _optional_str(data, "user"),
+        slo_ms=_slo_ms(headers),
+        arrived_at=time.monotonic(),
+    )
+
+
+def prefix_blocks(text: str, block_chars: int) -> tuple[bytes, ...]:
+    """Cumulative digests: blocks[i] identifies the first (i+1)*block_chars characters.
+
+    A stable hash (not Python's per-process `hash`) so replicas agree on block ids.
+    """
+    hasher = hashlib.blake2b(digest_size=8)
+    blocks = []
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        hasher.update(text[start : start + block_chars].encode())
+        blocks.append(hasher.digest())
+    return tuple(blocks)
+
+
+def _chat_prompt(data: dict[str, Any]) -> str:
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest(
+            "`messages` is required and must be a non-empty array.", param="messages")
+    parts: list[str] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                f"`messages[{i}]` must be an object with a string `role`.",
+                param=f"messages[{i}]")
+        parts.append(f"{message['role']}: {_content_text(message.get('content'), i)}")
+    return "\n".join(parts)
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        return "".join(t for t in texts if isinstance(t, str))
+    raise InvalidRequest(
+        f"`messages[{index}].content` must be a string or an array of content parts.",
+        param=f"messages[{index}].content")
+
+
+def _completion_prompt(data: dict[str, Any]) -> str:
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return "\n".join(prompt)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return " ".join(map(str, prompt))  # token ids: hashed as text for prefixes
+        if all(isinstance(p, list) for p in prompt):
+            return "\n".join(" ".join(map(str, p)) for p in prompt)
+    raise InvalidRequest(
+        "`prompt` is required: a string, an array of strings, or an array of token ids.",
+        param="prompt")
+
+
+def _max_tokens(data: dict[str, Any], endpoint: Endpoint, limit: int) -> int | None:
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidRequest(f"`{key}` must be an integer.", param=key)
+        # 0 is legal on /v1/completions (echo + prompt logprobs); never on chat.
+        lowest = 0 if endpoint == "completions" else 1
+        if value < lowest:
+            raise InvalidRequest(f"`{key}` must be at least {lowest}, got {value}.", param=key)
+        if value > limit:
+            raise InvalidRequest(
+                f"`{key}` is {value}, above this server's limit of {limit}.", param=key)
+        return value
+    return None
+
+
+def _optional_str(data: dict[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"`{key}` must be a string.", param=key)
+    return value
+
+
+def _slo_ms(headers: Mapping[str, str]) -> float | None:
+    raw = headers.get(SLO_HEADER)
+    if raw is None:
+        return None
+    try:
+        slo = float(raw)
+    except ValueError:
+        slo = -1.0
+    if not slo > 0 or slo == float("inf"):
+        raise InvalidRequest(f"Header `{SLO_HEADER}` must be a positive number of ms.")
+    return slo

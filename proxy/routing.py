@@ -1,0 +1,34 @@
+"""Run the configured policy: time every decision and explain it in the log."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from policies.base import Policy
+from predictors.base import Prediction
+from proxy.metrics import Metrics
+from proxy.types import ClusterView, Decision, Outcome, RequestContext
+
+log = logging.getLogger("laneway.routing")
+
+
+class Router:
+    def __init__(self, policy: Policy, metrics: Metrics, *, log_decisions: bool) -> None:
+        self.policy = policy
+        self.policy_name = policy.name
+        self._timer = metrics.decision.labels(policy.name)
+        self._log_level = logging.INFO if log_decisions else logging.DEBUG
+
+    def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
+        started = time.perf_counter()
+        decision = self.policy.pick(ctx, pred, view)
+        self._timer.observe(time.perf_counter() - started)
+        if log.isEnabledFor(self._log_level):
+            log.log(self._log_level, "request %s model=%s -> %s (%s; %d candidates)",
+                    ctx.request_id, ctx.model, decision.backend.name, decision.reason,
+                    len(view.candidates))
+        return decision
+
+    def observe(self, outcome: Outcome) -> None:
+        self.policy.observe(outcome)

@@ -1,0 +1,81 @@
+"""Cheap accounting of a relayed SSE stream, without decoding its JSON.
+
+One vLLM stream event is one `data: ` line and, for n=1, carries one token; the
+usage numbers are read from the tail when the client asked for them.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from proxy.errors import ProxyError, stream_error_event
+
+_EVENT = b"data: "
+_DONE = b"data: [DONE]"
+_TAIL_BYTES = 1024  # holds the usage event + [DONE] however the chunks split them
+
+
+class StreamTally:
+    __slots__ = ("events", "failed", "first_at", "last_at", "tail")
+
+    def __init__(self, first_at: float, head: bytes) -> None:
+        self.first_at = first_at
+        self.last_at = first_at
+        self.events = head.count(_EVENT)
+        self.tail = head[-_TAIL_BYTES:]
+        self.failed = False
+
+    def add(self, chunk: bytes, now: float) -> None:
+        self.events += chunk.count(_EVENT)
+        self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
+        self.last_at = now
+
+    @property
+    def saw_done(self) -> bool:
+        return self.tail.rstrip().endswith(_DONE)
+
+    def usage(self) -> tuple[int | None, int]:
+        """(prompt_tokens, completion_tokens): exact if usage was streamed, else estimated."""
+        prompt = _int_after(self.tail, b'"prompt_tokens":')
+        completion = _int_after(self.tail, b'"completion_tokens":')
+        if completion is not None:
+            return prompt, completion
+        # role chunk + finish chunk + [DONE] carry no token of their own
+        return prompt, max(0, self.events - 3)
+
+    def tpot(self, tokens: int) -> float | None:
+        if tokens < 2:
+            return None
+        return (self.last_at - self.first_at) / (tokens - 1)
+
+    def error_event(self, err: ProxyError) -> bytes:
+        # Close a half-written event first so the error parses as its own event.
+        sep = b"" if self.tail.endswith(b"\n\n") else b"\n\n"
+        return sep + stream_error_event(err)
+
+
+def body_usage(body: bytes) -> tuple[int | None, int]:
+    """(prompt_tokens, completion_tokens) of a non-streamed response body."""
+    try:
+        usage = orjson.loads(body).get("usage") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return None, 0
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    return (
+        prompt if isinstance(prompt, int) else None,
+        completion if isinstance(completion, int) else 0,
+    )
+
+
+def _int_after(buf: bytes, key: bytes) -> int | None:
+    at = buf.rfind(key)
+    if at < 0:
+        return None
+    start = at + len(key)
+    while start < len(buf) and buf[start : start + 1] == b" ":
+        start += 1
+    end = start
+    while end < len(buf) and buf[end : end + 1].isdigit():
+        end += 1
+    return int(buf[start:end]) if end > start else None

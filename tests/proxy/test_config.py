@@ -1,0 +1,90 @@
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, load_settings
+
+GOOD = """
+server: {host: 0.0.0.0, port: 9000}
+backends:
+  - {name: a, url: "http://10.0.0.1:8000", model: llama, labels: {gpu: a100}}
+  - {name: b, url: "http://10.0.0.2:8000/", model: llama}
+policy: {name: least_request, params: {}}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "laneway.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_loads_documented_shape(tmp_path: Path) -> None:
+    settings = load_settings(write(tmp_path, GOOD))
+    assert settings.server.port == 9000
+    assert [b.name for b in settings.backends] == ["a", "b"]
+    assert settings.backends[0].labels == {"gpu": "a100"}
+    assert settings.policy.name == "least_request"
+
+
+def test_env_overrides_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_SERVER__PORT", "9100")
+    monkeypatch.setenv("LANEWAY_POLICY__NAME", "round_robin")
+    settings = load_settings(write(tmp_path, GOOD))
+    assert settings.server.port == 9100
+    assert settings.policy.name == "round_robin"
+    assert settings.server.host == "0.0.0.0"  # untouched keys keep the YAML value
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("server: {port: 9000, prot: 1}", "server.prot"),
+        ("server: {port: -1}", "server.port"),
+        ("backends: [{name: a, url: 'not a url', model: m}]", "backends.0.url"),
+        ("backends: [{name: a, url: 'http://x:1', model: m, colour: red}]", "backends.0.colour"),
+        ("backends: [{name: a, url: 'http://x:1'}]", "backends.0.model"),
+        ("polcy: {name: random}", "polcy"),
+        ("policy: {name: nope}", "policy.name"),
+        ("policy: {name: round_robin, params: {bogus: 1}}", "policy.params.bogus"),
+        ("upstream: {max_attempts: 0}", "upstream.max_attempts"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, text))
+    assert key in str(info.value)
+
+
+def test_duplicate_backend_names_rejected(tmp_path: Path) -> None:
+    text = ("backends: [{name: a, url: 'http://x:1', model: m},"
+            " {name: a, url: 'http://y:1', model: m}]")
+    with pytest.raises(ConfigError, match="duplicate backend names: a"):
+        load_settings(write(tmp_path, text))
+
+
+def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_settings(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(write(tmp_path, "server: {port: [1,\n"))
+
+
+def test_example_config_documents_every_option() -> None:
+    """deploy/laneway.example.yaml loads and names every option of every section."""
+    import yaml
+    from pydantic import BaseModel
+
+    from proxy.config import Settings
+
+    example = Path(__file__).resolve().parents[2] / "deploy" / "laneway.example.yaml"
+    load_settings(example)
+    written = yaml.safe_load(example.read_text())
+    for section, info in Settings.model_fields.items():
+        assert section in written, f"section {section} undocumented"
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            missing = set(annotation.model_fields) - set(written[section])
+            assert not missing, f"{section}: undocumented options {sorted(missing)}"

@@ -1,0 +1,52 @@
+import pytest
+
+from proxy.registry import Registry
+from proxy.types import Backend, BackendStats
+
+UP = BackendStats(healthy=True)
+
+
+def make() -> Registry:
+    return Registry([Backend("a", "http://a", "m1"), Backend("b", "http://b", "m1"),
+                     Backend("c", "http://c", "m2")])
+
+
+def test_candidates_follow_health_and_draining() -> None:
+    reg = make()
+    assert reg.view("m1", 0.0).candidates == ()  # unknown health = not routable
+    reg.publish({"a": UP, "b": UP, "c": BackendStats(healthy=False)})
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["a", "b"]
+    assert reg.healthy_models() == ["m1"]
+    assert [b.name for b in reg.view("m1", 0.0, exclude=["a"]).candidates] == ["b"]
+    reg.drain("b")
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["a"]
+    assert reg.serves("m2") and not reg.serves("m3")
+
+
+def test_guard_counts_and_never_leaks() -> None:
+    reg = make()
+    with reg.guard("a"), reg.guard("a"):
+        assert reg.inflight["a"] == 2
+    with pytest.raises(RuntimeError), reg.guard("a"):
+        raise RuntimeError("boom")
+    assert reg.inflight["a"] == 0
+
+
+def test_snapshots_are_replaced_not_mutated() -> None:
+    reg = make()
+    reg.publish({"a": UP})
+    old = reg.stats
+    reg.publish({"a": BackendStats(healthy=True, running=3)})
+    assert old["a"].running == 0 and reg.stats["a"].running == 3
+    with pytest.raises(TypeError):
+        reg.stats["a"] = UP  # type: ignore[index]
+
+
+def test_add_remove() -> None:
+    reg = make()
+    reg.publish({"a": UP, "b": UP})
+    reg.add(Backend("d", "http://d", "m1"))
+    with pytest.raises(ValueError, match="already"):
+        reg.add(Backend("d", "http://d", "m1"))
+    reg.remove("a")
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["b"]

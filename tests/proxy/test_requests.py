@@ -1,0 +1,102 @@
+import orjson
+import pytest
+
+from proxy.errors import InvalidRequest
+from proxy.requests import build_context, parse_body, prefix_blocks
+from proxy.types import Endpoint
+
+LIMIT = 4096
+
+
+def ctx_of(body: dict[str, object], endpoint: Endpoint = "chat",
+           headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    return build_context(
+        parse_body(orjson.dumps(body)), endpoint, headers or {},
+        request_id="r1", max_tokens_limit=LIMIT, session_header="x-session-id", block_chars=8,
+    )
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there, friend"}]}
+
+
+def test_chat_context() -> None:
+    ctx = ctx_of({**CHAT, "stream": True, "max_tokens": 7, "user": "u1"})
+    assert ctx.model == "m" and ctx.stream and ctx.max_tokens == 7
+    assert ctx.prompt_text == "user: hello there, friend"
+    assert ctx.session == "u1"
+    assert len(ctx.prompt_blocks) == len(ctx.prompt_text) // 8
+
+
+def test_session_header_wins_over_user_and_slo_header() -> None:
+    ctx = ctx_of({**CHAT, "user": "u1"}, headers={"x-session-id": "s9", "x-laneway-slo-ms": "250"})
+    assert ctx.session == "s9"
+    assert ctx.slo_ms == 250.0
+
+
+def test_content_parts_are_text() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
+             {"type": "text", "text": "b"}]
+    ctx = ctx_of({"model": "m", "messages": [{"role": "user", "content": parts}]})
+    assert ctx.prompt_text == "user: ab"
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_completion_prompts(prompt: object) -> None:
+    assert ctx_of({"model": "m", "prompt": prompt}, "completions").prompt_text
+
+
+def test_zero_max_tokens_only_on_completions() -> None:
+    assert ctx_of({"model": "m", "prompt": "x", "max_tokens": 0}, "completions").max_tokens == 0
+    with pytest.raises(InvalidRequest, match="at least 1"):
+        ctx_of({**CHAT, "max_tokens": 0})
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": CHAT["messages"]}, "model"),
+        ({"model": 3, "messages": CHAT["messages"]}, "model"),
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": ["hi"]}, "messages[0]"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({**CHAT, "max_tokens": -1}, "max_tokens"),
+        ({**CHAT, "max_tokens": LIMIT + 1}, "max_tokens"),
+        ({**CHAT, "max_tokens": "10"}, "max_tokens"),
+        ({**CHAT, "max_tokens": True}, "max_tokens"),
+        ({**CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "user": 7}, "user"),
+    ],
+)
+def test_invalid_fields_name_the_param(body: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        ctx_of(body)
+    assert info.value.param == param
+
+
+def test_completion_without_prompt() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        ctx_of({"model": "m", "prompt": [1, "a"]}, "completions")
+    assert info.value.param == "prompt"
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1,2]", b'"s"', b"\xff\xfe"])
+def test_bad_bodies(raw: bytes) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_body(raw)
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan"])
+def test_bad_slo_header(value: str) -> None:
+    with pytest.raises(InvalidRequest, match="x-laneway-slo-ms"):
+        ctx_of(CHAT, headers={"x-laneway-slo-ms": value})
+
+
+def test_prefix_blocks_share_prefixes() -> None:
+    a = prefix_blocks("A" * 32 + "tail one", 8)
+    b = prefix_blocks("A" * 32 + "tail two", 8)
+    c = prefix_blocks("B" + "A" * 31 + "tail one", 8)
+    assert a[:4] == b[:4] and a[4] != b[4]
+    assert not set(a) & set(c)  # cumulative: a different first block changes every id
+    assert prefix_blocks("short", 8) == ()

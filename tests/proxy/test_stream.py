@@ -1,0 +1,48 @@
+from proxy.errors import UpstreamError
+from proxy.stream import StreamTally, body_usage
+
+ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+
+
+def token(i: int) -> bytes:
+    return b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i
+
+
+USAGE = (b'data: {"choices":[],"usage":{"prompt_tokens":12,"total_tokens":17,'
+         b'"completion_tokens":5}}\n\n')
+DONE = b"data: [DONE]\n\n"
+
+
+def test_usage_read_from_tail_even_when_split() -> None:
+    tally = StreamTally(0.0, ROLE + token(0))
+    for i in range(1, 5):
+        tally.add(token(i), float(i))
+    tally.add(USAGE[:40], 5.0)
+    tally.add(USAGE[40:] + DONE[:6], 5.0)
+    tally.add(DONE[6:], 5.0)
+    assert tally.saw_done
+    assert tally.usage() == (12, 5)
+    assert tally.tpot(5) == 5.0 / 4
+
+
+def test_estimate_without_usage_and_missing_done() -> None:
+    tally = StreamTally(0.0, ROLE)
+    for i in range(10):
+        tally.add(token(i), 1.0)
+    assert not tally.saw_done
+    tally.add(b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n' + DONE, 2.0)
+    assert tally.saw_done
+    assert tally.usage() == (None, 10)
+
+
+def test_error_event_closes_half_event() -> None:
+    tally = StreamTally(0.0, b'data: {"choi')
+    event = tally.error_event(UpstreamError("gone"))
+    assert event.startswith(b"\n\ndata: {\"error\"")
+    assert event.endswith(b"data: [DONE]\n\n")
+
+
+def test_body_usage() -> None:
+    assert body_usage(b'{"usage":{"prompt_tokens":3,"completion_tokens":4}}') == (3, 4)
+    assert body_usage(b"not json") == (None, 0)
+    assert body_usage(b"[]") == (None, 0)
