@@ -32,7 +32,9 @@ class Policy(Protocol):
         ...
 
     def observe(self, outcome: Outcome) -> None:
-        """Optional feedback once a routed request finishes."""
+        """Feedback on a pick: called exactly once per `pick`, also for an attempt
+        that failed (then `outcome.ok` is False) so a policy can release what it
+        reserved. May be a no-op."""
         ...
 
 

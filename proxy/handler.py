@@ -70,6 +70,7 @@ class Exchange:
         self.finished = False  # set before the last send, so a late disconnect is ignored
         self.client_gone = False
         self.tally: StreamTally | None = None
+        self.backend_name = "-"  # the backend being tried, for metrics
 
     async def run(self, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -81,6 +82,7 @@ class Exchange:
             if not self.client_gone:
                 raise
             task.uncancel()  # we cancelled ourselves because the client left
+            self.rt.metrics.disconnects.labels(self.ctx.model, self.backend_name).inc()
         except ProxyError as err:
             self.rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
             await send_error(self.send, err)
@@ -105,6 +107,7 @@ class Exchange:
                 break
             backend = rt.router.pick(ctx, NO_PREDICTION, view).backend
             tried.append(backend.name)
+            self.backend_name = backend.name
             with rt.registry.guard(backend.name):
                 try:
                     opened = await rt.upstream.open(
@@ -112,7 +115,11 @@ class Exchange:
                 except UpstreamFailure as failure:
                     failures.append(failure)
                     rt.upstream_failed(failure, ctx.model)
+                    self._observe_attempt(backend.name, 504 if failure.kind == "timeout" else 502)
                     continue
+                except asyncio.CancelledError:
+                    self._observe_attempt(backend.name, 499)
+                    raise
                 try:
                     await self._respond(opened)
                 finally:
@@ -120,6 +127,15 @@ class Exchange:
                     self._account(opened)
                 return
         raise _exhausted(ctx, failures, rt.settings.server.retry_after_s)
+
+    def _observe_attempt(self, backend: str, status: int) -> None:
+        """Tell the policy that its pick did not get a response (see Policy.observe)."""
+        ctx = self.ctx
+        self.rt.router.observe(Outcome(
+            request_id=ctx.request_id, model=ctx.model, backend=backend,
+            policy=self.rt.router.policy_name, status=status, ok=False,
+            started_at=ctx.arrived_at, ttft_s=None, e2e_s=time.monotonic() - ctx.arrived_at,
+            completion_tokens=0))
 
     async def _respond(self, opened: Opened) -> None:
         headers = [
@@ -175,8 +191,6 @@ class Exchange:
             else:
                 prompt_tokens, tokens = tally.usage()
                 tpot = tally.tpot(tokens)
-        if self.client_gone:
-            self.rt.metrics.disconnects.labels(ctx.model, opened.backend.name).inc()
         outcome = Outcome(
             request_id=ctx.request_id, model=ctx.model, backend=opened.backend.name,
             policy=self.rt.router.policy_name, status=status, ok=ok,

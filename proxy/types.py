@@ -21,7 +21,9 @@ class Backend:
     name: str
     url: str
     model: str
-    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    labels: Mapping[str, str] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False, hash=False
+    )
 
 
 @dataclass(frozen=True, slots=True)
