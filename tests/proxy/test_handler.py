@@ -1,0 +1,205 @@
+"""The request path against in-process fake vLLM servers: relay, failover, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from bench.fake_vllm import FakeConfig, RunningFake, serve_fake
+from proxy.config import Settings
+from proxy.server import RunningProxy, serve_in_loop
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@contextlib.asynccontextmanager
+async def fleet(*configs: FakeConfig, **sections: Any
+                ) -> AsyncIterator[tuple[RunningProxy, list[RunningFake]]]:
+    async with contextlib.AsyncExitStack() as stack:
+        fakes = [await stack.enter_async_context(serve_fake(c)) for c in configs]
+        backends = [{"name": f"f{i}", "url": f.url, "model": f.app.config.model}
+                    for i, f in enumerate(fakes)]
+        settings = Settings(
+            server={"port": 0, **sections.pop("server", {})},  # type: ignore[arg-type]
+            backends=backends + sections.pop("extra_backends", []),  # type: ignore[arg-type]
+            policy=sections.pop("policy", {"name": "round_robin"}),  # type: ignore[arg-type]
+            **sections,
+        )
+        proxy = await stack.enter_async_context(serve_in_loop(settings))
+        yield proxy, fakes
+
+
+async def post(proxy: RunningProxy, body: Any, path: str = "/v1/chat/completions",
+               **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
+        content = body if isinstance(body, bytes) else orjson.dumps(body)
+        return await http.post(path, content=content, **kw)
+
+
+def events(text: str) -> list[str]:
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def test_stream_is_relayed_unchanged() -> None:
+    async with fleet(FakeConfig(tpot_s=0.001)) as (proxy, fakes):
+        body = {**CHAT, "stream": True, "max_tokens": 20,
+                "stream_options": {"include_usage": True}}
+        via_proxy = await post(proxy, body)
+        async with httpx.AsyncClient() as http:
+            direct = await http.post(f"{fakes[0].url}/v1/chat/completions", json=body)
+    assert via_proxy.status_code == 200
+    assert via_proxy.headers["x-laneway-backend"] == "f0"
+    assert via_proxy.headers["content-type"] == "text/event-stream"
+    assert events(via_proxy.text) == events(direct.text)
+    assert events(via_proxy.text)[-1] == "[DONE]"
+
+
+async def test_every_field_reaches_the_backend_untouched() -> None:
+    odd = {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+           "response_format": {"type": "json_object"}, "logprobs": True,
+           "ignore_eos": True, "x_vendor": {"nested": [1, 2.5, None]}}
+    async with fleet(FakeConfig()) as (proxy, fakes):
+        response = await post(proxy, odd)
+    assert response.status_code == 200
+    assert fakes[0].app.stats.bodies == [odd]
+
+
+async def test_non_stream_and_completions() -> None:
+    async with fleet(FakeConfig()) as (proxy, _):
+        chat = await post(proxy, {**CHAT, "max_tokens": 3})
+        completion = await post(proxy, {"model": "fake", "prompt": "x", "max_tokens": 2},
+                                "/v1/completions")
+    assert chat.json()["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
+    assert completion.json()["choices"][0]["text"] == "tok0 tok1 "
+    assert chat.headers["content-length"] == str(len(chat.content))
+
+
+async def test_5xx_fails_over_before_first_byte() -> None:
+    async with fleet(FakeConfig(fail_status=503), FakeConfig()) as (proxy, fakes):
+        responses = [await post(proxy, {**CHAT, "stream": True}) for _ in range(4)]
+        metrics = (await httpx.AsyncClient().get(f"{proxy.url}/metrics")).text
+    assert all(r.status_code == 200 for r in responses)
+    assert {r.headers["x-laneway-backend"] for r in responses} == {"f1"}
+    assert 'laneway_retries_total{backend="f0",model="fake",reason="status"}' in metrics
+
+
+async def test_unreachable_backend_fails_over_and_is_marked_down() -> None:
+    dead = [{"name": "dead", "url": "http://127.0.0.1:9", "model": "fake"}]
+    # Slow poller: the dead backend is found by the relay, not by a scrape.
+    async with fleet(FakeConfig(), extra_backends=dead,
+                     poller={"interval_s": 30}) as (proxy, _):
+        proxy.app.runtime.registry.publish(  # type: ignore[union-attr]
+            {**proxy.app.runtime.registry.stats,  # type: ignore[union-attr]
+             "dead": proxy.app.runtime.registry.stats["f0"]})  # type: ignore[union-attr]
+        responses = [await post(proxy, CHAT) for _ in range(4)]
+        health = (await httpx.AsyncClient().get(f"{proxy.url}/health")).json()
+    assert [r.status_code for r in responses] == [200] * 4
+    assert health["backends"]["dead"]["healthy"] is False
+    assert health["status"] == "degraded"
+
+
+async def test_attempts_are_bounded_and_error_is_openai_shaped() -> None:
+    failing = [FakeConfig(fail_status=500)] * 3
+    async with fleet(*failing, upstream={"max_attempts": 2}) as (proxy, fakes):
+        response = await post(proxy, CHAT)
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "upstream_failed" and "HTTP 500" in error["message"]
+    assert sum(f.app.stats.requests for f in fakes) == 2
+
+
+async def test_backend_4xx_is_relayed_not_retried() -> None:
+    async with fleet(FakeConfig(fail_status=400), FakeConfig()) as (proxy, fakes):
+        response = await post(proxy, CHAT)
+    assert response.status_code == 400
+    assert response.json() == {"error": {"message": "injected failure"}}
+    assert fakes[1].app.stats.requests == 0
+
+
+async def test_mid_stream_death_ends_with_error_event() -> None:
+    async with fleet(FakeConfig(die_after_tokens=3)) as (proxy, _):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 10})
+    data = events(response.text)
+    assert response.status_code == 200
+    assert sum('"content":"tok' in e for e in data) == 3
+    assert orjson.loads(data[-2])["error"]["type"] == "upstream_error"
+    assert data[-1] == "[DONE]"
+
+
+async def test_stalled_stream_times_out_in_stream() -> None:
+    async with fleet(FakeConfig(tpot_s=5.0), upstream={"read_timeout_s": 0.3}) as (proxy, _):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 5})
+    data = events(response.text)
+    assert "timeout" in orjson.loads(data[-2])["error"]["message"]
+
+
+async def test_hanging_backend_times_out_then_fails_over() -> None:
+    async with fleet(FakeConfig(hang=True), FakeConfig(),
+                     upstream={"first_byte_timeout_s": 0.3}) as (proxy, _):
+        response = await post(proxy, {**CHAT, "stream": True})
+    assert response.status_code == 200 and response.headers["x-laneway-backend"] == "f1"
+
+
+async def test_only_hanging_backends_give_504() -> None:
+    async with fleet(FakeConfig(hang=True), upstream={"first_byte_timeout_s": 0.2}) as (proxy, _):
+        response = await post(proxy, CHAT)
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "upstream_timeout"
+
+
+async def test_client_disconnect_cancels_upstream() -> None:
+    async with fleet(FakeConfig(tpot_s=0.02)) as (proxy, fakes):
+        stats = fakes[0].app.stats
+        async with httpx.AsyncClient(base_url=proxy.url) as http, http.stream(
+                "POST", "/v1/completions",
+                json={"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}
+        ) as response:
+            async for _ in response.aiter_lines():
+                if stats.running:
+                    break
+        for _ in range(100):
+            if stats.running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert stats.running == 0 and stats.cancelled == 1 and stats.finished == 0
+        assert proxy.app.runtime.registry.inflight["f0"] == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code"),
+    [
+        ("POST", "/v1/chat/completions", b"{bad", 400, None),
+        ("POST", "/v1/chat/completions", orjson.dumps({**CHAT, "model": "other"}), 404,
+         "model_not_found"),
+        ("GET", "/v1/chat/completions", b"", 405, "method_not_allowed"),
+        ("POST", "/v1/embeddings", b"{}", 404, "not_found"),
+        ("POST", "/v1/completions", b'{"model": "fake", "prompt": "' + b"x" * 3000 + b'"}',
+         413, "request_too_large"),
+    ],
+)
+async def test_proxy_errors(method: str, path: str, body: bytes, status: int,
+                            code: str | None) -> None:
+    async with fleet(FakeConfig(), server={"max_body_bytes": 2048}) as (proxy, fakes):
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            response = await http.request(method, path, content=body)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert response.json()["error"]["code"] == code
+    assert fakes[0].app.stats.requests == 0
+
+
+async def test_models_and_no_healthy_backend() -> None:
+    ghost = [{"name": "ghost", "url": "http://127.0.0.1:9", "model": "ghost-model"}]
+    async with fleet(FakeConfig(), extra_backends=ghost) as (proxy, _):
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            models = (await http.get("/v1/models")).json()
+            response = await http.post("/v1/chat/completions",
+                                       json={**CHAT, "model": "ghost-model"})
+    assert [m["id"] for m in models["data"]] == ["fake"]
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
