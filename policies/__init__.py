@@ -1,15 +1,13 @@
 """Routing policies: one module each, registered by name in `POLICIES`."""
 
-from policies import (  # noqa: F401  (import registers each policy)
-    least_request,
-    lowest_tpm,
-    power_of_two,
-    prefix_aware,
-    random_pick,
-    round_robin,
-    session,
-    shortest_queue,
-)
+import policies.least_request
+import policies.lowest_tpm
+import policies.power_of_two
+import policies.prefix_aware
+import policies.random_pick
+import policies.round_robin
+import policies.session
+import policies.shortest_queue  # noqa: F401  (importing a policy module registers it)
 from policies.base import POLICIES, Policy, build_policy, register
 
 __all__ = ["POLICIES", "Policy", "build_policy", "register"]

@@ -22,7 +22,7 @@ class LeastRequest:
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         backend, load = self._least.pick(view)
-        return Decision(backend, f"least in-flight ({load})")
+        return Decision(backend, f"least in-flight {load}")
 
     def observe(self, outcome: Outcome) -> None:
         pass

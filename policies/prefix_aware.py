@@ -1,10 +1,15 @@
 """Send a prompt where its longest prefix was sent before (KV-cache reuse).
 
 The index maps each cumulative prefix-block hash (`ctx.prompt_blocks`) to the backend
-that last received it, bounded as an LRU. A load guard in the spirit of SGLang's
-cache-aware router (`balance_abs_threshold` / `balance_rel_threshold`) gives up the
-cache hit when the matching backend is overloaded against the least-loaded one, and
-requests with no (or too short a) match go to the least-loaded backend.
+that last received it, bounded as an LRU. Requests with no (or too short a) match go
+to the least-loaded backend.
+
+The load guard follows SGLang's cache-aware router (`balance_abs_threshold`,
+`balance_rel_threshold`: overloaded when both `load - min > abs` and
+`load > rel * min`), with two deliberate differences: it tests the *matched* backend
+rather than the fleet's busiest one, so an imbalance elsewhere does not throw away a
+cache hit; and it compares against `min + 1`, so an idle fleet (min = 0) does not make
+any load at all look infinitely relatively worse.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies._load import LeastInflight
+from policies._load import CandidatesByName, LeastInflight
 from policies.base import register
 from predictors.base import Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
@@ -37,17 +42,20 @@ class PrefixAware:
         self._params = params
         self._index: OrderedDict[bytes, str] = OrderedDict()
         self._least = LeastInflight()
+        self._by_name = CandidatesByName()
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         matched, depth = self._longest_match(ctx.prompt_blocks, view)
         least, least_load = self._least.pick(view)
         if matched is None or depth < self._params.min_match_blocks:
-            choice, reason = least, f"no prefix match; least in-flight ({least_load})"
+            choice = least
+            reason = f"prefix match {depth} blocks, too short; least in-flight {least_load}"
         elif self._overloaded(view.inflight_of(matched), least_load):
             choice = least
-            reason = f"prefix match {depth} blocks on overloaded {matched.name}; least in-flight"
+            reason = (f"prefix match {depth} blocks on {matched.name}, overloaded "
+                      f"({view.inflight_of(matched)} vs {least_load}); least in-flight")
         else:
-            choice, reason = matched, f"prefix match {depth} blocks"
+            choice, reason = matched, f"prefix match {depth} blocks on {matched.name}"
         self._remember(ctx.prompt_blocks, choice.name)
         return Decision(choice, reason)
 
@@ -57,21 +65,25 @@ class PrefixAware:
     def _longest_match(
         self, blocks: tuple[bytes, ...], view: ClusterView
     ) -> tuple[Backend | None, int]:
-        # Blocks are cumulative, so matches are consecutive from the start: walk until
-        # the first block nobody has, keeping the deepest one held by a candidate.
-        by_name: dict[str, Backend] | None = None
-        best: Backend | None = None
-        depth = 0
-        for i, block in enumerate(blocks):
-            owner = self._index.get(block)
-            if owner is None:
-                break
-            if by_name is None:
-                by_name = {b.name: b for b in view.candidates}
-            backend = by_name.get(owner)
+        # The indexed blocks of any prompt form a prefix (see `_remember`), so a binary
+        # search finds how many are known; then step back to the deepest one whose
+        # owner is still a candidate (usually the first one looked at).
+        index = self._index
+        lo, hi = 0, len(blocks)  # blocks[:lo] known, blocks[hi:] unknown
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks[mid - 1] in index:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            return None, 0
+        by_name = self._by_name(view.candidates)
+        for depth in range(lo, 0, -1):
+            backend = by_name.get(index[blocks[depth - 1]])
             if backend is not None:
-                best, depth = backend, i + 1
-        return best, depth
+                return backend, depth
+        return None, 0
 
     def _overloaded(self, matched_load: int, least_load: int) -> bool:
         p = self._params
@@ -79,8 +91,11 @@ class PrefixAware:
                 and matched_load > p.balance_rel_threshold * (least_load + 1))
 
     def _remember(self, blocks: tuple[bytes, ...], name: str) -> None:
+        # Deepest first, so a prefix is always touched after its extensions: the LRU
+        # then evicts extensions before their prefixes and what stays indexed of any
+        # prompt is a prefix of it, which `_longest_match` relies on.
         index = self._index
-        for block in blocks:
+        for block in reversed(blocks):
             index[block] = name
             index.move_to_end(block)
         while len(index) > self._params.max_entries:

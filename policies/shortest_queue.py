@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import add
 from typing import ClassVar
 
 from pydantic import BaseModel
 
+from policies._load import RotatingArgmin, candidate_names, inflight_loads
 from policies.base import NoParams, register
 from predictors.base import Prediction
-from proxy.types import ClusterView, Decision, Outcome, RequestContext
+from proxy.types import UNKNOWN_STATS, ClusterView, Decision, Outcome, RequestContext
 
 
 @register
@@ -17,23 +20,21 @@ class ShortestQueue:
     Params: ClassVar[type[BaseModel]] = NoParams
 
     def __init__(self, params: NoParams) -> None:
-        self._turn = 0
+        self._argmin = RotatingArgmin()
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         # The scrape lags by up to one interval; adding the exact in-flight count makes
         # a burst between two scrapes spread out instead of landing on one backend.
-        self._turn += 1
-        n = len(view.candidates)
-        best, best_key = None, (0, 0)
-        for i in range(n):
-            backend = view.candidates[(self._turn + i) % n]
-            stats = view.stats_of(backend)
-            inflight = view.inflight_of(backend)
-            key = (stats.running + stats.waiting + inflight, inflight)
-            if best is None or key < best_key:
-                best, best_key = backend, key
-        assert best is not None
-        return Decision(best, f"queue {best_key[0]}")
+        # (It double-counts requests the scrape already saw: a constant-ish offset per
+        # backend that errs on the side of spreading.) Ties: fewer in-flight, then turns.
+        names = candidate_names(view)
+        inflight = inflight_loads(view, names)
+        scraped = map(view.stats.get, names, repeat(UNKNOWN_STATS))
+        queues = map(add, [s.running + s.waiting for s in scraped], inflight)
+        keys = list(zip(queues, inflight, strict=True))
+        at = self._argmin(keys)
+        queue, open_here = keys[at]
+        return Decision(view.candidates[at], f"shortest queue {queue} ({open_here} in-flight)")
 
     def observe(self, outcome: Outcome) -> None:
         pass

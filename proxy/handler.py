@@ -189,7 +189,7 @@ class Exchange:
                 prompt_tokens, tokens = body_usage(opened.head)
                 tpot = None
             else:
-                prompt_tokens, tokens = tally.usage()
+                prompt_tokens, tokens = tally.usage(ctx.endpoint == "chat")
                 tpot = tally.tpot(tokens)
         outcome = Outcome(
             request_id=ctx.request_id, model=ctx.model, backend=opened.backend.name,

