@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         config["policy"] = {"name": args.policy, "params": {}}
         models = sorted({b["model"] for b in config["backends"]})
         prompts = load_prompts(args.shared, args.requests)
-        with running_proxy(config) as url:
+        with running_proxy(config) as proxy:
+            url = proxy.url
             print(f"proxy at {url} ({args.policy}) over {len(config['backends'])} backends; "
                   f"sending {len(prompts)} requests to {', '.join(models)}")
             started = time.perf_counter()

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,17 @@ def free_port() -> int:
         return port
 
 
+@dataclass(frozen=True, slots=True)
+class ProxyProcess:
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
-def running_proxy(config: dict[str, Any], *, ready_timeout_s: float = 30.0) -> Iterator[str]:
-    """Write `config` (server.port chosen here), start the proxy, yield its base URL."""
+def running_proxy(
+    config: dict[str, Any], *, ready_timeout_s: float = 30.0
+) -> Iterator[ProxyProcess]:
+    """Write `config` (server.port chosen here), start `laneway serve`, yield it."""
     port = free_port()
     config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1",
                                     "port": port}}
@@ -42,7 +51,7 @@ def running_proxy(config: dict[str, Any], *, ready_timeout_s: float = 30.0) -> I
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_ready(url, proc, ready_timeout_s, Path(tmp) / "proxy.log")
-            yield url
+            yield ProxyProcess(url, proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -31,8 +31,8 @@ def fleet_config(fleet: Any, policy: str = "round_robin", **extra: Any) -> dict[
 
 @pytest.fixture(scope="module")
 def proxy_url(vllm_fleet: Any) -> Iterator[str]:
-    with running_proxy(fleet_config(vllm_fleet)) as url:
-        yield url
+    with running_proxy(fleet_config(vllm_fleet)) as proxy:
+        yield proxy.url
 
 
 def client(url: str) -> openai.OpenAI:
@@ -134,7 +134,8 @@ def test_bad_input_gets_openai_error(proxy_url: str, body: bytes, status: int) -
 
 def test_oversized_body_is_413(vllm_fleet: Any) -> None:
     config = fleet_config(vllm_fleet, server={"max_body_bytes": 1000})
-    with running_proxy(config) as url:
+    with running_proxy(config) as proxy:
+        url = proxy.url
         resp = httpx.post(f"{url}/v1/completions", timeout=30,
                           json={"model": SMALL, "prompt": "x" * 5000})
     assert resp.status_code == 413
@@ -168,7 +169,8 @@ def test_failover_before_first_byte(vllm_fleet: Any, throwaway_backend: Any) -> 
     backends = [*vllm_fleet, throwaway_backend]
     # a slow poller: the proxy still believes the killed backend is healthy
     config = fleet_config(backends, poller={"interval_s": 60, "unhealthy_after": 10})
-    with running_proxy(config) as url:
+    with running_proxy(config) as proxy:
+        url = proxy.url
         throwaway_backend.kill()
         sdk = client(url)
         served = []
@@ -185,7 +187,8 @@ def test_failover_before_first_byte(vllm_fleet: Any, throwaway_backend: Any) -> 
 def test_no_healthy_backend_is_503_with_retry_after(vllm_fleet: Any) -> None:
     config = {"backends": [{"name": "dead", "url": "http://127.0.0.1:9", "model": "ghost"}],
               "policy": {"name": "round_robin"}}
-    with running_proxy(config) as url:
+    with running_proxy(config) as proxy:
+        url = proxy.url
         resp = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
             "model": "ghost", "messages": [{"role": "user", "content": "x"}]})
         health = httpx.get(f"{url}/health")
@@ -196,7 +199,8 @@ def test_no_healthy_backend_is_503_with_retry_after(vllm_fleet: Any) -> None:
 
 def test_prefix_aware_keeps_a_shared_prefix_together(vllm_fleet: Any) -> None:
     prefix = "You are a careful assistant. " * 30
-    with running_proxy(fleet_config(vllm_fleet, "prefix_aware")) as url:
+    with running_proxy(fleet_config(vllm_fleet, "prefix_aware")) as proxy:
+        url = proxy.url
         sdk = client(url)
         chosen = {
             sdk.completions.with_raw_response.create(
@@ -208,7 +212,8 @@ def test_prefix_aware_keeps_a_shared_prefix_together(vllm_fleet: Any) -> None:
 
 
 def test_session_affinity(vllm_fleet: Any) -> None:
-    with running_proxy(fleet_config(vllm_fleet, "session")) as url:
+    with running_proxy(fleet_config(vllm_fleet, "session")) as proxy:
+        url = proxy.url
         sdk = client(url)
         for user in ("alice", "bob", "carol"):
             chosen = {
@@ -221,7 +226,8 @@ def test_session_affinity(vllm_fleet: Any) -> None:
 
 
 def test_least_request_avoids_the_busy_backend(vllm_fleet: Any) -> None:
-    with running_proxy(fleet_config(vllm_fleet, "least_request")) as url:
+    with running_proxy(fleet_config(vllm_fleet, "least_request")) as proxy:
+        url = proxy.url
         busy: dict[str, str] = {}
         started = threading.Event()
 

@@ -81,7 +81,7 @@ async def test_non_stream_and_completions() -> None:
 
 
 async def test_5xx_fails_over_before_first_byte() -> None:
-    async with fleet(FakeConfig(fail_status=503), FakeConfig()) as (proxy, fakes):
+    async with fleet(FakeConfig(fail_status=503), FakeConfig()) as (proxy, _):
         responses = [await post(proxy, {**CHAT, "stream": True}) for _ in range(4)]
         metrics = (await httpx.AsyncClient().get(f"{proxy.url}/metrics")).text
     assert all(r.status_code == 200 for r in responses)

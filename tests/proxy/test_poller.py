@@ -42,7 +42,7 @@ CFG = PollerConfig(interval_s=0.01, timeout_s=0.5, unhealthy_after=2,
 
 
 async def test_scrape_marks_healthy_and_reads_load(server: tuple[MetricsServer, str]) -> None:
-    state, url = server
+    _, url = server
     registry = Registry([Backend("a", url, "m"), Backend("dead", "http://127.0.0.1:9", "m")])
     async with aiohttp.ClientSession() as session:
         poller = Poller(registry, CFG, session)
