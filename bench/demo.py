@@ -79,7 +79,8 @@ async def workload(url: str, models: list[str], prompts: list[str], concurrency:
                                   timeout=300) as sdk:
         async def run(i: int, prompt: str) -> Result:
             async with gate:
-                return await one(sdk, models[i % len(models)], prompt, stream=i % 2 == 0)
+                # streaming alternates every other pair, so every model sees both modes
+                return await one(sdk, models[i % len(models)], prompt, stream=i // 2 % 2 == 0)
 
         return await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
 
