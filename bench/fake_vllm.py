@@ -55,6 +55,7 @@ class FakeVllm:
     def __init__(self, config: FakeConfig) -> None:
         self.config = config
         self.stats = FakeStats()
+        self.created = int(time.time())  # fixed, so equal requests get equal bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -90,7 +91,7 @@ class FakeVllm:
                 completed = await self._stream(chat, body, tokens, receive, send)
             else:
                 await asyncio.sleep(cfg.ttft_s + cfg.tpot_s * max(0, tokens - 1))
-                await send_json(send, 200, _full_body(chat, cfg.model, tokens, body))
+                await send_json(send, 200, _full_body(chat, cfg.model, self.created, tokens, body))
                 completed = True
             if completed:
                 stats.finished += 1
@@ -107,7 +108,7 @@ class FakeVllm:
         cfg, stats = self.config, self.stats
         gone = asyncio.Event()
         watcher = asyncio.create_task(_watch(receive, gone))
-        chunks = _Chunks(chat, cfg.model, bool(body.get("return_token_ids")))
+        chunks = _Chunks(chat, cfg.model, self.created, bool(body.get("return_token_ids")))
         started = time.monotonic()
         try:
             await send({"type": "http.response.start", "status": 200,
@@ -157,10 +158,10 @@ class FakeVllm:
 class _Chunks:
     """Pre-encoded SSE events; only the token index changes per chunk."""
 
-    def __init__(self, chat: bool, model: str, token_ids: bool) -> None:
+    def __init__(self, chat: bool, model: str, created: int, token_ids: bool) -> None:
         self.chat = chat
         obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": "cmpl-fake", "object": obj, "created": int(time.time()), "model": model}
+        head = {"id": "cmpl-fake", "object": obj, "created": created, "model": model}
         self.head = orjson.dumps(head)[:-1]  # reused prefix, without the closing brace
         self.token_ids = token_ids
         self.role = self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -192,7 +193,9 @@ class _Chunks:
         return out + b"data: [DONE]\n\n"
 
 
-def _full_body(chat: bool, model: str, tokens: int, body: dict[str, Any]) -> dict[str, Any]:
+def _full_body(
+    chat: bool, model: str, created: int, tokens: int, body: dict[str, Any]
+) -> dict[str, Any]:
     text = "".join(f"tok{i} " for i in range(tokens))
     choice: dict[str, Any] = (
         {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
@@ -201,7 +204,7 @@ def _full_body(chat: bool, model: str, tokens: int, body: dict[str, Any]) -> dic
         choice["token_ids"] = [100 + i for i in range(tokens)]
     return {
         "id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()), "model": model, "choices": [choice],
+        "created": created, "model": model, "choices": [choice],
         "usage": {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens},
     }
 

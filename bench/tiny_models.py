@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Iterator
+import os
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SHARED = REPO.parent / "shared"
-MODELS_DIR = REPO / ".laneway" / "models"
 BUILD_VERSION = 2  # bump when a change below alters what a build produces
 
 CHAT_TEMPLATE = (
@@ -33,6 +34,7 @@ SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|
 class Variant:
     name: str
     layers: int
+    arch: str = "llama"  # key of _CONFIGS; a tiny Qwen3-MoE adds one entry there
     hidden: int = 128
     heads: int = 2  # head_dim = hidden / heads = 64
     intermediate: int = 256
@@ -44,24 +46,40 @@ class Variant:
 VARIANTS = {v.name: v for v in (Variant("small", layers=2), Variant("large", layers=12))}
 
 
-def model_dir(variant: str, root: Path = MODELS_DIR) -> Path:
-    return root / f"{variant}-v{BUILD_VERSION}"
+def laneway_home() -> Path:
+    """Where models, logs and backend state live (`$LANEWAY_HOME`, else `.laneway/`)."""
+    return Path(os.environ.get("LANEWAY_HOME") or REPO / ".laneway")
 
 
-def ensure_model(variant: str, shared: Path = DEFAULT_SHARED, root: Path = MODELS_DIR) -> Path:
+def model_dir(variant: str, root: Path | None = None) -> Path:
+    return (root or laneway_home() / "models") / f"{variant}-v{BUILD_VERSION}"
+
+
+def ensure_model(variant: str, shared: Path = DEFAULT_SHARED, root: Path | None = None) -> Path:
     """The variant's model directory, built on first use."""
     target = model_dir(variant, root)
     if (target / "laneway-build.json").exists():
         return target
-    spec = VARIANTS[variant]
+    # Build aside and rename: a concurrent or interrupted build never leaves a
+    # half-written directory where vLLM would load it.
+    scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    build(VARIANTS[variant], shared, scratch)
+    shutil.rmtree(target, ignore_errors=True)  # a stale partial build from older code
+    try:
+        scratch.rename(target)
+    except OSError:  # another process finished first; its build is identical
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def build(spec: Variant, shared: Path, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(instructions(shared), spec.vocab)
     tokenizer.save_pretrained(target)
-    _build_weights(spec, len(tokenizer), tokenizer, target)
-    # Written last: a half-built directory is rebuilt next time.
-    (target / "laneway-build.json").write_text(json.dumps(
-        {**asdict(spec), "build_version": BUILD_VERSION}, indent=1))
-    return target
+    _build_weights(spec, tokenizer, target)
+    (target / "laneway-build.json").write_text(
+        json.dumps({**asdict(spec), "build_version": BUILD_VERSION}, indent=1))
 
 
 def instructions(shared: Path) -> Iterator[str]:
@@ -89,19 +107,28 @@ def build_tokenizer(texts: Iterator[str], vocab: int) -> Any:
     return tokenizer
 
 
-def _build_weights(spec: Variant, vocab: int, tokenizer: Any, target: Path) -> None:
-    import torch
-
+def _llama(spec: Variant, tokenizer: Any) -> tuple[Any, Any]:
     transformers: Any = importlib.import_module("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.heads, head_dim=spec.hidden // spec.heads,
-        max_position_embeddings=spec.context, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False, dtype="bfloat16")
+        vocab_size=len(tokenizer), hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+        head_dim=spec.hidden // spec.heads, max_position_embeddings=spec.context,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, dtype="bfloat16")
+    return transformers.LlamaForCausalLM, config
+
+
+# arch -> (model class, config); each entry is one small function like `_llama`.
+_CONFIGS: dict[str, Callable[[Variant, Any], tuple[Any, Any]]] = {"llama": _llama}
+
+
+def _build_weights(spec: Variant, tokenizer: Any, target: Path) -> None:
+    import torch
+
+    model_class, config = _CONFIGS[spec.arch](spec, tokenizer)
     torch.manual_seed(spec.seed)
-    model = transformers.LlamaForCausalLM(config)
+    model = model_class(config)
     # With random weights a tied head echoes the last input token forever, and special
     # tokens decode to nothing: an untied head with zeroed special rows generates
     # varied, visible text (and never EOS, so lengths are exactly max_tokens).

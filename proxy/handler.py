@@ -24,7 +24,7 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from proxy.relay import Opened, UpstreamFailure, forward_headers
+from proxy.relay import Opened, StallWatch, UpstreamFailure, forward_headers
 from proxy.requests import build_context, parse_body
 from proxy.runtime import Runtime
 from proxy.stream import StreamTally, body_usage
@@ -154,6 +154,7 @@ class Exchange:
         await self.send({"type": "http.response.start", "status": opened.status,
                          "headers": headers})
         await self.send({"type": "http.response.body", "body": opened.head, "more_body": True})
+        watch = StallWatch(opened, self.rt.settings.upstream.read_timeout_s, tally.last_seen)
         try:
             while chunk := await opened.next_chunk():
                 await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -161,13 +162,17 @@ class Exchange:
             if not tally.saw_done:
                 raise aiohttp.ClientPayloadError("stream ended without [DONE]")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            await self._fail_mid_stream(opened, exc)
+            await self._fail_mid_stream(opened, exc, "timeout" if watch.fired else None)
+        finally:
+            watch.cancel()
         self.finished = True
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _fail_mid_stream(self, opened: Opened, exc: BaseException) -> None:
+    async def _fail_mid_stream(
+        self, opened: Opened, exc: BaseException, kind: str | None = None
+    ) -> None:
         assert self.tally is not None
-        kind = "timeout" if isinstance(exc, TimeoutError) else "broken"
+        kind = kind or ("timeout" if isinstance(exc, TimeoutError) else "broken")
         self.tally.failed = True
         self.rt.metrics.upstream_errors.labels(opened.backend.name, kind).inc()
         err = UpstreamError(

@@ -8,7 +8,10 @@ request itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -131,6 +134,33 @@ class Upstream:
             raise UpstreamFailure(backend, "broken", "stream closed before its first byte")
         protocol = response.connection.protocol if response.connection else None
         if protocol is not None:
-            protocol.read_timeout = self._cfg.read_timeout_s
-            protocol.start_timeout()  # re-arm the pending timer with the new value
+            # From here `StallWatch` bounds the silence between chunks: aiohttp's own
+            # read timeout re-arms a timer on every token, the watch once a period.
+            protocol.read_timeout = None
+            protocol.start_timeout()
         return Opened(backend, response, head, complete=False)
+
+
+class StallWatch:
+    """Close a stream whose backend has sent nothing for `timeout_s`.
+
+    `last_at` reports the monotonic time of the latest chunk. The check runs once per
+    `timeout_s` at most, so a healthy stream costs one timer per period, not per token.
+    """
+
+    def __init__(self, opened: Opened, timeout_s: float, last_at: Callable[[], float]):
+        self.fired = False
+        self._opened, self._timeout_s, self._last_at = opened, timeout_s, last_at
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(timeout_s, self._check)
+
+    def _check(self) -> None:
+        idle = time.monotonic() - self._last_at()
+        if idle >= self._timeout_s:
+            self.fired = True
+            self._opened.close()  # the pending read fails; the relay reports a timeout
+        else:
+            self._handle = self._loop.call_later(self._timeout_s - idle, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()

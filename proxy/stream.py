@@ -6,6 +6,8 @@ usage numbers are read from the tail when the client asked for them.
 
 from __future__ import annotations
 
+from collections import deque
+
 import orjson
 
 from proxy.errors import ProxyError, stream_error_event
@@ -13,22 +15,31 @@ from proxy.errors import ProxyError, stream_error_event
 _EVENT = b"data: "
 _DONE = b"data: [DONE]"
 _TAIL_BYTES = 1024  # holds the usage event + [DONE] however the chunks split them
+_RECENT_CHUNKS = 16
 
 
 class StreamTally:
-    __slots__ = ("events", "failed", "first_at", "last_at", "tail")
+    __slots__ = ("events", "failed", "first_at", "last_at", "recent")
 
     def __init__(self, first_at: float, head: bytes) -> None:
         self.first_at = first_at
         self.last_at = first_at
         self.events = head.count(_EVENT)
-        self.tail = head[-_TAIL_BYTES:]
+        # The last chunks, joined only when the stream ends (usage, [DONE]).
+        self.recent: deque[bytes] = deque((head,), maxlen=_RECENT_CHUNKS)
         self.failed = False
 
     def add(self, chunk: bytes, now: float) -> None:
         self.events += chunk.count(_EVENT)
-        self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
+        self.recent.append(chunk)
         self.last_at = now
+
+    def last_seen(self) -> float:
+        return self.last_at
+
+    @property
+    def tail(self) -> bytes:
+        return b"".join(self.recent)[-_TAIL_BYTES:]
 
     @property
     def saw_done(self) -> bool:
@@ -36,8 +47,9 @@ class StreamTally:
 
     def usage(self, chat: bool) -> tuple[int | None, int]:
         """(prompt_tokens, completion_tokens): exact if usage was streamed, else estimated."""
-        prompt = _int_after(self.tail, b'"prompt_tokens":')
-        completion = _int_after(self.tail, b'"completion_tokens":')
+        tail = self.tail
+        prompt = _int_after(tail, b'"prompt_tokens":')
+        completion = _int_after(tail, b'"completion_tokens":')
         if completion is not None:
             return prompt, completion
         # vLLM sends one event per token (the last one carries finish_reason), plus

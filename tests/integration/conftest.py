@@ -8,25 +8,24 @@ instead of starting one (saves ~90 s per run while developing).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 
 import pytest
 
-from bench.backends import STATE_FILE, Running, Spec, start, stop
+from bench.backends import Running, Spec, recorded, start, stop
 from bench.proxy_process import free_port
 
 
 @pytest.fixture(scope="session")
 def vllm_fleet() -> Iterator[list[Running]]:
     if os.environ.get("LANEWAY_REUSE_FLEET"):
-        yield [Running(**row) for row in json.loads(STATE_FILE.read_text())]
+        yield recorded()
         return
     specs = [Spec("small-0", "small", "tiny-llama", free_port()),
              Spec("small-1", "small", "tiny-llama", free_port()),
              Spec("large-2", "large", "tiny-llama-large", free_port())]
-    servers = start(specs)
+    servers = start(specs, timeout_s=240)  # under pytest's 300 s per-test timeout
     try:
         yield servers
     finally:
@@ -36,7 +35,7 @@ def vllm_fleet() -> Iterator[list[Running]]:
 @pytest.fixture
 def throwaway_backend() -> Iterator[Running]:
     """One more `tiny-llama` backend that a test may kill."""
-    servers = start([Spec("throwaway", "small", "tiny-llama", free_port())])
+    servers = start([Spec("throwaway", "small", "tiny-llama", free_port())], timeout_s=240)
     try:
         yield servers[0]
     finally:
