@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,6 +95,9 @@ def plan(n: int, variants: Sequence[str], model: str, base_port: int) -> list[Sp
 def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
           timeout_s: float = 300.0, max_model_len: int = 1024) -> list[Running]:
     """Start every spec and wait until all answer; on any failure stop them all."""
+    busy = [s.port for s in specs if _port_in_use(s.port)]
+    if busy:  # another server there would answer our readiness probe
+        raise RuntimeError(f"ports already in use: {busy}")
     dirs = {v: ensure_model(v, shared) for v in {s.variant for s in specs}}
     started: list[Running] = []
     try:
@@ -120,6 +124,11 @@ def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
                             env={**os.environ, **VLLM_ENV}, start_new_session=True)
     log.close()
     return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid)
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _wait_ready(servers: Sequence[Running], timeout_s: float) -> None:
@@ -160,7 +169,11 @@ def _log_tail(name: str, lines: int = 30) -> str:
 
 
 def stop(servers: Sequence[Running], grace_s: float = 20.0) -> None:
-    """SIGTERM every process group, then SIGKILL what is left after `grace_s`."""
+    """SIGTERM every process group, then SIGKILL what is left after `grace_s`.
+
+    Returns once every process of every group is gone, so a port is free again and
+    a test can assert on it.
+    """
     for server in servers:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
@@ -168,9 +181,22 @@ def stop(servers: Sequence[Running], grace_s: float = 20.0) -> None:
     for server in servers:
         while not _exited(server.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        server.kill()
+        server.kill()  # the engine and worker too, whatever the API server did
         with contextlib.suppress(ChildProcessError):
             os.waitpid(server.pid, 0)
+    for server in servers:
+        _wait_group_gone(server.pid, timeout_s=10.0)
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Killed group members stay visible as zombies until init reaps them."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import orjson
 import uvicorn
 
 from proxy.asgi import Receive, Scope, Send, send_bytes, send_json
+from proxy.server import uvicorn_in_loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,20 +251,10 @@ async def serve_fake(config: FakeConfig, host: str = "127.0.0.1", port: int = 0
                      ) -> AsyncIterator[RunningFake]:
     """Serve a fake in the current event loop until the block ends."""
     app = FakeVllm(config)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, loop="none", http="httptools", lifespan="on",
-        access_log=False, log_config=None, timeout_graceful_shutdown=1))
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.005)
-        bound = server.servers[0].sockets[0].getsockname()[1]
-        yield RunningFake(app, f"http://{host}:{bound}")
-    finally:
-        server.should_exit = True
-        await task
+    async with uvicorn_in_loop(uvicorn.Config(
+            app, host=host, port=port, loop="none", http="httptools", lifespan="on",
+            access_log=False, log_config=None, timeout_graceful_shutdown=1)) as url:
+        yield RunningFake(app, url)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,16 +43,23 @@ class RunningProxy:
 async def serve_in_loop(settings: Settings) -> AsyncIterator[RunningProxy]:
     """Start the proxy on `settings.server` (port 0 = any free port) until the block ends."""
     app = LanewayApp(settings)
-    server = uvicorn.Server(uvicorn_config(settings, app))
+    async with uvicorn_in_loop(uvicorn_config(settings, app)) as url:
+        yield RunningProxy(app, url)
+
+
+@contextlib.asynccontextmanager
+async def uvicorn_in_loop(config: uvicorn.Config) -> AsyncIterator[str]:
+    """Serve `config.app` as a task of the running loop; yield its URL; stop on exit."""
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
         while not server.started:
             if task.done():
                 task.result()  # re-raise the startup failure
-                raise RuntimeError("proxy exited during startup")
-            await asyncio.sleep(0.01)
+                raise RuntimeError("server exited during startup")
+            await asyncio.sleep(0.005)
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield RunningProxy(app, f"http://{settings.server.host}:{port}")
+        yield f"http://{config.host}:{port}"
     finally:
         server.should_exit = True
         await task
