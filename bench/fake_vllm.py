@@ -1,9 +1,11 @@
-"""A fast fake of a vLLM OpenAI server, for unit tests and the overhead benchmark.
+"""A fast fake of a vLLM 0.32 OpenAI server, for unit tests and the overhead benchmark.
 
-Pure ASGI on uvicorn (uvloop + httptools). Tokens are `tok<i> `, paced by `tpot_s`
-after `ttft_s`; SSE chunks are shaped like vLLM 0.32's and pre-encoded so the fake is
-never the bottleneck. Failures can be injected (status, dropped connection, hang).
-`/metrics` uses vLLM's metric names and counts what really runs here.
+Pure ASGI on uvicorn (uvloop + httptools). After `ttft_s` the tokens `tok<i> ` come
+every `tpot_s` on an absolute schedule (no drift); bytes are shaped like vLLM's and
+pre-encoded (`bench.fake_wire`), so the fake is never the bottleneck. Failures can be
+injected: an error status, a connection cut mid-stream, a request that never answers.
+A client that disconnects cancels its request at once, as in vLLM, and `/metrics`
+(`bench.fake_metrics`) counts what really runs here.
 """
 
 from __future__ import annotations
@@ -13,43 +15,39 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import uvicorn
 
-from proxy.asgi import Receive, Scope, Send, send_bytes, send_json
+from bench.fake_metrics import FakeStats, PrefixCache, render
+from bench.fake_wire import Completion, StreamWire, first_index, full_body, prompt_token_ids
+from proxy.asgi import ClientGone, Receive, Scope, Send, read_body, send_bytes, send_json
 from proxy.server import uvicorn_in_loop
+
+_JSON = [(b"content-type", b"application/json")]
+_MAX_BODY = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
 class FakeConfig:
     model: str = "fake"
+    aliases: tuple[str, ...] = ()  # more served model names (vLLM's --served-model-name)
     ttft_s: float = 0.0
-    tpot_s: float = 0.0
-    default_tokens: int = 16
+    tpot_s: float = 0.0  # 0: unpaced (still yields to the loop between tokens)
+    default_tokens: int = 16  # output length when the request has no max_tokens
+    eos_after: int | None = None  # the "model" ends by itself after this many tokens
+    max_num_seqs: int = 1024  # more concurrent requests wait (num_requests_waiting)
+    kv_capacity_tokens: int = 65_536  # kv_cache_usage_perc = tokens held / this
     fail_status: int | None = None  # answer every completion request with this status
     fail_first: int | None = None  # ... or only the first N of them
-    die_after_tokens: int | None = None  # drop the connection mid-stream
+    die_after_tokens: int | None = None  # cut the connection after N tokens
     hang: bool = False  # never answer a completion request
 
-
-@dataclass(slots=True)
-class FakeStats:
-    requests: int = 0
-    running: int = 0
-    cancelled: int = 0
-    finished: int = 0
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
-    itl_sum: float = 0.0
-    itl_count: int = 0
-
-
-class _Dropped(Exception):
-    """Raised inside the app so uvicorn aborts a half-sent response."""
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        return (self.model, *self.aliases)
 
 
 class FakeVllm:
@@ -57,187 +55,172 @@ class FakeVllm:
         self.config = config
         self.stats = FakeStats()
         self.created = int(time.time())  # fixed, so equal requests get equal bytes
+        self._slots = asyncio.Semaphore(config.max_num_seqs)
+        self._prefix_cache = PrefixCache()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
         path = scope["path"]
         if path == "/metrics":
-            await send_bytes(send, 200, self._metrics(), [(b"content-type", b"text/plain")])
+            await send_bytes(send, 200, render(self.stats, self.config.model,
+                                               self.config.kv_capacity_tokens),
+                             [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
         elif path in ("/health", "/ping"):
             await send_bytes(send, 200, b"", [])
         elif path == "/v1/models":
             await send_json(send, 200, {"object": "list", "data": [
-                {"id": self.config.model, "object": "model", "owned_by": "fake"}]})
+                {"id": name, "object": "model", "created": self.created, "owned_by": "vllm",
+                 "root": self.config.model, "parent": None, "max_model_len": 4096}
+                for name in self.config.served_models]})
         elif path in ("/v1/chat/completions", "/v1/completions"):
-            await self._completion(path == "/v1/chat/completions", receive, send)
+            await self._completion(path == "/v1/chat/completions", scope, receive, send)
         else:
-            await send_json(send, 404, {"error": {"message": "not found"}})
+            await send_json(send, 404, {"detail": "Not Found"})
 
-    async def _completion(self, chat: bool, receive: Receive, send: Send) -> None:
-        body = orjson.loads(await _read(receive))
-        stats, cfg = self.stats, self.config
-        stats.requests += 1
-        stats.bodies.append(body)
-        if cfg.hang:
-            await asyncio.Event().wait()
+    async def _completion(self, chat: bool, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = orjson.loads(await read_body({}, receive, _MAX_BODY))
+        except ClientGone:
+            return
+        cfg, stats = self.config, self.stats
+        stats.record(body)
+        model = body.get("model") or cfg.model
+        if model not in cfg.served_models:
+            await send_json(send, 404, {"error": {
+                "message": f"The model `{model}` does not exist.", "type": "NotFoundError",
+                "param": "model", "code": 404}})
+            return
         if cfg.fail_status and (cfg.fail_first is None or stats.requests <= cfg.fail_first):
             await send_json(send, cfg.fail_status, {"error": {"message": "injected failure"}})
             return
-        tokens = body.get("max_tokens") or cfg.default_tokens
+        disconnect = _Disconnect(receive)
+        try:
+            if cfg.hang:
+                await asyncio.Event().wait()  # until the client goes away
+            await self._admitted(self._plan(chat, scope, body, model), body, send)
+        except asyncio.CancelledError:
+            if not disconnect.gone:
+                raise  # server shutdown, not the client
+            disconnect.task.uncancel()
+            stats.cancelled += 1
+        finally:
+            disconnect.close()
+
+    def _plan(self, chat: bool, scope: Scope, body: dict[str, Any], model: str) -> Completion:
+        cfg = self.config
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        # Where the "model" would emit EOS: after eos_after tokens if configured, else
+        # never when max_tokens bounds the request, else after default_tokens.
+        natural = None if body.get("ignore_eos") else (
+            cfg.eos_after if cfg.eos_after is not None
+            else None if limit else cfg.default_tokens)
+        if natural is not None and (limit is None or natural < limit):
+            tokens, reason = natural, "stop"
+        else:
+            tokens, reason = int(limit or cfg.default_tokens), "length"
+        prompt_ids = prompt_token_ids(chat, body)
+        request_id = dict(scope["headers"]).get(b"x-request-id", b"fake").decode()
+        return Completion(chat, ("chatcmpl-" if chat else "cmpl-") + request_id, model,
+                          self.created, prompt_ids, first_index(prompt_ids), tokens, reason,
+                          bool(body.get("return_token_ids")))
+
+    async def _admitted(self, job: Completion, body: dict[str, Any], send: Send) -> None:
+        """Run `job` once a sequence slot is free, accounting like vLLM's scheduler."""
+        stats = self.stats
+        stats.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            stats.waiting -= 1
         stats.running += 1
+        held = len(job.prompt_ids)
+        stats.kv_tokens += held
+        stats.prompt_tokens += held
+        stats.prefix_queries += held
+        stats.prefix_hits += self._prefix_cache.lookup(job.prompt_ids)
         try:
             if body.get("stream"):
-                completed = await self._stream(chat, body, tokens, receive, send)
+                await self._stream(job, _include_usage(body), send)
             else:
-                await asyncio.sleep(cfg.ttft_s + cfg.tpot_s * max(0, tokens - 1))
-                await send_json(send, 200, _full_body(chat, cfg.model, self.created, tokens, body))
-                completed = True
-            if completed:
-                stats.finished += 1
-        except asyncio.CancelledError:
-            stats.cancelled += 1
-            raise
+                await self._whole(job, send)
         finally:
             stats.running -= 1
+            stats.kv_tokens -= held
+            self._slots.release()
 
-    async def _stream(
-        self, chat: bool, body: dict[str, Any], tokens: int, receive: Receive, send: Send
-    ) -> bool:
-        """Stream `tokens` tokens; False if the client went away first."""
+    async def _stream(self, job: Completion, usage: bool, send: Send) -> None:
         cfg, stats = self.config, self.stats
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(_watch(receive, gone))
-        chunks = _Chunks(chat, cfg.model, self.created, bool(body.get("return_token_ids")))
-        started = time.monotonic()
+        wire = StreamWire(job)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        due = started + cfg.ttft_s
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        last, generated = started, 0
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
-            await asyncio.sleep(cfg.ttft_s)
-            if chat:
-                await send({"type": "http.response.body", "body": chunks.role, "more_body": True})
-            last = time.monotonic()
-            stats.ttft_sum += last - started
-            stats.ttft_count += 1
-            for i in range(tokens):
-                if gone.is_set():
-                    stats.cancelled += 1
-                    return False
-                if cfg.die_after_tokens is not None and i == cfg.die_after_tokens:
-                    raise _Dropped
-                if i and cfg.tpot_s:
-                    await asyncio.sleep(cfg.tpot_s)
-                    now = time.monotonic()
-                    stats.itl_sum += now - last
-                    stats.itl_count += 1
-                    last = now
-                await send({"type": "http.response.body", "body": chunks.token(i),
-                            "more_body": True})
-            tail = chunks.finish(tokens, _include_usage(body))
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
-            return True
+            for offset in range(job.tokens):
+                if offset == cfg.die_after_tokens:
+                    stats.dropped += 1
+                    return  # returning mid-response: uvicorn closes the connection
+                delay = due - loop.time()
+                await asyncio.sleep(delay if delay > 0 else 0)
+                now = loop.time()
+                (stats.itl if offset else stats.ttft).observe(now - last)
+                last, due = now, due + cfg.tpot_s
+                chunk = wire.token(offset)
+                generated += 1
+                stats.kv_tokens += 1
+                stats.generation_tokens += 1
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": wire.opening + chunk if offset == 0 else chunk})
+            await send({"type": "http.response.body", "body": wire.closing(usage),
+                        "more_body": False})
+            stats.finished += 1
         finally:
-            watcher.cancel()
+            stats.kv_tokens -= generated
 
-    def _metrics(self) -> bytes:
-        s, m = self.stats, self.config.model
-        labels = f'{{engine="0",model_name="{m}"}}'
-        return (
-            f"vllm:num_requests_running{labels} {s.running}\n"
-            f"vllm:num_requests_waiting{labels} 0\n"
-            f"vllm:kv_cache_usage_perc{labels} {min(1.0, s.running / 100)}\n"
-            f"vllm:time_to_first_token_seconds_sum{labels} {s.ttft_sum}\n"
-            f"vllm:time_to_first_token_seconds_count{labels} {s.ttft_count}\n"
-            f"vllm:inter_token_latency_seconds_sum{labels} {s.itl_sum}\n"
-            f"vllm:inter_token_latency_seconds_count{labels} {s.itl_count}\n"
-            f"vllm:prefix_cache_queries_total{labels} 0\n"
-            f"vllm:prefix_cache_hits_total{labels} 0\n"
-        ).encode()
-
-
-class _Chunks:
-    """Pre-encoded SSE events; only the token index changes per chunk."""
-
-    def __init__(self, chat: bool, model: str, created: int, token_ids: bool) -> None:
-        self.chat = chat
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": "cmpl-fake", "object": obj, "created": created, "model": model}
-        self.head = orjson.dumps(head)[:-1]  # reused prefix, without the closing brace
-        self.token_ids = token_ids
-        self.role = self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None},
-                                extra=b',"prompt_token_ids":[1,2,3]' if token_ids else b"")
-
-    def _event(self, choice: dict[str, Any], extra: bytes = b"") -> bytes:
-        return b"data: " + self.head + b',"choices":[' + orjson.dumps(choice) + b"]" + extra \
-            + b"}\n\n"
-
-    def token(self, i: int) -> bytes:
-        text = f"tok{i} "
-        choice: dict[str, Any] = (
-            {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-            if self.chat else
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": None})
-        if self.token_ids:
-            choice["token_ids"] = [100 + i]
-        return self._event(choice)
-
-    def finish(self, tokens: int, usage: bool) -> bytes:
-        done = ({"index": 0, "delta": {}, "finish_reason": "length"} if self.chat
-                else {"index": 0, "text": "", "finish_reason": "length"})
-        out = self._event(done)
-        if usage:
-            out += b"data: " + self.head + b',"choices":[],"usage":' + orjson.dumps(
-                {"prompt_tokens": 3, "completion_tokens": tokens,
-                 "total_tokens": 3 + tokens}) + b"}\n\n"
-        return out + b"data: [DONE]\n\n"
+    async def _whole(self, job: Completion, send: Send) -> None:
+        cfg, stats = self.config, self.stats
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.sleep(cfg.ttft_s)
+        stats.ttft.observe(loop.time() - started)
+        await asyncio.sleep(cfg.tpot_s * max(0, job.tokens - 1))
+        body = full_body(job)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
+        if cfg.die_after_tokens is not None:
+            stats.dropped += 1
+            await send({"type": "http.response.body", "body": body[:len(body) // 2],
+                        "more_body": True})
+            return  # uvicorn closes the connection: the client sees a short body
+        stats.generation_tokens += job.tokens
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        stats.finished += 1
 
 
-def _full_body(
-    chat: bool, model: str, created: int, tokens: int, body: dict[str, Any]
-) -> dict[str, Any]:
-    text = "".join(f"tok{i} " for i in range(tokens))
-    choice: dict[str, Any] = (
-        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-        if chat else {"index": 0, "text": text, "finish_reason": "length"})
-    if body.get("return_token_ids"):
-        choice["token_ids"] = [100 + i for i in range(tokens)]
-    return {
-        "id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
-        "created": created, "model": model, "choices": [choice],
-        "usage": {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens},
-    }
+class _Disconnect:
+    """Cancels the request's task when the client disconnects (vLLM aborts then)."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self._watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.task.cancel()
+
+    def close(self) -> None:
+        self._watcher.cancel()
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options") or {}
     return bool(isinstance(options, dict) and options.get("include_usage"))
-
-
-async def _read(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
-async def _watch(receive: Receive, gone: asyncio.Event) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +235,7 @@ async def serve_fake(config: FakeConfig, host: str = "127.0.0.1", port: int = 0
     """Serve a fake in the current event loop until the block ends."""
     app = FakeVllm(config)
     async with uvicorn_in_loop(uvicorn.Config(
-            app, host=host, port=port, loop="none", http="httptools", lifespan="on",
+            app, host=host, port=port, loop="none", http="httptools", lifespan="off",
             access_log=False, log_config=None, timeout_graceful_shutdown=1)) as url:
         yield RunningFake(app, url)
 
@@ -262,14 +245,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--model", default="fake")
+    parser.add_argument("--alias", action="append", default=[], help="another served name")
     parser.add_argument("--ttft-ms", type=float, default=0.0)
     parser.add_argument("--tpot-ms", type=float, default=0.0)
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=16, help="length without max_tokens")
+    parser.add_argument("--eos-after", type=int)
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--fail-status", type=int)
+    parser.add_argument("--fail-first", type=int)
+    parser.add_argument("--die-after-tokens", type=int)
+    parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
-    config = FakeConfig(model=args.model, ttft_s=args.ttft_ms / 1000,
-                        tpot_s=args.tpot_ms / 1000, default_tokens=args.tokens)
+    config = FakeConfig(
+        model=args.model, aliases=tuple(args.alias), ttft_s=args.ttft_ms / 1000,
+        tpot_s=args.tpot_ms / 1000, default_tokens=args.tokens, eos_after=args.eos_after,
+        max_num_seqs=args.max_num_seqs, fail_status=args.fail_status,
+        fail_first=args.fail_first, die_after_tokens=args.die_after_tokens, hang=args.hang)
     uvicorn.run(FakeVllm(config), host=args.host, port=args.port, loop="uvloop",
-                http="httptools", access_log=False, log_level="warning")
+                http="httptools", lifespan="off", access_log=False, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ class UpstreamConfig(_Section):
     read_timeout_s: float = Field(60.0, gt=0, description="max gap between stream chunks")
     max_attempts: int = Field(3, ge=1, description="backends tried before the first byte")
     pool_size: int = Field(0, ge=0, description="max open connections; 0 = unlimited")
+    keepalive_s: float = Field(
+        4.0, gt=0, description="idle upstream connections are dropped after this; keep it "
+        "below the backends' own keep-alive (vLLM: 5 s) so a reused one is never stale")
 
 
 class PollerConfig(_Section):

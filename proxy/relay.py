@@ -100,9 +100,12 @@ class Upstream:
     ) -> Opened:
         """Send the request; return once its first body bytes are here (or raise)."""
         try:
-            response = await self._session.post(
-                backend.url + path, data=body, headers=headers, timeout=self._timeout
-            )
+            try:
+                response = await self._post(backend, path, body, headers)
+            except aiohttp.ServerDisconnectedError:
+                # A pooled keep-alive connection the backend closed while we reused it:
+                # nothing reached vLLM, so the same backend gets one fresh try.
+                response = await self._post(backend, path, body, headers)
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamFailure(backend, "connect", str(exc)) from None
         except TimeoutError:
@@ -114,6 +117,12 @@ class Upstream:
         except BaseException:
             response.close()
             raise
+
+    async def _post(
+        self, backend: Backend, path: str, body: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        return await self._session.post(
+            backend.url + path, data=body, headers=headers, timeout=self._timeout)
 
     async def _first_bytes(
         self, backend: Backend, response: aiohttp.ClientResponse, stream: bool

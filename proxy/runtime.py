@@ -42,7 +42,9 @@ class Runtime:
         policy = build_policy(settings.policy.name, settings.policy.params)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)
         self._relay_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=settings.upstream.pool_size, ttl_dns_cache=300),
+            connector=aiohttp.TCPConnector(
+                limit=settings.upstream.pool_size, ttl_dns_cache=300,
+                keepalive_timeout=settings.upstream.keepalive_s),
             auto_decompress=False,  # relay bytes exactly as the backend sent them
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )

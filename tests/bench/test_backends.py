@@ -14,6 +14,7 @@ import yaml
 
 from bench import backends
 from bench.backends import Running, plan
+from bench.vllm_server import group_alive
 from proxy.config import load_settings
 
 
@@ -65,7 +66,7 @@ def test_down_kills_recorded_process_groups_and_forgets_them(home: Path) -> None
     assert [s.name for s in backends.recorded()] == ["a", "b"]
     stopped = backends.down()
     assert [s.pid for s in stopped] == [s.pid for s in servers]
-    assert not any(alive(s.pid) for s in servers)
+    assert not any(group_alive(s.pid) for s in servers)  # the `sleep` children too
     assert not backends.state_file().exists() and backends.recorded() == []
 
 
@@ -79,3 +80,19 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_ignored() -> None:
     backends.stop([Running("stubborn", "small", "tiny-llama", 1, proc.pid)], grace_s=0.5)
     assert time.monotonic() - started >= 0.5  # SIGTERM was ignored for the whole grace
     assert not alive(proc.pid)
+
+
+def test_stop_does_not_wait_for_zombies_another_parent_never_reaps() -> None:
+    """`laneway backends down` from another shell while the starting process still runs."""
+    script = ("import subprocess, time; p = subprocess.Popen(['sleep', '300'], "
+              "start_new_session=True); print(p.pid, flush=True); time.sleep(300)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        server = Running("orphaned", "small", "tiny-llama", 1, int(parent.stdout.readline()))
+        started = time.monotonic()
+        backends.stop([server], grace_s=5.0)
+        assert time.monotonic() - started < 3.0 and not group_alive(server.pid)
+    finally:
+        parent.kill()
+        parent.wait()

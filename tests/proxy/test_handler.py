@@ -203,3 +203,53 @@ async def test_models_and_no_healthy_backend() -> None:
                                        json={**CHAT, "model": "ghost-model"})
     assert [m["id"] for m in models["data"]] == ["fake"]
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
+
+
+@contextlib.asynccontextmanager
+async def dropping_hop(upstream: str, drop_first: int) -> AsyncIterator[str]:
+    """A TCP hop to `upstream` that closes the connections of its first `drop_first`
+    POSTs as soon as they arrive, as a backend closing a stale keep-alive connection
+    does (the poller's GETs pass)."""
+    host, port = upstream.removeprefix("http://").split(":")
+    accepted = 0
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        first = await reader.read(65536)
+        accepted += first.startswith(b"POST")
+        if first.startswith(b"POST") and accepted <= drop_first:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        up_writer.write(first)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_connection_closed_before_response_is_retried_on_same_backend() -> None:
+    async with serve_fake(FakeConfig()) as fake, dropping_hop(fake.url, 1) as hop:
+        settings = Settings(server={"port": 0},  # type: ignore[arg-type]
+                            backends=[{"name": "only", "url": hop, "model": "fake"}])  # type: ignore[list-item]
+        async with serve_in_loop(settings) as proxy:
+            response = await post(proxy, CHAT)
+    assert response.status_code == 200 and fake.app.stats.requests == 1
+
+
+async def test_backend_that_always_drops_gives_502() -> None:
+    async with serve_fake(FakeConfig()) as fake, dropping_hop(fake.url, 99) as hop:
+        settings = Settings(server={"port": 0},  # type: ignore[arg-type]
+                            backends=[{"name": "only", "url": hop, "model": "fake"}])  # type: ignore[list-item]
+        async with serve_in_loop(settings) as proxy:
+            response = await post(proxy, CHAT)
+    assert response.status_code == 502
+    assert "only: broken" in response.json()["error"]["message"]

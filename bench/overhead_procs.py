@@ -1,0 +1,77 @@
+"""The overhead benchmark's processes: fakes, laneway, the bare relay. Each is a
+context manager that always stops its process (terminate, then kill)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from bench.proxy_process import ProxyProcess, free_port, running_proxy
+
+REPO = Path(__file__).resolve().parents[1]
+_START_TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def child(args: list[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `python args...` until the block ends; wait until `ready_url` answers 200."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO)
+    try:
+        wait_ok(ready_url, proc)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_ok(url: str, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready in {_START_TIMEOUT_S}s")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def fake_process(tpot_ms: float, model: str) -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with child(["-m", "bench.fake_vllm", "--port", str(port), "--model", model,
+                "--tpot-ms", str(tpot_ms)], f"{url}/health"):
+        yield url
+
+
+@contextlib.contextmanager
+def minimal_relay(upstream: str) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with child(["-m", "bench.minimal_relay", upstream, str(port)], f"{url}/health") as proc:
+        yield url, proc.pid
+
+
+@contextlib.contextmanager
+def proxy_for(fast: str, paced: str) -> Iterator[ProxyProcess]:
+    """`laneway serve` routing model `fast` and model `paced` to their fakes."""
+    config = {"backends": [{"name": "fast", "url": fast, "model": "fast"},
+                           {"name": "paced", "url": paced, "model": "paced"}],
+              "policy": {"name": "round_robin", "params": {}},
+              "poller": {"interval_s": 0.1},
+              "server": {"log_level": "warning"}}
+    with running_proxy(config) as proxy:
+        wait_ok(f"{proxy.url}/health")  # 200 once the poller has seen both backends
+        yield proxy

