@@ -60,6 +60,9 @@ def running_proxy(
                 proc.kill()
                 proc.wait()
             log.close()
+            # Shown by pytest when a test fails: what the proxy logged.
+            lines = (Path(tmp) / "proxy.log").read_text(errors="replace").splitlines()
+            print("\n".join(["--- proxy log (tail) ---", *lines[-80:]]))
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:

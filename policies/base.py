@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 from predictors.base import Prediction
-from proxy.types import ClusterView, Decision, Outcome, RequestContext
+from proxy.types import ClusterView, Decision, Outcome, Progress, RequestContext
 
 
 class NoParams(BaseModel):
@@ -35,6 +35,19 @@ class Policy(Protocol):
         """Feedback on a pick: called exactly once per `pick`, also for an attempt
         that failed (then `outcome.ok` is False) so a policy can release what it
         reserved. May be a no-op."""
+        ...
+
+
+class Rerouting(Protocol):
+    """A policy that may move a running stream (checked every τ generated tokens)."""
+
+    def reroute(
+        self, ctx: RequestContext, pred: Prediction, progress: Progress, view: ClusterView
+    ) -> Decision | None:
+        """Another backend from `view.candidates` to continue on, or None to stay.
+
+        `view` excludes the current backend. A returned decision is observed like a
+        pick (exactly one `observe` follows it)."""
         ...
 
 

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from proxy.admin import PREFIX as ADMIN_PREFIX
+from proxy.admin import handle_admin
 from proxy.asgi import Receive, Scope, Send, send_bytes, send_error, send_json
 from proxy.config import Settings
 from proxy.errors import MethodNotAllowed, NotFound
@@ -91,6 +93,11 @@ class LanewayApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = ROUTES.get(scope["path"])
+        if route is None and scope["path"].startswith(ADMIN_PREFIX) \
+                and self.settings.admin.enabled:
+            assert self.runtime is not None, "lifespan did not run"
+            await handle_admin(self.runtime, scope, receive, send)
+            return
         if route is None:
             await send_error(send, NotFound(f"No route for {scope['path']}."))
             return

@@ -73,8 +73,34 @@ class PollerConfig(_Section):
     backoff_max_s: float = Field(10.0, gt=0)
 
 
+class MigrationConfig(_Section):
+    """Moving running requests between backends by token ids (see README, Migration)."""
+
+    enabled: bool = Field(True, description="track token ids of eligible streams so "
+                          "they can move; off: plain byte relay, no mid-stream moves")
+    on_failure: bool = Field(True, description="a backend failing mid-stream: continue "
+                             "the stream on another backend instead of an error event")
+    non_stream: bool = Field(False, description="track non-streamed requests too (the "
+                             "backend streams to the proxy); always on for forced moves")
+    max_per_request: int = Field(3, ge=0, description="handoffs allowed per request")
+    check_every_tokens: int = Field(50, ge=1, description="τ: a rerouting policy looks "
+                                    "at a stream every this many generated tokens")
+    warm_prefill: bool = Field(True, description="prefill the target first while the "
+                               "source keeps streaming, so the cut-over stall is short")
+    handoff_timeout_s: float = Field(30.0, gt=0, description="give up a handoff (and "
+                                     "stay on the source) after this long")
+
+
+class AdminConfig(_Section):
+    enabled: bool = Field(True, description="serve /admin/... (drain, undrain)")
+    token: str | None = Field(None, description="if set, /admin needs `Authorization: "
+                              "Bearer <token>`")
+
+
 class DebugConfig(_Section):
     log_decisions: bool = False
+    allow_forced_migration: bool = Field(False, description="honour the request header "
+                                         "`x-laneway-migrate-after: N` (tests, demos)")
 
 
 class Settings(BaseSettings):
@@ -87,6 +113,8 @@ class Settings(BaseSettings):
     policy: PolicyConfig = PolicyConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     poller: PollerConfig = PollerConfig()
+    migration: MigrationConfig = MigrationConfig()
+    admin: AdminConfig = AdminConfig()
     debug: DebugConfig = DebugConfig()
 
     @field_validator("backends")

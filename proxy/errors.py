@@ -41,6 +41,12 @@ class ModelNotFound(NotFound):
         super().__init__(f"The model `{model}` does not exist.", param="model")
 
 
+class Unauthorized(ProxyError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
 class MethodNotAllowed(ProxyError):
     status = 405
     type = "invalid_request_error"

@@ -9,9 +9,12 @@ OpenAI's shape and the stream ends cleanly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import os
 import time
+from typing import Any
 
 import aiohttp
 
@@ -24,13 +27,24 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from proxy.legs import Leg
+from proxy.migration import (
+    EVENTS_HEADER,
+    Tracking,
+    forced_after,
+    tracked_body,
+    tracking_of,
+    why_not_migratable,
+)
 from proxy.relay import Opened, StallWatch, UpstreamFailure, forward_headers
 from proxy.requests import build_context, parse_body
 from proxy.runtime import Runtime
 from proxy.stream import StreamTally, body_usage
+from proxy.tracked import TrackedRelay
 from proxy.types import Endpoint, Outcome, RequestContext
 
 _PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+log = logging.getLogger("laneway")
 _ids = itertools.count()
 _ID_PREFIX = os.urandom(4).hex()
 
@@ -42,8 +56,9 @@ async def handle_completion(
     server = rt.settings.server
     try:
         body = await read_body(headers, receive, server.max_body_bytes)
+        data = parse_body(body)
         ctx = build_context(
-            parse_body(body), endpoint, headers,
+            data, endpoint, headers,
             request_id=headers.get("x-request-id") or f"lw-{_ID_PREFIX}-{next(_ids)}",
             max_tokens_limit=server.max_tokens_limit,
             session_header=server.session_header,
@@ -51,22 +66,46 @@ async def handle_completion(
         )
         if not rt.registry.serves(ctx.model):
             raise ModelNotFound(ctx.model)
+        forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
     except ClientGone:
         return
     except ProxyError as err:
         rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
         await send_error(send, err)
         return
-    await Exchange(rt, ctx, body, forward_headers(scope["headers"]), send).run(receive)
+    tracking = _tracking(rt, ctx, data, forced)
+    await Exchange(rt, ctx, body, data, forward_headers(scope["headers"]), send,
+                   tracking=tracking, forced_after=forced,
+                   announce=headers.get(EVENTS_HEADER) == "1").run(receive)
+
+
+def _tracking(
+    rt: Runtime, ctx: RequestContext, data: dict[str, Any], forced: int | None
+) -> Tracking | None:
+    """How the request is tracked for migration, or None for a plain byte relay."""
+    cfg = rt.settings.migration
+    wanted = ctx.stream or cfg.non_stream or rt.router.reroutes or forced is not None
+    if not cfg.enabled or not wanted:
+        return None
+    why_not = why_not_migratable(data, ctx.endpoint == "chat")
+    if why_not is not None:
+        log.debug("request %s is not migratable (%s)", ctx.request_id, why_not)
+        return None
+    return tracking_of(data, ctx.max_tokens)
 
 
 class Exchange:
     """One routed request, from the first pick to the last byte sent."""
 
     def __init__(
-        self, rt: Runtime, ctx: RequestContext, body: bytes, headers: dict[str, str], send: Send
+        self, rt: Runtime, ctx: RequestContext, body: bytes, data: dict[str, Any],
+        headers: dict[str, str], send: Send, *, tracking: Tracking | None = None,
+        forced_after: int | None = None, announce: bool = False,
     ) -> None:
-        self.rt, self.ctx, self.body, self.headers, self.send = rt, ctx, body, headers, send
+        self.rt, self.ctx, self.body, self.data, self.headers, self.send = (
+            rt, ctx, body, data, headers, send)
+        self.tracking, self.forced_after, self.announce = tracking, forced_after, announce
+        self.relay: TrackedRelay | None = None
         self.finished = False  # set before the last send, so a late disconnect is ignored
         self.client_gone = False
         self.tally: StreamTally | None = None
@@ -93,7 +132,7 @@ class Exchange:
     async def _watch_disconnect(self, receive: Receive, task: asyncio.Task[None]) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self.finished:
+        if not self.finished and not (self.relay is not None and self.relay.done):
             self.client_gone = True
             task.cancel()
 
@@ -101,6 +140,8 @@ class Exchange:
         rt, ctx = self.rt, self.ctx
         tried: list[str] = []
         failures: list[UpstreamFailure] = []
+        body = self.body if self.tracking is None else tracked_body(self.data, self.tracking)
+        stream = ctx.stream or self.tracking is not None
         for _ in range(rt.settings.upstream.max_attempts):
             view = rt.registry.view(ctx.model, time.monotonic(), exclude=tried)
             if not view.candidates:
@@ -108,25 +149,54 @@ class Exchange:
             backend = rt.router.pick(ctx, NO_PREDICTION, view).backend
             tried.append(backend.name)
             self.backend_name = backend.name
-            with rt.registry.guard(backend.name):
-                try:
-                    opened = await rt.upstream.open(
-                        backend, _PATHS[ctx.endpoint], self.body, self.headers, ctx.stream)
-                except UpstreamFailure as failure:
-                    failures.append(failure)
-                    rt.upstream_failed(failure, ctx.model)
-                    self._observe_attempt(backend.name, 504 if failure.kind == "timeout" else 502)
-                    continue
-                except asyncio.CancelledError:
+            guard = contextlib.ExitStack()
+            guard.enter_context(rt.registry.guard(backend.name))
+            try:
+                opened = await rt.upstream.open(
+                    backend, _PATHS[ctx.endpoint], body, self.headers, stream)
+                if self.tracking is not None and not opened.complete:
+                    await self._relay_tracked(opened, guard)
+                    return
+            except UpstreamFailure as failure:
+                guard.close()
+                failures.append(failure)
+                rt.upstream_failed(failure, ctx.model)
+                self._observe_attempt(backend.name, 504 if failure.kind == "timeout" else 502)
+                continue
+            except asyncio.CancelledError:
+                guard.close()
+                if self.relay is None:
                     self._observe_attempt(backend.name, 499)
-                    raise
+                raise
+            with guard:
                 try:
                     await self._respond(opened)
                 finally:
                     opened.close()
                     self._account(opened)
-                return
+            return
         raise _exhausted(ctx, failures, rt.settings.server.retry_after_s)
+
+    async def _relay_tracked(self, opened: Opened, guard: contextlib.ExitStack) -> None:
+        """Relay a request that may migrate (see proxy/tracked.py)."""
+        assert self.tracking is not None
+        rt, ctx = self.rt, self.ctx
+        relay = TrackedRelay(rt, ctx, self.data, self.tracking, self.headers, self.send,
+                             forced_after=self.forced_after, announce=self.announce)
+        leg = Leg(opened, ctx.endpoint == "chat", guard, rt.settings.upstream.read_timeout_s)
+        self.relay = relay
+        try:
+            await relay.run(leg)
+        except UpstreamFailure:
+            self.relay = None  # nothing reached the client: the caller tries elsewhere
+            raise
+        finally:
+            relay.close()
+            if self.relay is not None:
+                self.finished = True
+                outcome = relay.final_outcome(self.client_gone)
+                rt.metrics.observe(outcome)
+                rt.router.observe(outcome)
 
     def _observe_attempt(self, backend: str, status: int) -> None:
         """Tell the policy that its pick did not get a response (see Policy.observe)."""

@@ -25,6 +25,7 @@ from proxy.types import Outcome
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
+_STALL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5)
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2)
 
 
@@ -61,6 +62,20 @@ class Metrics:
         self.disconnects = Counter(
             "laneway_client_disconnects", "Clients that went away mid-request",
             ["model", "backend"], registry=r)
+        self.migrations = Counter(
+            "laneway_migrations", "Requests moved to another backend mid-generation",
+            ["reason", "source", "target"], registry=r)
+        self.migration_failures = Counter(
+            "laneway_migration_failures", "Moves abandoned (the request stayed where it was)",
+            ["reason", "target"], registry=r)
+        self.handoff_stall = Histogram(
+            "laneway_handoff_stall_seconds",
+            "Client-visible gap between the last token before a move and the first after",
+            buckets=_STALL_BUCKETS, registry=r)
+        self.reprefilled = Counter(
+            "laneway_migration_reprefilled_tokens",
+            "Tokens (prompt + generated) a move made a target prefill again",
+            ["target"], registry=r)
         r.register(_BackendCollector(registry))
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 

@@ -48,6 +48,15 @@ class Registry:
         self._draining.add(name)
         self._rederive()
 
+    def undrain(self, name: str) -> None:
+        if name not in self._backends:
+            raise KeyError(name)
+        self._draining.discard(name)
+        self._rederive()
+
+    def is_draining(self, name: str) -> bool:
+        return name in self._draining
+
     def all(self) -> tuple[Backend, ...]:
         return tuple(self._backends.values())
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from policies.base import Policy
+from policies.base import Policy, Rerouting
 from predictors.base import Prediction
 from proxy.metrics import Metrics
-from proxy.types import ClusterView, Decision, Outcome, RequestContext
+from proxy.types import ClusterView, Decision, Outcome, Progress, RequestContext
 
 log = logging.getLogger("laneway.routing")
 
@@ -19,6 +19,13 @@ class Router:
         self.policy_name = policy.name
         self._timer = metrics.decision.labels(policy.name)
         self._log_level = logging.INFO if log_decisions else logging.DEBUG
+        reroute = getattr(policy, "reroute", None)
+        self._rerouting: Rerouting | None = policy if callable(reroute) else None  # type: ignore[assignment]
+
+    @property
+    def reroutes(self) -> bool:
+        """Whether the policy checks running streams (then they are tracked)."""
+        return self._rerouting is not None
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         started = time.perf_counter()
@@ -28,6 +35,20 @@ class Router:
             log.log(self._log_level, "request %s model=%s -> %s (%s; %d candidates)",
                     ctx.request_id, ctx.model, decision.backend.name, decision.reason,
                     len(view.candidates))
+        return decision
+
+    def reroute(
+        self, ctx: RequestContext, pred: Prediction, progress: Progress, view: ClusterView
+    ) -> Decision | None:
+        if self._rerouting is None or not view.candidates:
+            return None
+        started = time.perf_counter()
+        decision = self._rerouting.reroute(ctx, pred, progress, view)
+        self._timer.observe(time.perf_counter() - started)
+        if decision is not None:
+            log.info("request %s: policy moves it %s -> %s after %d tokens (%s)",
+                     ctx.request_id, progress.backend.name, decision.backend.name,
+                     progress.generated, decision.reason)
         return decision
 
     def observe(self, outcome: Outcome) -> None:

@@ -13,6 +13,7 @@ import aiohttp
 from policies.base import build_policy
 from proxy.config import Settings
 from proxy.metrics import Metrics
+from proxy.migration import ActiveStreams
 from proxy.poller import Poller
 from proxy.registry import Registry
 from proxy.relay import Upstream, UpstreamFailure
@@ -52,6 +53,7 @@ class Runtime:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         )
         self.upstream = Upstream(self._relay_session, settings.upstream)
+        self.streams = ActiveStreams()
         self.poller = Poller(self.registry, settings.poller, self._poll_session)
         self._poll_task: asyncio.Task[None] | None = None
         self.started_at_wall = time.time()

@@ -105,3 +105,18 @@ class Outcome:
     completion_tokens: int
     prompt_tokens: int | None = None
     tpot_s: float | None = None
+    moved_to: str | None = None  # this leg handed the request over to another backend
+    migrations: int = 0  # handoffs before this leg (0: the request never moved)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A running stream, as a policy's periodic migration check sees it."""
+
+    backend: Backend  # where it runs now
+    generated: int  # tokens generated so far (on every backend)
+    max_tokens: int | None
+    elapsed_s: float  # since the request arrived
+    ttft_s: float | None
+    tpot_s: float | None  # mean seconds per token on the current backend
+    migrations: int

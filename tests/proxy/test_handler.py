@@ -5,45 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from bench.fake_vllm import FakeConfig, RunningFake, serve_fake
+from bench.fake_vllm import FakeConfig, serve_fake
 from proxy.config import Settings
-from proxy.server import RunningProxy, serve_in_loop
-
-CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
-
-
-@contextlib.asynccontextmanager
-async def fleet(*configs: FakeConfig, **sections: Any
-                ) -> AsyncIterator[tuple[RunningProxy, list[RunningFake]]]:
-    async with contextlib.AsyncExitStack() as stack:
-        fakes = [await stack.enter_async_context(serve_fake(c)) for c in configs]
-        backends = [{"name": f"f{i}", "url": f.url, "model": f.app.config.model}
-                    for i, f in enumerate(fakes)]
-        settings = Settings(
-            server={"port": 0, **sections.pop("server", {})},  # type: ignore[arg-type]
-            backends=backends + sections.pop("extra_backends", []),  # type: ignore[arg-type]
-            policy=sections.pop("policy", {"name": "round_robin"}),  # type: ignore[arg-type]
-            **sections,
-        )
-        proxy = await stack.enter_async_context(serve_in_loop(settings))
-        yield proxy, fakes
-
-
-async def post(proxy: RunningProxy, body: Any, path: str = "/v1/chat/completions",
-               **kw: Any) -> httpx.Response:
-    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
-        content = body if isinstance(body, bytes) else orjson.dumps(body)
-        return await http.post(path, content=content, **kw)
-
-
-def events(text: str) -> list[str]:
-    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+from proxy.server import serve_in_loop
+from tests.proxy.fakes import CHAT, events, fleet, post
 
 
 async def test_stream_is_relayed_unchanged() -> None:

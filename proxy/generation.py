@@ -1,0 +1,103 @@
+"""What a tracked request has generated so far, across every backend it ran on.
+
+The proxy, not the backend, decides what text the client sees of a tracked request:
+backends are asked to include stop strings in their output (so they hold nothing
+back), and the proxy holds back the last `max(len(stop)) - 1` characters itself, as
+vLLM would. That way a stop string that straddles a migration splice (its first
+characters from backend A, the rest from backend B) still stops the generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.pieces import Piece
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """What one upstream piece lets the client see."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class Generation:
+    def __init__(self, stops: tuple[str, ...] = (), include_stop: bool = False) -> None:
+        self.prompt_token_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []  # released text, for a non-streamed answer
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.fingerprint: str | None = None
+        self._stops = stops
+        self._include_stop = include_stop
+        self._hold = max(map(len, stops)) - 1 if stops and not include_stop else 0
+        self._lookback = max(map(len, stops), default=1) - 1
+        self._pending = ""  # received, not yet released
+        self._released_tail = ""  # the last `_lookback` released characters
+        self.clean_boundary = True  # the text so far decodes completely (splice here)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def generated(self) -> int:
+        return len(self.token_ids)
+
+    def add(self, piece: Piece) -> Release:
+        if piece.prompt_token_ids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = list(piece.prompt_token_ids)
+        if piece.fingerprint is not None:
+            self.fingerprint = piece.fingerprint
+        ids = list(piece.token_ids)
+        self.token_ids += ids
+        self.clean_boundary = bool(piece.text) and not piece.text.endswith("\ufffd")
+        self._pending += piece.text
+        if self._stops and (hit := self._find_stop()) is not None:
+            return self._stop_at(*hit, ids)
+        if piece.finish_reason is not None:
+            return self._finish(piece, ids)
+        cut = len(self._pending) - self._hold
+        if cut <= 0:
+            return Release("", ids)
+        return Release(self._release(self._pending[:cut], self._pending[cut:]), ids)
+
+    def _find_stop(self) -> tuple[int, str] | None:
+        """The earliest stop string in the unreleased text (and what precedes it)."""
+        window = self._released_tail + self._pending
+        hits = [(at, stop) for stop in self._stops if (at := window.find(stop)) >= 0]
+        if not hits:
+            return None
+        at, stop = min(hits)
+        return at - len(self._released_tail), stop
+
+    def _stop_at(self, at: int, stop: str, ids: list[int]) -> Release:
+        end = at + len(stop) if self._include_stop else at
+        text = self._release(self._pending[:max(end, 0)], "")
+        self.finish_reason, self.stop_reason = "stop", stop
+        return Release(text, ids, "stop", stop)
+
+    def _finish(self, piece: Piece, ids: list[int]) -> Release:
+        text = self._pending
+        stop = piece.stop_reason
+        if isinstance(stop, str) and not self._include_stop and text.endswith(stop):
+            text = text[: -len(stop)]  # the backend included it because we asked it to
+        self.finish_reason, self.stop_reason = piece.finish_reason, stop
+        return Release(self._release(text, ""), ids, piece.finish_reason, stop)
+
+    def _release(self, text: str, keep: str) -> str:
+        self._pending = keep
+        if text:
+            self.text_parts.append(text)
+            if self._lookback:
+                self._released_tail = (self._released_tail + text)[-self._lookback:]
+        return text
+
+    def stop_at_length(self) -> Release:
+        """The generation reached `max_tokens` (counted by the proxy across backends)."""
+        self.finish_reason = "length"
+        return Release(self._release(self._pending, ""), [], "length", None)

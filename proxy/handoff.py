@@ -1,0 +1,167 @@
+"""Opening a continuation on another backend, and the buffered two-step handoff.
+
+Step 1 (warm, optional): the target prefills `prompt_ids + generated_ids` with a
+one-token request while the source keeps streaming to the client, so the target's
+prefix cache holds nearly the whole sequence. Step 2: at the next clean token
+boundary the source is frozen (its later tokens are never shown) and the target
+continues from exactly what the client has; its prefill is only the few tokens past
+the cached blocks, so the client's stall is about one decode step. Freezing rather
+than racing keeps the splice exact for sampled (non-greedy) requests too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.generation import Generation
+from proxy.legs import Leg
+from proxy.migration import Tracking, continuation_body
+from proxy.relay import Opened, UpstreamFailure
+from proxy.runtime import Runtime
+from proxy.types import Backend
+
+_PATH = "/v1/completions"
+_ERROR_DETAIL = 300
+
+
+class HandoffFailed(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """What a continuation request needs besides the generation itself."""
+
+    rt: Runtime
+    data: dict[str, Any]
+    tracking: Tracking
+    headers: dict[str, str]
+    model: str  # the client's model, for metrics
+
+
+async def open_continuation(c: Continuation, gen: Generation, target: Backend,
+                            guard: contextlib.ExitStack | None = None) -> Leg:
+    """Continue `gen` on `target`; returns once its first bytes are here."""
+    assert gen.prompt_token_ids is not None
+    guard = guard or _guard(c.rt, target)
+    body = continuation_body(c.data, c.tracking, target.model, gen.prompt_token_ids,
+                             gen.token_ids)
+    try:
+        opened = await c.rt.upstream.open(target, _PATH, body, c.headers, stream=True)
+        _check(opened)
+    except UpstreamFailure as failure:
+        guard.close()
+        c.rt.upstream_failed(failure, c.model)
+        raise HandoffFailed(f"{failure.kind}: {failure.detail[:_ERROR_DETAIL]}") from None
+    except BaseException:
+        guard.close()
+        raise
+    return Leg(opened, chat=False, guard=guard,
+               read_timeout_s=c.rt.settings.upstream.read_timeout_s)
+
+
+def _guard(rt: Runtime, target: Backend) -> contextlib.ExitStack:
+    guard = contextlib.ExitStack()
+    guard.enter_context(rt.registry.guard(target.name))
+    return guard
+
+
+def _check(opened: Opened) -> None:
+    if opened.status != 200:
+        detail = opened.head[:_ERROR_DETAIL].decode(errors="replace")
+        opened.close()
+        raise UpstreamFailure(opened.backend, "status", f"HTTP {opened.status}: {detail}",
+                              status=opened.status)
+
+
+@dataclass(slots=True)
+class Handoff:
+    c: Continuation
+    target: Backend
+    reason: str
+    at_start: int  # tokens generated when the move was decided
+    deadline: float
+    started_at: float = field(default_factory=time.monotonic)
+    guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    warm_task: asyncio.Task[Opened] | None = None
+    warmed: bool = False
+
+    @classmethod
+    def start(cls, c: Continuation, gen: Generation, target: Backend, reason: str, *,
+              warm: bool) -> Handoff:
+        cfg = c.rt.settings.migration
+        handoff = cls(c, target, reason, gen.generated,
+                      deadline=time.monotonic() + cfg.handoff_timeout_s,
+                      guard=_guard(c.rt, target))
+        if warm and gen.prompt_token_ids is not None:
+            body = continuation_body(c.data, c.tracking, target.model, gen.prompt_token_ids,
+                                     gen.token_ids, warm=True)
+            handoff.warm_task = asyncio.create_task(
+                c.rt.upstream.open(target, _PATH, body, c.headers, stream=False))
+        else:
+            handoff.warmed = True
+        return handoff
+
+    @property
+    def ready(self) -> bool:
+        """Warm (or not warming): the next clean boundary can cut over."""
+        return self.warmed
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    async def wait_either(self, read: asyncio.Future[Any]) -> None:
+        """Until the source's read, the warm-up or the deadline, whichever is first."""
+        waiting: set[asyncio.Future[Any]] = {read}
+        if self.warm_task is not None and not self.warmed:
+            waiting.add(self.warm_task)
+        await asyncio.wait(waiting, timeout=max(0.0, self.deadline - time.monotonic()),
+                           return_when=asyncio.FIRST_COMPLETED)
+
+    def finish_warm(self) -> None:
+        """Take the warm-up's result; raises HandoffFailed if it failed or timed out."""
+        task = self.warm_task
+        if task is None or not task.done():
+            if self.expired:
+                raise HandoffFailed("handoff timed out while the target prefilled")
+            return
+        self.warm_task = None
+        try:
+            opened = task.result()
+        except UpstreamFailure as failure:
+            self.c.rt.upstream_failed(failure, self.c.model)
+            raise HandoffFailed(f"warm-up {failure.kind}: {failure.detail[:_ERROR_DETAIL]}") \
+                from None
+        try:
+            _check(opened)
+        except UpstreamFailure as failure:
+            raise HandoffFailed(f"warm-up {failure.detail}") from None
+        opened.close()
+        self.warmed = True
+
+    async def continue_at(self, gen: Generation) -> Leg:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise HandoffFailed("handoff timed out")
+        guard, self.guard = self.guard, contextlib.ExitStack()  # the leg owns it now
+        try:
+            async with asyncio.timeout(remaining):
+                return await open_continuation(self.c, gen, self.target, guard)
+        except TimeoutError:
+            raise HandoffFailed("handoff timed out before the target's first token") from None
+
+    def close(self) -> None:
+        if self.warm_task is not None:
+            self.warm_task.cancel()
+            self.warm_task.add_done_callback(_close_opened)
+        self.guard.close()
+
+
+def _close_opened(task: asyncio.Task[Opened]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()

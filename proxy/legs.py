@@ -1,0 +1,95 @@
+"""One backend's part of a tracked request: its response, read event by event.
+
+A tracked request has one leg per backend it ran on. A leg owns its upstream
+response, its in-flight count and its stall watch; closing it releases all three,
+which also tells vLLM to abort the request there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import aiohttp
+
+from proxy.pieces import Piece, UpstreamEventError, parse_event
+from proxy.relay import Opened, StallWatch
+from proxy.sse import DONE, EventSplitter
+
+_FAILED_FINISH = ("abort", "error")
+
+
+class LegFailed(Exception):
+    """The backend stopped giving a usable stream; the generation may move."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind  # broken | timeout | error
+        self.detail = detail
+
+
+class Leg:
+    def __init__(self, opened: Opened, chat: bool, guard: contextlib.ExitStack,
+                 read_timeout_s: float) -> None:
+        self.opened = opened
+        self.backend = opened.backend
+        self.chat = chat  # the format of this leg's events (a continuation is completions)
+        self.started_at = time.monotonic()
+        self.last_at = self.started_at
+        self.first_token_at: float | None = None
+        self.tokens = 0
+        self._guard = guard
+        self._splitter = EventSplitter()
+        self._payloads = self._splitter.feed(opened.head)
+        self._done = False
+        self._watch = StallWatch(opened, read_timeout_s, lambda: self.last_at)
+
+    async def read(self) -> list[Piece]:
+        """The next pieces (never empty); [] once the stream ended with [DONE]."""
+        while True:
+            if self._payloads:
+                pieces = self._parse(self._payloads)
+                self._payloads = []
+                if pieces:
+                    return pieces
+            if self._done:
+                return []
+            try:
+                chunk = await self.opened.next_chunk()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                kind = "timeout" if self._watch.fired or isinstance(exc, TimeoutError) \
+                    else "broken"
+                raise LegFailed(kind, repr(exc)) from None
+            if not chunk:
+                raise LegFailed("broken", "stream ended without [DONE]")
+            self.last_at = time.monotonic()
+            self._payloads = self._splitter.feed(chunk)
+
+    def _parse(self, payloads: list[bytes]) -> list[Piece]:
+        pieces = []
+        for payload in payloads:
+            if payload == DONE:
+                self._done = True
+                break
+            try:
+                piece = parse_event(payload, self.chat)
+            except UpstreamEventError as exc:
+                raise LegFailed("error", str(exc)) from None
+            if piece.token_ids:
+                self.tokens += len(piece.token_ids)
+                if self.first_token_at is None:
+                    self.first_token_at = self.last_at
+            pieces.append(piece)
+            if piece.finish_reason in _FAILED_FINISH:
+                raise LegFailed("error", f"backend finished with {piece.finish_reason}")
+        return pieces
+
+    def tpot(self) -> float | None:
+        if self.first_token_at is None or self.tokens < 2:
+            return None
+        return (self.last_at - self.first_token_at) / (self.tokens - 1)
+
+    def close(self) -> None:
+        self._watch.cancel()
+        self.opened.close()
+        self._guard.close()

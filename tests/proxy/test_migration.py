@@ -1,0 +1,197 @@
+"""Token-ID migration against in-process fakes whose token ids continue across backends.
+
+The fake's generated token i reads `tok<i> ` with id 100+i, and a token-id prompt
+ending in generated ids resumes the count, like greedy decoding of one model on two
+servers. So a spliced answer must read tok0 … tok<n-1>, once each, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from bench.fake_vllm import FakeConfig
+from bench.fake_wire import GEN_BASE
+from tests.proxy.fakes import CHAT, events, fleet, post
+
+FORCED = {"debug": {"allow_forced_migration": True}}
+COMPLETION = {"model": "fake", "prompt": "one two three"}
+
+
+def expected_text(n: int) -> str:
+    return "".join(f"tok{i} " for i in range(n))
+
+
+def stream_text(response: httpx.Response, chat: bool = True) -> str:
+    parts = []
+    for data in events(response.text):
+        if data == "[DONE]":
+            continue
+        for choice in orjson.loads(data)["choices"]:
+            parts.append((choice.get("delta") or {}).get("content") or "" if chat
+                         else choice["text"])
+    return "".join(parts)
+
+
+def migrated_comments(response: httpx.Response) -> list[dict[str, Any]]:
+    prefix = ": laneway "
+    return [orjson.loads(line[len(prefix):]) for line in response.text.split("\n")
+            if line.startswith(prefix)]
+
+
+def continuation_bodies(fake: Any, warm: bool = False) -> list[dict[str, Any]]:
+    """Token-id requests a fake received: continuations (streamed) or warm-ups."""
+    return [b for b in fake.app.stats.bodies
+            if isinstance(b.get("prompt"), list) and b.get("stream") is not warm]
+
+
+@pytest.mark.parametrize("after", [0, 1, 7, 11])
+async def test_forced_move_of_a_chat_stream_loses_and_repeats_nothing(after: int) -> None:
+    slow = FakeConfig(tpot_s=0.02)  # the target's warm-up ends before the next token
+    async with fleet(slow, slow, **FORCED) as (proxy, fakes):
+        body = {**CHAT, "stream": True, "max_tokens": 12, "temperature": 0,
+                "stream_options": {"include_usage": True}}
+        response = await post(proxy, body, headers={"x-laneway-migrate-after": str(after),
+                                                    "x-laneway-events": "1"})
+    assert response.status_code == 200
+    assert stream_text(response) == expected_text(12)
+    data = [orjson.loads(e) for e in events(response.text)[:-1]]
+    assert {d["id"] for d in data} == {data[0]["id"]}  # one response, however spliced
+    assert all(d["object"] == "chat.completion.chunk" for d in data)
+    assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert data[-1]["usage"]["completion_tokens"] == 12
+    assert data[-1]["usage"]["prompt_tokens"] == 2  # BOS + one word: the original prompt
+    assert data[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(d["choices"][0].get("token_ids") is None for d in data[1:-1])
+    (moved,) = migrated_comments(response)
+    assert moved["reason"] == "forced" and moved["at_token"] >= after
+    target = fakes[1] if moved["to"] == "f1" else fakes[0]
+    (cont,) = continuation_bodies(target)
+    (warm,) = continuation_bodies(target, warm=True)
+    assert warm["max_tokens"] == 1 and 2 + after <= len(warm["prompt"]) <= 2 + moved["at_token"]
+    assert len(cont["prompt"]) == 2 + moved["at_token"]
+    assert cont["max_tokens"] == 12 - moved["at_token"]
+    assert cont["temperature"] == 0 and cont["stream"] is True
+    assert cont["prompt"][-1] == GEN_BASE + moved["at_token"] - 1 or moved["at_token"] == 0
+
+
+async def test_forced_move_of_completions_and_non_streamed_requests() -> None:
+    async with fleet(FakeConfig(), FakeConfig(), **FORCED) as (proxy, _):
+        headers = {"x-laneway-migrate-after": "3"}
+        stream = await post(proxy, {**COMPLETION, "stream": True, "max_tokens": 8},
+                            "/v1/completions", headers=headers)
+        whole = await post(proxy, {**COMPLETION, "max_tokens": 8, "return_token_ids": True},
+                           "/v1/completions", headers=headers)
+        chat = await post(proxy, {**CHAT, "max_tokens": 8}, headers=headers)
+    assert stream_text(stream, chat=False) == expected_text(8)
+    choice = whole.json()["choices"][0]
+    assert choice["text"] == expected_text(8)
+    assert choice["token_ids"] == list(range(GEN_BASE, GEN_BASE + 8))
+    assert whole.json()["usage"]["completion_tokens"] == 8
+    assert chat.json()["choices"][0]["message"]["content"] == expected_text(8)
+    assert chat.json()["object"] == "chat.completion"
+
+
+async def test_forced_header_is_ignored_unless_allowed() -> None:
+    async with fleet(FakeConfig(), FakeConfig()) as (proxy, fakes):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 6},
+                              headers={"x-laneway-migrate-after": "2"})
+    assert stream_text(response) == expected_text(6)
+    assert sum(len(continuation_bodies(f)) for f in fakes) == 0
+
+
+async def test_backend_dying_mid_stream_is_continued_elsewhere() -> None:
+    dying, healthy = FakeConfig(die_after_tokens=4), FakeConfig()
+    async with fleet(dying, healthy, policy={"name": "round_robin"}) as (proxy, fakes):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 10},
+                              headers={"x-laneway-events": "1"})
+        metrics = (await httpx.AsyncClient().get(f"{proxy.url}/metrics")).text
+    assert response.headers["x-laneway-backend"] == "f0"
+    assert stream_text(response) == expected_text(10)
+    assert migrated_comments(response)[0] == {
+        "event": "migrated", "from": "f0", "to": "f1", "at_token": 4, "reason": "failure"}
+    assert continuation_bodies(fakes[1])[0]["max_tokens"] == 6
+    assert 'laneway_migrations_total{reason="failure",source="f0",target="f1"} 1.0' in metrics
+
+
+async def test_failure_without_another_backend_ends_with_error_event() -> None:
+    async with fleet(FakeConfig(die_after_tokens=3)) as (proxy, _):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 10})
+    data = events(response.text)
+    assert stream_text_until_error(data) == expected_text(3)
+    assert orjson.loads(data[-2])["error"]["type"] == "upstream_error"
+
+
+def stream_text_until_error(data: list[str]) -> str:
+    return "".join((orjson.loads(d)["choices"] or [{}])[0].get("delta", {}).get("content") or ""
+                   for d in data if d != "[DONE]" and "error" not in orjson.loads(d))
+
+
+async def test_draining_a_backend_moves_its_streams() -> None:
+    slow = FakeConfig(tpot_s=0.01)
+    async with fleet(slow, slow, policy={"name": "round_robin"}) as (proxy, fakes):
+        request = asyncio.create_task(post(proxy, {**CHAT, "stream": True, "max_tokens": 60}))
+        await asyncio.sleep(0.15)
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            drained = await http.post("/admin/backends/f0/drain")
+            response = await request
+            after = await post(proxy, {**CHAT, "max_tokens": 2})
+    assert drained.json()["moving"] == 1
+    assert stream_text(response) == expected_text(60)
+    assert len(continuation_bodies(fakes[1])) == 1
+    assert after.headers["x-laneway-backend"] == "f1"
+
+
+async def test_admin_api_checks_its_token_and_names() -> None:
+    async with fleet(FakeConfig(), admin={"token": "s3cret"}) as (proxy, _):
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            anonymous = await http.post("/admin/backends/f0/drain")
+            unknown = await http.post("/admin/backends/nope/drain",
+                                      headers={"authorization": "Bearer s3cret"})
+            bad = await http.post("/admin/backends/f0/drain", content=b"{",
+                                  headers={"authorization": "Bearer s3cret"})
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
+    assert unknown.status_code == 404
+    assert bad.status_code == 400
+
+
+async def test_moves_per_request_are_limited() -> None:
+    async with fleet(FakeConfig(die_after_tokens=2), FakeConfig(die_after_tokens=2),
+                     FakeConfig(die_after_tokens=2), migration={"max_per_request": 1}) as (
+            proxy, _):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 10})
+    data = events(response.text)
+    assert stream_text_until_error(data) == expected_text(4)
+    assert "error" in orjson.loads(data[-2])
+
+
+async def test_disconnect_during_handoff_cancels_both_backends() -> None:
+    hanging_target = FakeConfig(ttft_s=5.0)
+    async with fleet(FakeConfig(tpot_s=0.01), hanging_target, **FORCED,
+                     policy={"name": "round_robin"}) as (proxy, fakes):
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
+            async with http.stream("POST", "/v1/chat/completions", json={
+                    **CHAT, "stream": True, "max_tokens": 500},
+                    headers={"x-laneway-migrate-after": "3"}) as response:
+                async for _ in response.aiter_bytes():
+                    if fakes[1].app.stats.requests:
+                        break  # the target is prefilling: leave now
+        for _ in range(100):
+            if fakes[0].app.stats.running == fakes[1].app.stats.running == 0:
+                break
+            await asyncio.sleep(0.02)
+    assert fakes[0].app.stats.cancelled == 1
+    assert fakes[1].app.stats.running == 0
+
+
+async def test_requests_that_cannot_move_are_relayed_as_bytes() -> None:
+    async with fleet(FakeConfig(), FakeConfig(), **FORCED) as (proxy, fakes):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 5, "n": 2},
+                              headers={"x-laneway-migrate-after": "1"})
+    assert response.status_code == 200
+    sent = [b for f in fakes for b in f.app.stats.bodies]
+    assert len(sent) == 1 and "return_token_ids" not in sent[0]
