@@ -141,11 +141,11 @@ def table(result: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def system_under_test(target_url: str | None, fast: str, paced: str
+def system_under_test(target_url: str | None, fast: str, paced: str, tracking: bool
                       ) -> Iterator[tuple[str, str, int | None]]:
     """(URL for model `fast`, URL for model `paced`, pid or None)."""
     if target_url is None:
-        with proxy_for(fast, paced) as proxy:
+        with proxy_for(fast, paced, tracking) as proxy:
             yield proxy.url, proxy.url, proxy.pid
     elif target_url == "direct":
         yield fast, paced, None
@@ -153,10 +153,12 @@ def system_under_test(target_url: str | None, fast: str, paced: str
         yield target_url, target_url, None
 
 
-def run(plan: Plan, target_url: str | None, target_pid: int | None) -> dict[str, Any]:
+def run(plan: Plan, target_url: str | None, target_pid: int | None, tracking: bool = True
+        ) -> dict[str, Any]:
     with fake_process(0, "fast") as fast, fake_process(plan.tpot_ms, "paced") as paced, \
             minimal_relay(paced) as (floor, floor_pid), \
-            system_under_test(target_url, fast, paced) as (target_fast, target_paced, pid):
+            system_under_test(target_url, fast, paced, tracking) as (
+                target_fast, target_paced, pid):
         legs = Legs(fast, paced, target_fast, target_paced, pid or target_pid, floor, floor_pid)
         return asyncio.run(measure(legs, plan))
 
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=DEFAULT.repeat)
     parser.add_argument("--quick", action="store_true", help="a small run (~30 s)")
     parser.add_argument("--target-url", help="measure this server instead of laneway")
+    parser.add_argument("--no-tracking", action="store_true",
+                        help="laneway with migration.enabled=false (plain byte relay)")
     parser.add_argument("--target-pid", type=int, help="its pid, for CPU per token")
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "overhead.json")
     args = parser.parse_args(argv)
@@ -179,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = QUICK
     # SIGTERM must unwind the `with` blocks so that every child process is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    result = run(plan, args.target_url, args.target_pid)
+    result = run(plan, args.target_url, args.target_pid, tracking=not args.no_tracking)
     result |= {"targets": TARGETS, "meets_targets": verdict(result),
                "target": args.target_url or "laneway",
+               "tracking": args.target_url is None and not args.no_tracking,
                "command": "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None
                                                                  else argv)}
     print(table(result))

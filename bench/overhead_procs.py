@@ -65,13 +65,17 @@ def minimal_relay(upstream: str) -> Iterator[tuple[str, int]]:
 
 
 @contextlib.contextmanager
-def proxy_for(fast: str, paced: str) -> Iterator[ProxyProcess]:
-    """`laneway serve` routing model `fast` and model `paced` to their fakes."""
+def proxy_for(fast: str, paced: str, tracking: bool = True) -> Iterator[ProxyProcess]:
+    """`laneway serve` routing model `fast` and model `paced` to their fakes.
+
+    `tracking`: streams are tracked for migration (the default config: every event
+    decoded and re-emitted); off, the proxy relays stream bytes untouched."""
     config = {"backends": [{"name": "fast", "url": fast, "model": "fast"},
                            {"name": "paced", "url": paced, "model": "paced"}],
               "policy": {"name": "round_robin", "params": {}},
               "poller": {"interval_s": 0.1},
-              "server": {"log_level": "warning"}}
+              "server": {"log_level": "warning"},
+              "migration": {"enabled": tracking}}
     with running_proxy(config) as proxy:
         wait_ok(f"{proxy.url}/health")  # 200 once the poller has seen both backends
         yield proxy

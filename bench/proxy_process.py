@@ -49,9 +49,13 @@ def running_proxy(
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         url = f"http://127.0.0.1:{port}"
+        failed = False
         try:
             _wait_ready(url, proc, ready_timeout_s, Path(tmp) / "proxy.log")
             yield ProxyProcess(url, proc.pid)
+        except BaseException:
+            failed = True
+            raise
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -60,9 +64,9 @@ def running_proxy(
                 proc.kill()
                 proc.wait()
             log.close()
-            # Shown by pytest when a test fails: what the proxy logged.
-            lines = (Path(tmp) / "proxy.log").read_text(errors="replace").splitlines()
-            print("\n".join(["--- proxy log (tail) ---", *lines[-80:]]))
+            if failed:  # e.g. a test's assertion inside the block: show what the proxy said
+                lines = (Path(tmp) / "proxy.log").read_text(errors="replace").splitlines()
+                print("\n".join(["--- proxy log (tail) ---", *lines[-80:]]))
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:

@@ -96,8 +96,3 @@ class Generation:
             if self._lookback:
                 self._released_tail = (self._released_tail + text)[-self._lookback:]
         return text
-
-    def stop_at_length(self) -> Release:
-        """The generation reached `max_tokens` (counted by the proxy across backends)."""
-        self.finish_reason = "length"
-        return Release(self._release(self._pending, ""), [], "length", None)

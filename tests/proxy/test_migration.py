@@ -16,6 +16,9 @@ import pytest
 
 from bench.fake_vllm import FakeConfig
 from bench.fake_wire import GEN_BASE
+from policies.base import POLICIES, NoParams, register
+from predictors.base import Prediction
+from proxy.types import ClusterView, Decision, Outcome, Progress, RequestContext
 from tests.proxy.fakes import CHAT, events, fleet, post
 
 FORCED = {"debug": {"allow_forced_migration": True}}
@@ -195,3 +198,44 @@ async def test_requests_that_cannot_move_are_relayed_as_bytes() -> None:
     assert response.status_code == 200
     sent = [b for f in fakes for b in f.app.stats.bodies]
     assert len(sent) == 1 and "return_token_ids" not in sent[0]
+
+
+class MoveToOther:
+    """A test policy: round robin, and every check moves the stream to another backend."""
+
+    name = "test_move_every_check"
+    Params = NoParams
+
+    def __init__(self, params: NoParams) -> None:
+        self.checks: list[Progress] = []
+        self.outcomes: list[Outcome] = []
+
+    def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
+        return Decision(view.candidates[0], "first")
+
+    def reroute(self, ctx: RequestContext, pred: Prediction, progress: Progress,
+                view: ClusterView) -> Decision | None:
+        self.checks.append(progress)
+        return Decision(view.candidates[0], "test") if len(self.checks) == 1 else None
+
+    def observe(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+if MoveToOther.name not in POLICIES:
+    register(MoveToOther)
+
+
+async def test_rerouting_policy_is_asked_every_tau_tokens_and_can_move() -> None:
+    async with fleet(FakeConfig(tpot_s=0.005), FakeConfig(),
+                     policy={"name": MoveToOther.name},
+                     migration={"check_every_tokens": 10}) as (proxy, fakes):
+        response = await post(proxy, {**CHAT, "max_tokens": 35})  # non-streamed: tracked too
+        policy = proxy.app.runtime.router.policy  # type: ignore[union-attr]
+    assert response.json()["choices"][0]["message"]["content"] == expected_text(35)
+    assert [p.generated >= 10 * (i + 1) for i, p in enumerate(policy.checks)] == [True] * 3
+    assert policy.checks[0].backend.name == "f0" and policy.checks[1].backend.name == "f1"
+    assert len(continuation_bodies(fakes[1])) == 1
+    moved, final = policy.outcomes
+    assert (moved.backend, moved.moved_to, final.backend, final.migrations) == (
+        "f0", "f1", "f1", 1)

@@ -1,0 +1,127 @@
+"""The proxy's own view of a tracked generation: hold-back, stop strings, splicing."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proxy.generation import Generation
+from proxy.migration import continuation_body, tracked_body, tracking_of, why_not_migratable
+from proxy.pieces import Piece, UpstreamEventError, parse_event
+from proxy.sse import EventSplitter
+
+
+def feed(gen: Generation, *texts: str, finish: str | None = None,
+         stop_reason: str | None = None) -> str:
+    out = []
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        release = gen.add(Piece(text, (i,), finish if last else None,
+                                stop_reason if last else None))
+        out.append(release.text)
+        if gen.finished:
+            break
+    return "".join(out)
+
+
+def test_without_stop_strings_text_is_released_at_once() -> None:
+    gen = Generation()
+    assert gen.add(Piece("Hello", (1,))).text == "Hello"
+    assert gen.add(Piece(" world", (2,), "length")).finish_reason == "length"
+    assert gen.token_ids == [1, 2] and "".join(gen.text_parts) == "Hello world"
+
+
+def test_stop_text_is_held_back_like_vllm_and_removed() -> None:
+    gen = Generation(stops=("END",))
+    assert gen.add(Piece("abc", (1,))).text == "a"  # two characters could start "END"
+    release = gen.add(Piece("dEN", (2,)))
+    assert release.text == "bcd" and not gen.finished
+    release = gen.add(Piece("Dxyz", (3,)))
+    assert (release.text, release.finish_reason, release.stop_reason) == ("", "stop", "END")
+    assert "".join(gen.text_parts) == "abcd"
+
+
+def test_stop_string_straddling_two_backends_stops() -> None:
+    gen = Generation(stops=("STOP",))
+    text = feed(gen, "the ST")  # backend A's last piece
+    text += feed(gen, "OP and more")  # backend B's first piece
+    assert text == "the " and gen.finish_reason == "stop"
+
+
+def test_included_stop_string_is_kept_and_nothing_is_held() -> None:
+    gen = Generation(stops=("STOP",), include_stop=True)
+    assert gen.add(Piece("the ST", (1,))).text == "the ST"
+    assert gen.add(Piece("OP!", (2,))).text == "OP"
+    assert gen.stop_reason == "STOP"
+
+
+def test_backend_reported_stop_is_trimmed_from_the_tail() -> None:
+    gen = Generation(stops=("\n\n",))
+    text = feed(gen, "para", "graph\n\n", finish="stop", stop_reason="\n\n")
+    assert text == "paragraph"
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    gen = Generation(stops=("zzz", "b"))
+    assert feed(gen, "aaab zzz") == "aaa" and gen.stop_reason == "b"
+
+
+def test_a_piece_ending_in_a_partial_character_is_not_a_clean_splice_point() -> None:
+    gen = Generation()
+    gen.add(Piece("caf\ufffd", (1,)))
+    assert not gen.clean_boundary
+    gen.add(Piece("é", (2,)))
+    assert gen.clean_boundary
+
+
+def test_sse_splitter_joins_events_cut_anywhere() -> None:
+    stream = b'data: {"a":1}\n\ndata: {"b":2}\n\n: comment\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream)):
+        splitter = EventSplitter()
+        payloads = splitter.feed(stream[:cut]) + splitter.feed(stream[cut:])
+        assert payloads == [b'{"a":1}', b'{"b":2}', b"[DONE]"]
+
+
+def test_pieces_of_chat_and_completion_events() -> None:
+    chat = parse_event(orjson.dumps({"id": "c", "choices": [
+        {"index": 0, "delta": {"content": "hi"}, "token_ids": [5, 6],
+         "finish_reason": "stop", "stop_reason": 7}]}), chat=True)
+    assert (chat.text, chat.token_ids, chat.finish_reason, chat.stop_reason) == (
+        "hi", (5, 6), "stop", 7)
+    completion = parse_event(orjson.dumps({"choices": [
+        {"text": "x", "token_ids": [1], "prompt_token_ids": [9, 9]}]}), chat=False)
+    assert completion.prompt_token_ids == (9, 9)
+    with pytest.raises(UpstreamEventError):
+        parse_event(b'{"error": {"message": "boom"}}', chat=True)
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"n": 2}, "n > 1"), ({"logprobs": True}, "logprobs"), ({"echo": True}, "echo"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "structured output"),
+    ({"response_format": {"type": "text"}}, None), ({"n": 1, "logprobs": False}, None),
+])
+def test_which_requests_can_move(extra: dict[str, object], reason: str | None) -> None:
+    assert why_not_migratable({"messages": [], **extra}, chat=True) == reason
+
+
+def test_batched_prompts_do_not_move() -> None:
+    assert why_not_migratable({"prompt": ["a", "b"]}, chat=False) == "batched prompt"
+    assert why_not_migratable({"prompt": [1, 2, 3]}, chat=False) is None
+
+
+def test_continuation_carries_sampling_and_the_remaining_budget() -> None:
+    data = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7,
+            "top_p": 0.9, "seed": 3, "stop": "END", "min_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}, "tools_choice_unknown": 1}
+    tracking = tracking_of(data, max_tokens=20)
+    first = orjson.loads(tracked_body(data, tracking))
+    assert first["return_token_ids"] and first["include_stop_str_in_output"]
+    assert "stream_options" not in first
+    body = orjson.loads(continuation_body(data, tracking, "m2", [1, 2], [7, 8, 9]))
+    assert body == {"model": "m2", "prompt": [1, 2, 7, 8, 9], "temperature": 0.7,
+                    "top_p": 0.9, "seed": 3, "max_tokens": 17, "min_tokens": 2,
+                    "stop": ["END"], "include_stop_str_in_output": True, "stream": True,
+                    "return_token_ids": True}
+    warm = orjson.loads(continuation_body(data, tracking, "m2", [1, 2], [7], warm=True))
+    assert warm["max_tokens"] == 1 and warm["stream"] is False and warm["prompt"] == [1, 2, 7]
