@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: install demo test test-fast lint bench-overhead bench-policy-latency clean
+.PHONY: install demo test test-fast lint bench-overhead bench-migration bench-policy-latency clean
 
 install: $(STAMP)
 
@@ -35,6 +35,9 @@ lint: install
 
 bench-overhead: install
 	$(PY) -m bench.overhead
+
+bench-migration: install
+	$(PY) -m bench.migration
 
 bench-policy-latency: install
 	$(PY) -m bench.policy_latency --clock cpu

@@ -125,6 +125,41 @@ def plot(results: list[Result], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+async def show_migration(url: str, model: str) -> tuple[bool, str]:
+    """One stream moved mid-flight (forced) beside the same request left alone."""
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="demo", max_retries=0,
+                                  timeout=120) as sdk:
+        async def text(headers: dict[str, str]) -> str:
+            stream = await sdk.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Tell me about lighthouses."}],
+                max_tokens=64, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                extra_headers=headers)
+            return "".join([c.choices[0].delta.content or "" async for c in stream
+                            if c.choices])
+
+        alone = await text({})
+        moved = await text({"x-laneway-migrate-after": "24"})
+    metrics = await asyncio.to_thread(_get, f"{url}/metrics")
+    moves = [line for line in metrics.splitlines()
+             if line.startswith("laneway_migrations_total{")]
+    stalls = [line for line in metrics.splitlines()
+              if line.startswith(("laneway_handoff_stall_seconds_sum",
+                                  "laneway_handoff_stall_seconds_count"))]
+    return moved == alone, "\n".join(moves + stalls)
+
+
+def _get(url: str) -> str:
+    import httpx
+
+    return str(httpx.get(url, timeout=10).text)
+
+
+def _shared_model(config: dict[str, Any]) -> str:
+    """A model served by two backends (so a stream has somewhere to move)."""
+    models = [b["model"] for b in config["backends"]]
+    return max(set(models), key=models.count)
+
+
 def laneway(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "proxy.cli", *args], check=True, cwd=REPO)
 
@@ -142,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config: dict[str, Any] = yaml.safe_load(config_path.read_text())
         config["policy"] = {"name": args.policy, "params": {}}
+        config["debug"] = {"allow_forced_migration": True}  # for the migration showcase
         models = sorted({b["model"] for b in config["backends"]})
         prompts = load_prompts(args.shared, args.requests)
         with running_proxy(config) as proxy:
@@ -151,13 +187,16 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             results = asyncio.run(workload(url, models, prompts, args.concurrency))
             wall = time.perf_counter() - started
+            same, moves = asyncio.run(show_migration(url, _shared_model(config)))
         print(table(results))
         errors = sum(r.error is not None for r in results)
         print(f"\n{len(results)} requests in {wall:.1f}s, {errors} errors")
         png = STATE / "demo.png"
         plot(results, png)
         print(f"plot: {png}")
-        return 1 if errors else 0
+        print("\nmigration: a stream moved to another backend after 24 tokens "
+              f"(x-laneway-migrate-after); same text as unmoved: {same}\n{moves}")
+        return 1 if errors or not same or "laneway_migrations_total" not in moves else 0
     finally:
         laneway("backends", "down")
 

