@@ -50,10 +50,10 @@ class Generation:
 
     def add(self, piece: Piece) -> Release:
         if piece.prompt_token_ids is not None and self.prompt_token_ids is None:
-            self.prompt_token_ids = list(piece.prompt_token_ids)
+            self.prompt_token_ids = piece.prompt_token_ids
         if piece.fingerprint is not None:
             self.fingerprint = piece.fingerprint
-        ids = list(piece.token_ids)
+        ids = piece.token_ids
         self.token_ids += ids
         self.clean_boundary = bool(piece.text) and not piece.text.endswith("\ufffd")
         self._pending += piece.text

@@ -17,13 +17,13 @@ class UpstreamEventError(Exception):
     """The backend sent an event that is not a completion chunk (e.g. an error)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: its __init__ runs once per token, frozen costs 2x
 class Piece:
     text: str
-    token_ids: tuple[int, ...]
+    token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: list[int] | None = None
     usage: dict[str, Any] | None = None
     event: dict[str, Any] | None = None  # the decoded event itself
     fingerprint: str | None = None
@@ -47,10 +47,10 @@ def parse_event(payload: bytes, chat: bool) -> Piece:
         prompt_ids = choice.get("prompt_token_ids")
     return Piece(
         text=text,
-        token_ids=tuple(choice.get("token_ids") or ()),
+        token_ids=choice.get("token_ids") or [],
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),
-        prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None,
+        prompt_token_ids=prompt_ids,
         usage=event.get("usage"),
         event=event,
         fingerprint=event.get("system_fingerprint"),

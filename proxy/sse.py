@@ -20,13 +20,17 @@ class EventSplitter:
     def feed(self, chunk: bytes) -> list[bytes]:
         """The payloads of the events completed by `chunk` (comments are skipped)."""
         buf = self._pending + chunk if self._pending else chunk
-        if _SEP not in buf and b"\r\n\r\n" not in buf:
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        if _SEP not in buf:
             self._pending = buf
             return []
-        buf = buf.replace(b"\r\n", b"\n")
         *events, self._pending = buf.split(_SEP)
         payloads = []
         for event in events:
+            if event.startswith(b"data: ") and b"\n" not in event:
+                payloads.append(event[6:])  # the usual shape: one data line
+                continue
             data = [line[5:].lstrip(b" ") for line in event.split(b"\n")
                     if line.startswith(_DATA)]
             if data:

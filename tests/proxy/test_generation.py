@@ -16,7 +16,7 @@ def feed(gen: Generation, *texts: str, finish: str | None = None,
     out = []
     for i, text in enumerate(texts):
         last = i == len(texts) - 1
-        release = gen.add(Piece(text, (i,), finish if last else None,
+        release = gen.add(Piece(text, [i], finish if last else None,
                                 stop_reason if last else None))
         out.append(release.text)
         if gen.finished:
@@ -26,17 +26,17 @@ def feed(gen: Generation, *texts: str, finish: str | None = None,
 
 def test_without_stop_strings_text_is_released_at_once() -> None:
     gen = Generation()
-    assert gen.add(Piece("Hello", (1,))).text == "Hello"
-    assert gen.add(Piece(" world", (2,), "length")).finish_reason == "length"
+    assert gen.add(Piece("Hello", [1])).text == "Hello"
+    assert gen.add(Piece(" world", [2], "length")).finish_reason == "length"
     assert gen.token_ids == [1, 2] and "".join(gen.text_parts) == "Hello world"
 
 
 def test_stop_text_is_held_back_like_vllm_and_removed() -> None:
     gen = Generation(stops=("END",))
-    assert gen.add(Piece("abc", (1,))).text == "a"  # two characters could start "END"
-    release = gen.add(Piece("dEN", (2,)))
+    assert gen.add(Piece("abc", [1])).text == "a"  # two characters could start "END"
+    release = gen.add(Piece("dEN", [2]))
     assert release.text == "bcd" and not gen.finished
-    release = gen.add(Piece("Dxyz", (3,)))
+    release = gen.add(Piece("Dxyz", [3]))
     assert (release.text, release.finish_reason, release.stop_reason) == ("", "stop", "END")
     assert "".join(gen.text_parts) == "abcd"
 
@@ -50,8 +50,8 @@ def test_stop_string_straddling_two_backends_stops() -> None:
 
 def test_included_stop_string_is_kept_and_nothing_is_held() -> None:
     gen = Generation(stops=("STOP",), include_stop=True)
-    assert gen.add(Piece("the ST", (1,))).text == "the ST"
-    assert gen.add(Piece("OP!", (2,))).text == "OP"
+    assert gen.add(Piece("the ST", [1])).text == "the ST"
+    assert gen.add(Piece("OP!", [2])).text == "OP"
     assert gen.stop_reason == "STOP"
 
 
@@ -68,9 +68,9 @@ def test_earliest_of_several_stop_strings_wins() -> None:
 
 def test_a_piece_ending_in_a_partial_character_is_not_a_clean_splice_point() -> None:
     gen = Generation()
-    gen.add(Piece("caf\ufffd", (1,)))
+    gen.add(Piece("caf\ufffd", [1]))
     assert not gen.clean_boundary
-    gen.add(Piece("é", (2,)))
+    gen.add(Piece("é", [2]))
     assert gen.clean_boundary
 
 
@@ -87,10 +87,10 @@ def test_pieces_of_chat_and_completion_events() -> None:
         {"index": 0, "delta": {"content": "hi"}, "token_ids": [5, 6],
          "finish_reason": "stop", "stop_reason": 7}]}), chat=True)
     assert (chat.text, chat.token_ids, chat.finish_reason, chat.stop_reason) == (
-        "hi", (5, 6), "stop", 7)
+        "hi", [5, 6], "stop", 7)
     completion = parse_event(orjson.dumps({"choices": [
         {"text": "x", "token_ids": [1], "prompt_token_ids": [9, 9]}]}), chat=False)
-    assert completion.prompt_token_ids == (9, 9)
+    assert completion.prompt_token_ids == [9, 9]
     with pytest.raises(UpstreamEventError):
         parse_event(b'{"error": {"message": "boom"}}', chat=True)
 
