@@ -70,7 +70,10 @@ class FakeStats:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    preemptions: int = 0
+    keep_bodies: bool = True  # off where nobody reads them (the emulator's fleets)
     bodies: list[dict[str, Any]] = field(default_factory=list)  # the most recent ones
+    tokenized: list[dict[str, Any]] = field(default_factory=list)  # /tokenize bodies
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
@@ -80,6 +83,8 @@ class FakeStats:
 
     def record(self, body: dict[str, Any]) -> None:
         self.requests += 1
+        if not self.keep_bodies:
+            return
         if len(self.bodies) >= 2 * _BODIES_KEPT:
             del self.bodies[:_BODIES_KEPT]
         self.bodies.append(body)
@@ -93,6 +98,7 @@ _HELP = {
     "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
     "vllm:prompt_tokens": "Number of prefill tokens processed.",
     "vllm:generation_tokens": "Number of generation tokens processed.",
+    "vllm:num_preemptions": "Cumulative number of preemption from the engine.",
     "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
 }
@@ -114,6 +120,7 @@ def render(stats: FakeStats, model: str, kv_capacity_tokens: int) -> bytes:
     family("vllm:prefix_cache_hits", "counter", stats.prefix_hits)
     family("vllm:prompt_tokens", "counter", stats.prompt_tokens)
     family("vllm:generation_tokens", "counter", stats.generation_tokens)
+    family("vllm:num_preemptions", "counter", stats.preemptions)
     for name, hist in (("vllm:time_to_first_token_seconds", stats.ttft),
                        ("vllm:inter_token_latency_seconds", stats.itl)):
         out.append(f"# HELP {name} {_HELP[name]}\n# TYPE {name} histogram\n")

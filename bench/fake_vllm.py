@@ -22,7 +22,15 @@ import orjson
 import uvicorn
 
 from bench.fake_metrics import FakeStats, PrefixCache, render
-from bench.fake_wire import Completion, StreamWire, first_index, full_body, prompt_token_ids
+from bench.fake_wire import (
+    BOS_ID,
+    Completion,
+    StreamWire,
+    first_index,
+    full_body,
+    prompt_token_ids,
+    text_token_ids,
+)
 from proxy.asgi import ClientGone, Receive, Scope, Send, read_body, send_bytes, send_json
 from proxy.server import uvicorn_in_loop
 
@@ -40,6 +48,7 @@ class FakeConfig:
     eos_after: int | None = None  # the "model" ends by itself after this many tokens
     max_num_seqs: int = 1024  # more concurrent requests wait (num_requests_waiting)
     kv_capacity_tokens: int = 65_536  # kv_cache_usage_perc = tokens held / this
+    max_model_len: int = 4096  # as /v1/models reports it
     fail_status: int | None = None  # answer every completion request with this status
     fail_first: int | None = None  # ... or only the first N of them
     die_after_tokens: int | None = None  # cut the connection after N tokens
@@ -66,10 +75,13 @@ class FakeVllm:
                              [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
         elif path in ("/health", "/ping"):
             await send_bytes(send, 200, b"", [])
+        elif path == "/tokenize":
+            await self._tokenize(receive, send)
         elif path == "/v1/models":
             await send_json(send, 200, {"object": "list", "data": [
                 {"id": name, "object": "model", "created": self.created, "owned_by": "vllm",
-                 "root": self.config.model, "parent": None, "max_model_len": 4096}
+                 "root": self.config.model, "parent": None,
+                 "max_model_len": self.config.max_model_len}
                 for name in self.config.served_models]})
         elif path in ("/v1/chat/completions", "/v1/completions"):
             await self._completion(path == "/v1/chat/completions", scope, receive, send)
@@ -105,6 +117,21 @@ class FakeVllm:
         finally:
             disconnect.close()
 
+    async def _tokenize(self, receive: Receive, send: Send) -> None:
+        """vLLM's `/tokenize`: chat messages (with BOS) or a text prompt."""
+        try:
+            body = orjson.loads(await read_body({}, receive, _MAX_BODY))
+        except ClientGone:
+            return
+        self.stats.tokenized.append(body)
+        if "messages" in body:
+            tokens = prompt_token_ids(True, body)
+        else:
+            bos = [BOS_ID] if body.get("add_special_tokens", True) else []
+            tokens = bos + text_token_ids(str(body.get("prompt", "")))
+        await send_json(send, 200, {"count": len(tokens), "max_model_len": 4096,
+                                    "tokens": tokens, "token_strs": None})
+
     def _plan(self, chat: bool, scope: Scope, body: dict[str, Any], model: str) -> Completion:
         cfg = self.config
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -139,7 +166,7 @@ class FakeVllm:
         stats.prefix_hits += self._prefix_cache.lookup(job.prompt_ids)
         try:
             if body.get("stream"):
-                await self._stream(job, _include_usage(body), send)
+                await self._stream(job, include_usage(body), send)
             else:
                 await self._whole(job, send)
         finally:
@@ -218,7 +245,7 @@ class _Disconnect:
         self._watcher.cancel()
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
+def include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options") or {}
     return bool(isinstance(options, dict) and options.get("include_usage"))
 

@@ -33,7 +33,14 @@ def prompt_token_ids(chat: bool, body: dict[str, Any]) -> list[int]:
     if not chat and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     text = _chat_text(body.get("messages")) if chat else str(prompt or "")
-    return [BOS_ID] + [PROMPT_BASE + zlib.crc32(w.encode()) % PROMPT_SPAN for w in text.split()]
+    return [BOS_ID, *text_token_ids(text)]
+
+
+def text_token_ids(text: str) -> list[int]:
+    """One id per word; a generated word `tok<i>` maps back to its generated id, so
+    re-tokenized output continues the count like a real tokenizer round trip."""
+    return [GEN_BASE + int(w[3:]) if w.startswith("tok") and w[3:].isdigit()
+            else PROMPT_BASE + zlib.crc32(w.encode()) % PROMPT_SPAN for w in text.split()]
 
 
 def first_index(prompt_ids: list[int]) -> int:

@@ -48,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", "-c", required=True)
     check.set_defaults(func=_check_config)
     from bench import backends  # light module: heavy imports happen inside its commands
+    from bench import cli as bench_cli
+    from bench.emulator import cli as emulator_cli
 
     backends.add_cli(sub)
+    bench_cli.add_cli(sub)
+    emulator_cli.add_cli(sub)
     return parser
 
 

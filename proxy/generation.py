@@ -25,9 +25,15 @@ class Release:
 
 
 class Generation:
-    def __init__(self, stops: tuple[str, ...] = (), include_stop: bool = False) -> None:
-        self.prompt_token_ids: list[int] | None = None
-        self.token_ids: list[int] = []
+    def __init__(self, stops: tuple[str, ...] = (), include_stop: bool = False,
+                 tokenizer: str = "") -> None:
+        self.prompt_token_ids: list[int] | None = None  # as the first backend counted them
+        self.token_ids: list[int] = []  # every generated id, on every backend
+        # Continuing elsewhere: `_base + token_ids[_since:]` are the sequence's ids in
+        # the vocabulary of `tokenizer` (re-based when a move changes tokenizer).
+        self.tokenizer = tokenizer
+        self._base: list[int] | None = None
+        self._since = 0
         self.text_parts: list[str] = []  # released text, for a non-streamed answer
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -47,6 +53,20 @@ class Generation:
     @property
     def generated(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def text(self) -> str:
+        """Everything generated so far, released or held back."""
+        return "".join(self.text_parts) + self._pending
+
+    def sequence_ids(self) -> list[int]:
+        """Prompt + generated ids in `tokenizer`'s vocabulary: what a continuation sends."""
+        base = self._base if self._base is not None else self.prompt_token_ids or []
+        return base + self.token_ids[self._since:]
+
+    def rebase(self, sequence_ids: list[int], tokenizer: str) -> None:
+        """The sequence re-tokenized for another tokenizer (a move across tokenizers)."""
+        self._base, self._since, self.tokenizer = sequence_ids, len(self.token_ids), tokenizer
 
     def add(self, piece: Piece) -> Release:
         if piece.prompt_token_ids is not None and self.prompt_token_ids is None:

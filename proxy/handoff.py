@@ -19,7 +19,7 @@ from typing import Any
 
 from proxy.generation import Generation
 from proxy.legs import Leg
-from proxy.migration import Tracking, continuation_body
+from proxy.migration import Tracking, continuation_body, tokenize_bodies, tokenizer_of
 from proxy.relay import Opened, UpstreamFailure
 from proxy.runtime import Runtime
 from proxy.types import Backend
@@ -41,16 +41,41 @@ class Continuation:
     tracking: Tracking
     headers: dict[str, str]
     model: str  # the client's model, for metrics
+    chat: bool  # the client's endpoint (how its prompt is re-tokenized)
+
+
+async def sequence_for(c: Continuation, gen: Generation, target: Backend
+                       ) -> tuple[list[int], str | None]:
+    """The ids `target` continues from, and its tokenizer if the ids were re-tokenized.
+
+    Same tokenizer: the prompt ids and generated ids as they are. Another tokenizer
+    (per `disco.txt`): the target tokenizes the original prompt (its own chat
+    template) and the text generated so far, and continues from there.
+    """
+    tokenizer = tokenizer_of(target)
+    if tokenizer == gen.tokenizer:
+        return gen.sequence_ids(), None
+    bodies = tokenize_bodies(c.data, c.chat, target.model, gen.text)
+    if bodies is None:
+        raise HandoffFailed(f"a token-id prompt cannot be re-tokenized for {target.name}")
+    try:
+        prompt = await c.rt.upstream.call_json(target, "/tokenize", bodies[0], c.headers)
+        generated = await c.rt.upstream.call_json(target, "/tokenize", bodies[1], c.headers)
+        ids = [int(t) for t in prompt["tokens"]] + [int(t) for t in generated["tokens"]]
+    except UpstreamFailure as failure:
+        raise HandoffFailed(f"re-tokenizing on {target.name}: {failure.detail}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HandoffFailed(f"re-tokenizing on {target.name}: {exc!r}") from None
+    return ids, tokenizer
 
 
 async def open_continuation(c: Continuation, gen: Generation, target: Backend,
                             guard: contextlib.ExitStack | None = None) -> Leg:
     """Continue `gen` on `target`; returns once its first bytes are here."""
-    assert gen.prompt_token_ids is not None
     guard = guard or _guard(c.rt, target)
-    body = continuation_body(c.data, c.tracking, target.model, gen.prompt_token_ids,
-                             gen.token_ids)
     try:
+        sequence, tokenizer = await sequence_for(c, gen, target)
+        body = continuation_body(c.data, c.tracking, target.model, sequence, gen.generated)
         opened = await c.rt.upstream.open(target, _PATH, body, c.headers, stream=True)
         _check(opened)
     except UpstreamFailure as failure:
@@ -60,8 +85,11 @@ async def open_continuation(c: Continuation, gen: Generation, target: Backend,
     except BaseException:
         guard.close()
         raise
-    return Leg(opened, chat=False, guard=guard,
-               read_timeout_s=c.rt.settings.upstream.read_timeout_s)
+    leg = Leg(opened, chat=False, guard=guard,
+              read_timeout_s=c.rt.settings.upstream.read_timeout_s)
+    if tokenizer is not None:
+        leg.rebase = (sequence, tokenizer)
+    return leg
 
 
 def _guard(rt: Runtime, target: Backend) -> contextlib.ExitStack:
@@ -98,13 +126,17 @@ class Handoff:
                       deadline=time.monotonic() + cfg.handoff_timeout_s,
                       guard=_guard(c.rt, target))
         if warm and gen.prompt_token_ids is not None:
-            body = continuation_body(c.data, c.tracking, target.model, gen.prompt_token_ids,
-                                     gen.token_ids, warm=True)
-            handoff.warm_task = asyncio.create_task(
-                c.rt.upstream.open(target, _PATH, body, c.headers, stream=False))
+            handoff.warm_task = asyncio.create_task(handoff._warm(gen))
         else:
             handoff.warmed = True
         return handoff
+
+    async def _warm(self, gen: Generation) -> Opened:
+        sequence, _ = await sequence_for(self.c, gen, self.target)
+        body = continuation_body(self.c.data, self.c.tracking, self.target.model, sequence,
+                                 gen.generated, warm=True)
+        return await self.c.rt.upstream.open(self.target, _PATH, body, self.c.headers,
+                                             stream=False)
 
     @property
     def ready(self) -> bool:
@@ -133,6 +165,8 @@ class Handoff:
         self.warm_task = None
         try:
             opened = task.result()
+        except HandoffFailed:
+            raise
         except UpstreamFailure as failure:
             self.c.rt.upstream_failed(failure, self.c.model)
             raise HandoffFailed(f"warm-up {failure.kind}: {failure.detail[:_ERROR_DETAIL]}") \

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from proxy.types import Backend
+
 MIGRATE_AFTER_HEADER = "x-laneway-migrate-after"
 EVENTS_HEADER = "x-laneway-events"
 
@@ -107,19 +109,19 @@ def tracked_body(data: dict[str, Any], tracking: Tracking) -> bytes:
 
 
 def continuation_body(
-    data: Mapping[str, Any], tracking: Tracking, model: str, prompt_ids: list[int],
-    generated_ids: list[int], *, warm: bool = False,
+    data: Mapping[str, Any], tracking: Tracking, model: str, sequence_ids: list[int],
+    done: int, *, warm: bool = False,
 ) -> bytes:
-    """`/v1/completions` that continues after `generated_ids` on another backend.
+    """`/v1/completions` that continues `sequence_ids` (prompt + the `done` generated
+    tokens) on another backend.
 
     `warm`: only prefill (one token, not streamed), to fill the target's prefix cache
     while the source keeps streaming.
     """
     body: dict[str, Any] = {key: data[key] for key in _CARRIED if key in data}
-    body |= {"model": model, "prompt": prompt_ids + generated_ids}
+    body |= {"model": model, "prompt": sequence_ids}
     if warm:
         return orjson.dumps(body | {"max_tokens": 1, "stream": False})
-    done = len(generated_ids)
     if tracking.max_tokens is not None:
         body["max_tokens"] = tracking.max_tokens - done
     if tracking.min_tokens > done:
@@ -127,6 +129,32 @@ def continuation_body(
     if tracking.stops:
         body |= {"stop": list(tracking.stops), "include_stop_str_in_output": True}
     return orjson.dumps(body | {"stream": True, "return_token_ids": True})
+
+
+def tokenizer_of(backend: Backend) -> str:
+    """Backends share token ids when this matches: the `tokenizer` label, else the model."""
+    return backend.labels.get("tokenizer", backend.model)
+
+
+def tokenize_bodies(data: Mapping[str, Any], chat: bool, model: str, generated_text: str
+                    ) -> tuple[bytes, bytes] | None:
+    """vLLM `/tokenize` requests for the prompt and for the text generated so far (a
+    move to a backend with another tokenizer), or None if the prompt is token ids."""
+    if chat:
+        prompt: dict[str, Any] = {"model": model, "messages": data.get("messages"),
+                                  "add_generation_prompt": True}
+        for key in ("chat_template_kwargs", "continue_final_message", "chat_template"):
+            if key in data:
+                prompt[key] = data[key]
+    elif isinstance(data.get("prompt"), str) or (
+            isinstance(data.get("prompt"), list) and all(isinstance(p, str)
+                                                       for p in data["prompt"])):
+        text = data["prompt"] if isinstance(data["prompt"], str) else data["prompt"][0]
+        prompt = {"model": model, "prompt": text}
+    else:
+        return None
+    generated = {"model": model, "prompt": generated_text, "add_special_tokens": False}
+    return orjson.dumps(prompt), orjson.dumps(generated)
 
 
 def forced_after(headers: Mapping[str, str], allowed: bool) -> int | None:

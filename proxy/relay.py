@@ -13,8 +13,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
+import orjson
 
 from proxy.config import UpstreamConfig
 from proxy.types import Backend
@@ -117,6 +119,30 @@ class Upstream:
         except BaseException:
             response.close()
             raise
+
+    async def call_json(
+        self, backend: Backend, path: str, body: bytes, headers: dict[str, str]
+    ) -> Any:
+        """A small JSON request/response (e.g. vLLM's `/tokenize`); raises UpstreamFailure."""
+        try:
+            async with asyncio.timeout(self._cfg.first_byte_timeout_s):
+                response = await self._post(backend, path, body, headers)
+                async with response:
+                    payload = await response.read()
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamFailure(backend, "connect", str(exc)) from None
+        except TimeoutError:
+            raise UpstreamFailure(backend, "timeout", f"{path} did not answer") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailure(backend, "broken", repr(exc)) from None
+        if response.status != 200:
+            raise UpstreamFailure(backend, "status", f"{path}: HTTP {response.status}: "
+                                  f"{payload[:300].decode(errors='replace')}",
+                                  status=response.status)
+        try:
+            return orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise UpstreamFailure(backend, "broken", f"{path}: not JSON") from None
 
     async def _post(
         self, backend: Backend, path: str, body: bytes, headers: dict[str, str]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -48,10 +49,14 @@ async def serve_in_loop(settings: Settings) -> AsyncIterator[RunningProxy]:
 
 
 @contextlib.asynccontextmanager
-async def uvicorn_in_loop(config: uvicorn.Config) -> AsyncIterator[str]:
-    """Serve `config.app` as a task of the running loop; yield its URL; stop on exit."""
+async def uvicorn_in_loop(config: uvicorn.Config, sockets: list[socket.socket] | None = None
+                          ) -> AsyncIterator[str]:
+    """Serve `config.app` as a task of the running loop; yield its URL; stop on exit.
+
+    `sockets`: listen on these bound sockets instead of `config.host`/`port`; the URL
+    is the first one's."""
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=sockets))
     try:
         while not server.started:
             if task.done():

@@ -118,10 +118,10 @@ def test_continuation_carries_sampling_and_the_remaining_budget() -> None:
     first = orjson.loads(tracked_body(data, tracking))
     assert first["return_token_ids"] and first["include_stop_str_in_output"]
     assert "stream_options" not in first
-    body = orjson.loads(continuation_body(data, tracking, "m2", [1, 2], [7, 8, 9]))
+    body = orjson.loads(continuation_body(data, tracking, "m2", [1, 2, 7, 8, 9], 3))
     assert body == {"model": "m2", "prompt": [1, 2, 7, 8, 9], "temperature": 0.7,
                     "top_p": 0.9, "seed": 3, "max_tokens": 17, "min_tokens": 2,
                     "stop": ["END"], "include_stop_str_in_output": True, "stream": True,
                     "return_token_ids": True}
-    warm = orjson.loads(continuation_body(data, tracking, "m2", [1, 2], [7], warm=True))
+    warm = orjson.loads(continuation_body(data, tracking, "m2", [1, 2, 7], 1, warm=True))
     assert warm["max_tokens"] == 1 and warm["stream"] is False and warm["prompt"] == [1, 2, 7]

@@ -8,6 +8,8 @@ servers. So a spliced answer must read tok0 … tok<n-1>, once each, in order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from types import MappingProxyType
 from typing import Any
 
 import httpx
@@ -239,3 +241,23 @@ async def test_rerouting_policy_is_asked_every_tau_tokens_and_can_move() -> None
     moved, final = policy.outcomes
     assert (moved.backend, moved.moved_to, final.backend, final.migrations) == (
         "f0", "f1", "f1", 1)
+
+
+async def test_move_to_another_tokenizer_retokenizes_prompt_and_text() -> None:
+    async with fleet(FakeConfig(tpot_s=0.01), FakeConfig(), **FORCED) as (proxy, fakes):
+        runtime = proxy.app.runtime
+        assert runtime is not None
+        other = runtime.registry.remove("f1")
+        runtime.registry.add(dataclasses.replace(
+            other, labels=MappingProxyType({"tokenizer": "another-bpe"})))
+        runtime.registry.publish(runtime.registry.stats)
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 12},
+                              headers={"x-laneway-migrate-after": "5",
+                                       "x-laneway-events": "1"})
+    assert stream_text(response) == expected_text(12)
+    prompt_call, text_call = fakes[1].app.stats.tokenized[-2:]
+    assert prompt_call["messages"] == CHAT["messages"] and prompt_call["add_generation_prompt"]
+    assert text_call == {"model": "fake", "prompt": expected_text(5),
+                         "add_special_tokens": False}
+    (cont,) = continuation_bodies(fakes[1])
+    assert cont["max_tokens"] == 7
