@@ -43,7 +43,12 @@ class Variant:
     seed: int = 0
 
 
-VARIANTS = {v.name: v for v in (Variant("small", layers=2), Variant("large", layers=12))}
+VARIANTS = {v.name: v for v in (
+    Variant("small", layers=2),
+    Variant("large", layers=12),
+    # Another tokenizer (a smaller BPE vocabulary): migration must re-tokenize.
+    Variant("small-alt", layers=2, vocab=3072, seed=1),
+)}
 
 
 def laneway_home() -> Path:

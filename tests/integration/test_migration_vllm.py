@@ -17,8 +17,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.backends import Running
-from bench.proxy_process import running_proxy
+from bench.backends import Running, Spec, start, stop
+from bench.proxy_process import free_port, running_proxy
 
 pytestmark = pytest.mark.vllm
 
@@ -222,3 +222,34 @@ def test_disconnect_after_a_move_leaves_nothing_running(vllm_fleet: list[Running
 
 def _running(url: str) -> float:
     return metric(url, "vllm:num_requests_running")
+
+
+@pytest.fixture
+def other_tokenizer_backend() -> Iterator[Running]:
+    """`tiny-llama` served by a model with another BPE vocabulary."""
+    servers = start([Spec("alt-tokenizer", "small-alt", MODEL, free_port())], timeout_s=240)
+    try:
+        yield servers[0]
+    finally:
+        stop(servers)
+
+
+def test_move_to_a_backend_with_another_tokenizer(
+    vllm_fleet: list[Running], other_tokenizer_backend: Running
+) -> None:
+    source = next(b for b in vllm_fleet if b.model == MODEL)
+    reference = ask(source.url, True, body(True, True, ignore_eos=True))
+    cfg = config([source, other_tokenizer_backend])
+    cfg["backends"][1]["labels"] = {"tokenizer": "small-alt"}
+    with running_proxy(cfg) as proxy:
+        moved = ask(proxy.url, True, body(True, True, ignore_eos=True,
+                                          stream_options={"include_usage": True}),
+                    {"x-laneway-migrate-after": "10", "x-laneway-events": "1"})
+    assert [(m["from"], m["to"]) for m in moved.moves] == [
+        (source.name, other_tokenizer_backend.name)]
+    at = moved.moves[0]["at_token"]
+    assert moved.token_ids[:at] == reference.token_ids[:at]
+    assert moved.text.startswith(_text_of(source.url, reference, at))
+    assert moved.text != reference.text  # other weights, other vocabulary after the move
+    assert moved.finish_reason == "length"
+    assert moved.usage is not None and moved.usage["completion_tokens"] == LENGTH
