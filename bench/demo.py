@@ -156,7 +156,7 @@ def _get(url: str) -> str:
 
 def _shared_model(config: dict[str, Any]) -> str:
     """A model served by two backends (so a stream has somewhere to move)."""
-    models = [b["model"] for b in config["backends"]]
+    models: list[str] = [b["model"] for b in config["backends"]]
     return max(set(models), key=models.count)
 
 
