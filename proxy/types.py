@@ -36,6 +36,8 @@ class BackendStats:
     tpot_s: float | None = None  # mean inter-token latency over the last interval(s)
     ttft_s: float | None = None  # mean time to first token over the last interval(s)
     prefix_hit_rate: float | None = None
+    queue_s: float | None = None  # mean time a request waited in the queue (interval)
+    prefill_s_per_token: float | None = None  # prefill time / prompt tokens computed
     healthy: bool = False
     updated_at: float = 0.0
 

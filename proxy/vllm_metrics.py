@@ -20,12 +20,18 @@ _TTFT = ("vllm:time_to_first_token_seconds",)
 _TPOT = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 _PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+_QUEUE = ("vllm:request_queue_time_seconds",)
+_PREFILL = ("vllm:request_prefill_time_seconds",)
+_PREFILL_TOKENS = ("vllm:request_prefill_kv_computed_tokens",)  # prompt minus cache hits
 
 # Alias groups, current name first; only the first name present is read.
 _GROUPS: tuple[tuple[str, ...], ...] = (
     _RUNNING, _WAITING, _KV_USAGE, _PREFIX_HITS, _PREFIX_QUERIES,
     *(tuple(f"{n}_{suffix}" for n in names) for names in (_TTFT, _TPOT)
       for suffix in ("sum", "count")),
+    *(tuple(f"{n}_{suffix}" for n in names) for names in (_QUEUE,)
+      for suffix in ("sum", "count")),
+    tuple(f"{n}_sum" for n in _PREFILL), tuple(f"{n}_sum" for n in _PREFILL_TOKENS),
 )
 
 
@@ -86,6 +92,10 @@ class Cumulative:
     tpot_count: float = 0.0
     prefix_hits: float = 0.0
     prefix_queries: float = 0.0
+    queue_sum: float = 0.0
+    queue_count: float = 0.0
+    prefill_sum: float = 0.0
+    prefill_tokens: float = 0.0
 
 
 def _interval_mean(
@@ -110,6 +120,10 @@ def to_stats(
         tpot_count=_first(samples, tuple(f"{n}_count" for n in _TPOT)) or 0.0,
         prefix_hits=_first(samples, _PREFIX_HITS) or 0.0,
         prefix_queries=_first(samples, _PREFIX_QUERIES) or 0.0,
+        queue_sum=_first(samples, tuple(f"{n}_sum" for n in _QUEUE)) or 0.0,
+        queue_count=_first(samples, tuple(f"{n}_count" for n in _QUEUE)) or 0.0,
+        prefill_sum=_first(samples, tuple(f"{n}_sum" for n in _PREFILL)) or 0.0,
+        prefill_tokens=_first(samples, tuple(f"{n}_sum" for n in _PREFILL_TOKENS)) or 0.0,
     )
     queries = cum.prefix_queries - prev.prefix_queries
     hit_rate = last.prefix_hit_rate
@@ -126,6 +140,13 @@ def to_stats(
             cum.tpot_sum, cum.tpot_count, prev.tpot_sum, prev.tpot_count, last.tpot_s
         ),
         prefix_hit_rate=hit_rate,
+        queue_s=_interval_mean(
+            cum.queue_sum, cum.queue_count, prev.queue_sum, prev.queue_count, last.queue_s
+        ),
+        prefill_s_per_token=_interval_mean(
+            cum.prefill_sum, cum.prefill_tokens, prev.prefill_sum, prev.prefill_tokens,
+            last.prefill_s_per_token,
+        ),
         healthy=True,
         updated_at=now,
     )

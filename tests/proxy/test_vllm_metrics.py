@@ -1,3 +1,5 @@
+import pytest
+
 from proxy.types import BackendStats
 from proxy.vllm_metrics import Cumulative, parse_samples, to_stats
 
@@ -61,3 +63,20 @@ def test_legacy_names() -> None:
             'vllm:time_per_output_token_seconds_count{model_name="m"} 50\n')
     stats, _ = to_stats(parse_samples(text), Cumulative(), BackendStats(), now=0.0)
     assert stats.kv_usage == 0.5 and stats.tpot_s == 0.02
+
+
+def test_queue_and_prefill_speed_from_histogram_deltas() -> None:
+    def page(queue_sum: float, queue_n: int, prefill_sum: float, prefill_tokens: int) -> str:
+        return "\n".join([
+            f'vllm:request_queue_time_seconds_sum{{engine="0"}} {queue_sum}',
+            f'vllm:request_queue_time_seconds_count{{engine="0"}} {queue_n}',
+            f'vllm:request_prefill_time_seconds_sum{{engine="0"}} {prefill_sum}',
+            f'vllm:request_prefill_kv_computed_tokens_sum{{engine="0"}} {prefill_tokens}',
+            ""])
+
+    first, cum = to_stats(parse_samples(page(1.0, 10, 2.0, 1000)), Cumulative(),
+                          BackendStats(), 1.0)
+    second, _ = to_stats(parse_samples(page(1.6, 12, 2.5, 1500)), cum, first, 2.0)
+    assert first.queue_s == pytest.approx(0.1)
+    assert second.queue_s == pytest.approx(0.3)  # 0.6 s over 2 new requests
+    assert second.prefill_s_per_token == pytest.approx(0.001)  # 0.5 s over 500 tokens

@@ -1,0 +1,165 @@
+"""GoodServe (`goodserve.txt`): just-enough selection for end-to-end SLOs, plus the
+periodic SLO-risk check that moves a stream to a faster backend.
+
+Algorithm 1, per request r with deadline D_r, for every candidate g:
+
+    T(r, g) = q_g + p_g * (L_in - H_rg) + d_g * L_out                       (Eq. 2)
+
+Feasible backends are those with T <= D_r; among them the one with the *largest* d_g
+(the slowest that still meets the SLO) is chosen, leaving faster backends to more
+urgent requests; if none is feasible, argmin (T - D_r). q/p/d come from the EMA
+speed model (`policies/speed.py`), L_out from the length predictor (or `max_tokens`
+as an oracle in benchmarks), H_rg from the proxy's own prefix index.
+
+Every τ generated tokens the proxy asks `reroute`: the remaining length and the
+current speed are re-estimated; if the expected finish exceeds D_r, the stream moves
+(token-ID migration) to the just-enough backend among the *faster* ones.
+
+Deviations, all configurable: requests without an SLO fall back to least in-flight
+(the paper: "follow the conventional routing methods"); L_in is estimated from the
+prompt's characters (`chars_per_token`); when a stream has already outrun its
+predicted length, its remaining length is taken as `overrun_fraction` * generated
+(the paper re-runs the predictor over the token window; `Prediction` carries no
+window re-estimate yet); a move must win at least `min_gain_s` over staying.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies._load import LeastInflight
+from policies.base import register
+from policies.prefix_index import PrefixIndex
+from policies.speed import Speed, SpeedModel
+from predictors.base import Prediction
+from proxy.types import Backend, ClusterView, Decision, Outcome, Progress, RequestContext
+
+
+class GoodputParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    alpha: float = Field(0.3, gt=0, le=1, description="EMA weight of the newest sample")
+    length_source: Literal["predictor", "max_tokens"] = Field(
+        "predictor", description="L_out: the length predictor, or max_tokens (oracle)")
+    default_output_tokens: int = Field(256, gt=0, description="L_out with no prediction")
+    default_slo_s: dict[str, float] = Field(
+        default_factory=dict, description="D_r per model when no x-laneway-slo-ms header")
+    chars_per_token: float = Field(4.0, gt=0, description="L_in estimate from prompt chars")
+    block_chars: int = Field(128, gt=0, description="= server.prefix_block_chars")
+    prefix_entries: int = Field(100_000, gt=0, description="prefix blocks remembered")
+    migrate: bool = Field(True, description="rectify at runtime (move at-risk streams)")
+    overrun_fraction: float = Field(0.25, gt=0, description="remaining/generated once "
+                                    "a stream outran its predicted length")
+    min_gain_s: float = Field(0.0, ge=0, description="a move must finish this much sooner")
+    handoff_s: float = Field(0.05, ge=0, description="cost of a move, added to its T")
+    default_queue_s: float = Field(0.0, ge=0, description="q_g before any observation")
+    default_prefill_s_per_token: float = Field(0.0005, ge=0)
+    default_tpot_s: float = Field(0.03, gt=0, description="d_g before any observation")
+
+
+@register
+class Goodput:
+    name: ClassVar[str] = "goodput"
+    Params: ClassVar[type[BaseModel]] = GoodputParams
+
+    def __init__(self, params: GoodputParams) -> None:
+        self._p = params
+        self._speeds = SpeedModel(params.alpha, Speed(
+            params.default_queue_s, params.default_prefill_s_per_token, params.default_tpot_s))
+        self._prefixes = PrefixIndex(params.prefix_entries)
+        self._least = LeastInflight()
+
+    # -- Algorithm 1 -------------------------------------------------------------
+    def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
+        deadline = self._deadline(ctx)
+        if deadline is None:
+            backend, load = self._least.pick(view)
+            return self._chosen(ctx, backend, f"no SLO: least in-flight ({load})")
+        times = self.estimates(ctx, self._output_tokens(ctx, pred), view)
+        backend, reason = self.just_enough(times, deadline)
+        return self._chosen(ctx, backend, reason)
+
+    def estimates(self, ctx: RequestContext, output_tokens: float, view: ClusterView,
+                  done_tokens: int = 0) -> list[tuple[Backend, float, float]]:
+        """(g, T(r, g), d_g) for every candidate: Eq. 2."""
+        p = self._p
+        prompt_tokens = len(ctx.prompt_text) / p.chars_per_token + done_tokens
+        names = [b.name for b in view.candidates]
+        hits = self._prefixes.matched_blocks(ctx.prompt_blocks, names)
+        out = []
+        for backend in view.candidates:
+            speed = self._speeds.of(backend.name, view.stats_of(backend))
+            cached = hits.get(backend.name, 0) * p.block_chars / p.chars_per_token
+            prefill = max(0.0, prompt_tokens - cached)
+            total = (speed.queue_s + speed.prefill_s_per_token * prefill
+                     + speed.tpot_s * output_tokens)
+            out.append((backend, total, speed.tpot_s))
+        return out
+
+    @staticmethod
+    def just_enough(times: list[tuple[Backend, float, float]], deadline: float
+                    ) -> tuple[Backend, str]:
+        feasible = [t for t in times if t[1] <= deadline]
+        if feasible:
+            backend, total, tpot = max(feasible, key=lambda t: t[2])
+            return backend, (f"just enough: T={total:.3f}s <= D={deadline:.3f}s with the "
+                             f"slowest feasible d={tpot * 1000:.1f}ms ({len(feasible)} feasible)")
+        backend, total, _ = min(times, key=lambda t: t[1] - deadline)
+        return backend, f"none feasible: least overrun T={total:.3f}s > D={deadline:.3f}s"
+
+    # -- runtime rectification ---------------------------------------------------------
+    def reroute(self, ctx: RequestContext, pred: Prediction, progress: Progress,
+                view: ClusterView) -> Decision | None:
+        deadline = self._deadline(ctx)
+        if not self._p.migrate or deadline is None:
+            return None
+        remaining = self._remaining(ctx, pred, progress)
+        here = self._speeds.of(progress.backend.name, view.stats_of(progress.backend))
+        tpot_here = progress.tpot_s or here.tpot_s
+        finish_here = progress.elapsed_s + tpot_here * remaining
+        if finish_here <= deadline:
+            return None
+        faster = [t for t in self.estimates(ctx, remaining, view, progress.generated)
+                  if t[2] < tpot_here]
+        if not faster:
+            return None
+        slack = deadline - progress.elapsed_s - self._p.handoff_s
+        backend, reason = self.just_enough(faster, slack)
+        moved_finish = progress.elapsed_s + self._p.handoff_s + next(
+            t[1] for t in faster if t[0] is backend)
+        if moved_finish > finish_here - self._p.min_gain_s:
+            return None
+        return self._chosen(ctx, backend, f"SLO risk: finish {finish_here:.2f}s > "
+                            f"D {deadline:.2f}s here; {reason}")
+
+    def _remaining(self, ctx: RequestContext, pred: Prediction, progress: Progress) -> float:
+        predicted = self._output_tokens(ctx, pred)
+        remaining = predicted - progress.generated
+        if remaining <= 0:
+            remaining = max(1.0, self._p.overrun_fraction * progress.generated)
+        if progress.max_tokens is not None:
+            remaining = min(remaining, progress.max_tokens - progress.generated)
+        return max(1.0, remaining)
+
+    # -- inputs ------------------------------------------------------------------
+    def _deadline(self, ctx: RequestContext) -> float | None:
+        if ctx.slo_ms is not None:
+            return ctx.slo_ms / 1000
+        return self._p.default_slo_s.get(ctx.model)
+
+    def _output_tokens(self, ctx: RequestContext, pred: Prediction) -> float:
+        p = self._p
+        if p.length_source == "max_tokens" and ctx.max_tokens is not None:
+            return float(ctx.max_tokens)
+        if pred.output_tokens is not None:
+            return pred.output_tokens
+        return float(min(p.default_output_tokens, ctx.max_tokens or p.default_output_tokens))
+
+    def _chosen(self, ctx: RequestContext, backend: Backend, reason: str) -> Decision:
+        self._prefixes.remember(ctx.prompt_blocks, backend.name)
+        return Decision(backend, reason)
+
+    def observe(self, outcome: Outcome) -> None:
+        if outcome.ok and outcome.tpot_s is not None and outcome.completion_tokens > 1:
+            self._speeds.observe_tpot(outcome.backend, outcome.tpot_s)

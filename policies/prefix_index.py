@@ -1,0 +1,46 @@
+"""Which backends were sent which prompt prefixes: the proxy's estimate of H_{r,g}.
+
+Keys are the cumulative prefix-block hashes of `RequestContext.prompt_blocks`; each
+maps to the backends that received that prefix, most recent last. Bounded as an LRU
+over blocks; blocks are touched deepest first, so eviction drops a prompt's longer
+extensions before its shorter prefixes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixIndex:
+    def __init__(self, max_entries: int, max_backends_per_block: int = 8) -> None:
+        self._owners: OrderedDict[bytes, list[str]] = OrderedDict()
+        self._max_entries = max_entries
+        self._per_block = max_backends_per_block
+
+    def matched_blocks(self, blocks: tuple[bytes, ...], names: list[str]) -> dict[str, int]:
+        """For each of `names`: how many leading blocks of the prompt it already got."""
+        wanted = set(names)
+        depths: dict[str, int] = {}
+        owners = self._owners
+        for depth in range(len(blocks), 0, -1):
+            for name in owners.get(blocks[depth - 1], ()):
+                if name in wanted and name not in depths:
+                    depths[name] = depth
+            if len(depths) == len(wanted):
+                break
+        return depths
+
+    def remember(self, blocks: tuple[bytes, ...], name: str) -> None:
+        owners = self._owners
+        for block in reversed(blocks):
+            names = owners.get(block)
+            if names is None:
+                owners[block] = [name]
+            else:
+                if name in names:
+                    names.remove(name)
+                names.append(name)
+                del names[:-self._per_block]
+                owners.move_to_end(block)
+        while len(owners) > self._max_entries:
+            owners.popitem(last=False)

@@ -1,0 +1,64 @@
+"""GoodServe's EMA-smoothed, black-box speed model of each backend (§3.3).
+
+Per backend g: q_g (seconds a request waits in the queue), p_g (prefill seconds per
+prompt token actually computed) and d_g (seconds per output token). Each is an
+exponential moving average `x ← alpha*sample + (1 - alpha)*x` of what the backend was seen
+doing recently, without modelling batch sizes or GPU types:
+
+* every new poller snapshot of the backend's vLLM histograms gives one sample of each
+  (interval means of `request_queue_time`, `request_prefill_time` over computed
+  prefill tokens, and `inter_token_latency`), so a new backend starts with an estimate;
+* every stream the proxy finishes on g gives one more sample of d_g (its mean TPOT as
+  the proxy saw it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.types import BackendStats
+
+
+@dataclass(slots=True)
+class Speed:
+    queue_s: float
+    prefill_s_per_token: float
+    tpot_s: float
+    seen_at: float = -1.0  # `updated_at` of the last snapshot folded in
+
+
+class SpeedModel:
+    def __init__(self, alpha: float, default: Speed) -> None:
+        self._alpha = alpha
+        self._default = default
+        self._speeds: dict[str, Speed] = {}
+
+    def of(self, name: str, stats: BackendStats) -> Speed:
+        """The backend's estimate, first folding in a snapshot it has not seen."""
+        speed = self._speeds.get(name)
+        if speed is None:
+            d = self._default
+            speed = self._speeds[name] = Speed(
+                _or(stats.queue_s, d.queue_s), _or(stats.prefill_s_per_token,
+                                                   d.prefill_s_per_token),
+                _or(stats.tpot_s, d.tpot_s), stats.updated_at)
+        elif stats.updated_at > speed.seen_at:
+            speed.seen_at = stats.updated_at
+            a = self._alpha
+            if stats.queue_s is not None:
+                speed.queue_s = a * stats.queue_s + (1 - a) * speed.queue_s
+            if stats.prefill_s_per_token is not None:
+                speed.prefill_s_per_token = (a * stats.prefill_s_per_token
+                                             + (1 - a) * speed.prefill_s_per_token)
+            if stats.tpot_s is not None:
+                speed.tpot_s = a * stats.tpot_s + (1 - a) * speed.tpot_s
+        return speed
+
+    def observe_tpot(self, name: str, tpot_s: float) -> None:
+        speed = self._speeds.get(name)
+        if speed is not None:
+            speed.tpot_s = self._alpha * tpot_s + (1 - self._alpha) * speed.tpot_s
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value

@@ -1,0 +1,136 @@
+"""GoodServe's decisions on constructed fleets: feasible set, just-enough choice,
+fallback, prefix reuse, the EMA speed model and the rectification trigger."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from policies.goodput import Goodput, GoodputParams
+from predictors.base import NO_PREDICTION, Prediction
+from proxy.types import Backend, BackendStats, Outcome, Progress, RequestContext
+from tests.policies.helpers import backends, ctx, view
+
+FLEET = backends(3)  # b0 fast, b1 medium, b2 slow
+TPOT = {"b0": 0.010, "b1": 0.020, "b2": 0.040}
+
+
+def stats(tpot: dict[str, float] = TPOT, queue: float = 0.0, at: float = 1.0
+          ) -> dict[str, BackendStats]:
+    return {name: BackendStats(tpot_s=t, queue_s=queue, prefill_s_per_token=0.0,
+                               healthy=True, updated_at=at) for name, t in tpot.items()}
+
+
+def policy(**params: object) -> Goodput:
+    return Goodput(GoodputParams(block_chars=16, **params))  # type: ignore[arg-type]
+
+
+def request(slo_s: float | None, prompt: str = "p" * 40, max_tokens: int | None = 100
+            ) -> RequestContext:
+    base = ctx(prompt, max_tokens=max_tokens)
+    return dataclasses.replace(base, slo_ms=None if slo_s is None else slo_s * 1000)
+
+
+HUNDRED = Prediction(output_tokens=100)
+
+
+@pytest.mark.parametrize(("slo_s", "chosen"), [
+    (4.5, "b2"),  # all feasible (T = 1, 2, 4 s): the slowest that still meets it
+    (2.5, "b1"),  # b2 misses: the slowest feasible is b1, not the fastest
+    (1.5, "b0"),  # only b0 meets it
+    (0.5, "b0"),  # nobody does: the least overrun
+])
+def test_just_enough_picks_the_slowest_feasible_backend(slo_s: float, chosen: str) -> None:
+    decision = policy().pick(request(slo_s), HUNDRED, view(FLEET, stats=stats()))
+    assert decision.backend.name == chosen, decision.reason
+
+
+def test_eq2_terms_queue_prefill_and_decode() -> None:
+    fleet_stats = {"b0": BackendStats(queue_s=0.5, prefill_s_per_token=0.01, tpot_s=0.01,
+                                      healthy=True, updated_at=1)}
+    times = policy().estimates(request(9.0, prompt="x" * 400), 100, view(FLEET[:1],
+                                                                         stats=fleet_stats))
+    ((_, total, tpot),) = times
+    assert total == pytest.approx(0.5 + 0.01 * 100 + 0.01 * 100)  # 400 chars = 100 tokens
+    assert tpot == 0.01
+
+
+def test_prefix_reuse_lowers_prefill_where_the_prompt_was_sent() -> None:
+    slow_prefill = {n: BackendStats(tpot_s=0.01, prefill_s_per_token=0.01, healthy=True,
+                                    updated_at=1) for n in ("b0", "b1")}
+    goodput = policy()
+    shared = "s" * 320  # 20 blocks of 16 chars = 80 tokens
+    first = goodput.pick(request(9.0, prompt=shared), HUNDRED, view(FLEET[:2],
+                                                                   stats=slow_prefill))
+    times = {b.name: t for b, t, _ in goodput.estimates(
+        request(9.0, prompt=shared + "tail"), 100, view(FLEET[:2], stats=slow_prefill))}
+    other = "b1" if first.backend.name == "b0" else "b0"
+    assert times[first.backend.name] == pytest.approx(times[other] - 0.8)
+
+
+def test_no_slo_falls_back_to_least_in_flight() -> None:
+    decision = policy().pick(request(None), HUNDRED,
+                             view(FLEET, inflight={"b0": 3, "b1": 0, "b2": 5}, stats=stats()))
+    assert decision.backend.name == "b1" and "no SLO" in decision.reason
+
+
+def test_default_slo_per_model_and_oracle_length() -> None:
+    goodput = policy(default_slo_s={"m": 2.5}, length_source="max_tokens")
+    # max_tokens 100 is the oracle length: same as predicting 100.
+    assert goodput.pick(request(None), NO_PREDICTION, view(FLEET, stats=stats())
+                        ).backend.name == "b1"
+
+
+def test_speed_model_is_an_ema_of_snapshots_and_outcomes() -> None:
+    goodput = policy(alpha=0.5)
+    goodput.pick(request(9.0), HUNDRED, view(FLEET[:1], stats=stats({"b0": 0.010})))
+    goodput.pick(request(9.0), HUNDRED, view(FLEET[:1], stats=stats({"b0": 0.030}, at=2)))
+    ((_, _, tpot),) = goodput.estimates(request(9.0), 1, view(FLEET[:1], stats=stats(
+        {"b0": 0.030}, at=2)))  # the same snapshot again is not folded in twice
+    assert tpot == pytest.approx(0.020)
+    goodput.observe(Outcome(request_id="r", model="m", backend="b0", policy="goodput",
+                            status=200, ok=True, started_at=0, ttft_s=0.1, e2e_s=1,
+                            completion_tokens=50, tpot_s=0.040))
+    ((_, _, tpot),) = goodput.estimates(request(9.0), 1, view(FLEET[:1], stats=stats(
+        {"b0": 0.030}, at=2)))
+    assert tpot == pytest.approx(0.030)
+
+
+def progress(on: Backend, generated: int, elapsed_s: float, tpot_s: float) -> Progress:
+    return Progress(backend=on, generated=generated, max_tokens=400, elapsed_s=elapsed_s,
+                    ttft_s=0.1, tpot_s=tpot_s, migrations=0)
+
+
+def test_rectification_moves_an_at_risk_stream_to_the_just_enough_faster_backend() -> None:
+    goodput = policy(handoff_s=0.0)
+    slow = FLEET[2]
+    # 50 tokens done after 2 s on b2; 350 left at 40 ms = 14 s more; the SLO is 10 s.
+    # b1 would finish in 2 + 7 = 9 s (feasible, just enough); b0 in 5.5 s.
+    decision = goodput.reroute(request(10.0, max_tokens=400), Prediction(output_tokens=400),
+                               progress(slow, 50, 2.0, 0.040),
+                               view(FLEET[:2], stats=stats()))
+    assert decision is not None and decision.backend.name == "b1", decision
+
+
+def test_rectification_leaves_on_track_streams_and_has_nowhere_faster() -> None:
+    goodput = policy(handoff_s=0.0)
+    on_track = goodput.reroute(request(30.0, max_tokens=400), Prediction(output_tokens=400),
+                               progress(FLEET[2], 50, 2.0, 0.040),
+                               view(FLEET[:2], stats=stats()))
+    assert on_track is None  # 2 + 14 s < 30 s
+    fastest = goodput.reroute(request(3.0, max_tokens=400), Prediction(output_tokens=400),
+                              progress(FLEET[0], 50, 2.0, 0.010),
+                              view(FLEET[1:], stats=stats()))
+    assert fastest is None  # at risk, but every other backend is slower
+
+
+def test_rectification_uses_the_overrun_rule_and_can_be_disabled() -> None:
+    # Predicted 40 tokens but 200 are out: remaining = 0.25 * 200 = 50 tokens, so
+    # staying finishes at 0.5 + 50 * 40 ms = 2.5 s > 2 s; b1 would finish at 1.5 s.
+    args = (request(2.0, max_tokens=400), Prediction(output_tokens=40),
+            progress(FLEET[2], 200, 0.5, 0.040), view(FLEET[:2], stats=stats()))
+    moved = policy(handoff_s=0.0).reroute(*args)
+    assert moved is not None and moved.backend.name == "b1"
+    assert policy(handoff_s=0.0, migrate=False).reroute(*args) is None
+    assert policy(handoff_s=0.0, min_gain_s=1.5).reroute(*args) is None  # gains only 1 s
