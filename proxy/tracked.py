@@ -64,6 +64,7 @@ class TrackedRelay:
         self._next_check = self.cfg.check_every_tokens
         self._read: asyncio.Future[list[Piece]] | None = None
         self._stash: list[Piece] = []  # source pieces past a forced splice point
+        self._tokens_opened = False  # the first token event (it carries prompt ids) is out
 
     # -- the loop ----------------------------------------------------------------
     async def run(self, leg: Leg) -> None:
@@ -293,6 +294,9 @@ class TrackedRelay:
 
     # -- output ------------------------------------------------------------------
     async def _emit(self, pieces: list[Piece]) -> None:
+        """Add `pieces` to the generation; send what they release in one write."""
+        out: list[bytes] = []
+        first = self.first_token_at is None
         for at, piece in enumerate(pieces):
             if self._forced_due() and at:
                 self._stash = pieces[at:]  # splice exactly where the header asked
@@ -301,28 +305,29 @@ class TrackedRelay:
                 self.head = self._response_head(piece)
             release = self.gen.add(piece)
             if self._is_role_event(piece):
-                if self.tracking.client_streams and not self.started:
-                    await self._start_stream()
+                if not self.started and not out:
                     assert piece.event is not None
-                    await self._send(pass_event(piece.event, self.head))
+                    out.append(pass_event(piece.event, self.head))
                 continue
-            if not self.tracking.client_streams:
-                continue
-            if not self.started:
-                await self._start_stream()
             if release.text or release.token_ids or release.finish_reason:
-                first = self.first_token_at is None
-                await self._send(token_event(
+                opening, self._tokens_opened = not self._tokens_opened, True
+                out.append(token_event(
                     self.head, release.text, release.token_ids,
                     finish_reason=release.finish_reason, stop_reason=release.stop_reason,
-                    prompt_token_ids=self.gen.prompt_token_ids if first else None,
+                    prompt_token_ids=self.gen.prompt_token_ids if opening else None,
                     fingerprint=self.gen.fingerprint if release.finish_reason else None))
-                self._token_sent(first)
             if self.gen.finished:
                 break
-        if not self.tracking.client_streams and self.first_token_at is None \
-                and self.gen.generated:
-            self.first_token_at = time.monotonic()
+        if not self.tracking.client_streams:
+            if self.first_token_at is None and self.gen.generated:
+                self.first_token_at = time.monotonic()
+            return
+        if not out:
+            return
+        await self._start_stream()
+        await self._send(b"".join(out))
+        if self.gen.generated:
+            self._token_sent(first)
 
     def _forced_due(self) -> bool:
         return self.forced_after is not None and self.gen.generated >= self.forced_after \
