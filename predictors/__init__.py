@@ -1,5 +1,5 @@
 """Models that turn a request into a `Prediction` before it is routed."""
 
-from predictors.base import Prediction
+from predictors.base import NO_PREDICTION, NullPredictor, Prediction, Predictor
 
-__all__ = ["Prediction"]
+__all__ = ["NO_PREDICTION", "NullPredictor", "Prediction", "Predictor"]

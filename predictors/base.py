@@ -1,15 +1,60 @@
-"""The value predictors hand to policies."""
+"""The value predictors hand to policies, and the interface the proxy calls."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from proxy.types import RequestContext
 
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """A request's predicted cost. Empty when no predictor is configured."""
+    """A request's predicted cost. Empty when no predictor is configured.
+
+    `output_tokens` is the predicted *total* output length, also mid-stream (tokens
+    generated so far + tokens still to come), so a policy reads one meaning from
+    every call: remaining = output_tokens - progress.generated.
+    """
 
     output_tokens: float | None = None
 
 
 NO_PREDICTION = Prediction()
+
+
+class Predictor(Protocol):
+    """Turns a request into a `Prediction`; synchronous, no I/O, cheap (≤ 1 ms)."""
+
+    def predict(self, ctx: RequestContext) -> Prediction:
+        """At arrival, from the prompt alone."""
+        ...
+
+    def predict_window(self, ctx: RequestContext, generated_text: str,
+                       generated_tokens: int) -> Prediction:
+        """Mid-stream re-estimate (GoodServe: every τ tokens), from the answer so far."""
+        ...
+
+
+class NullPredictor:
+    """No model configured: every request gets `NO_PREDICTION` (today's behaviour)."""
+
+    def predict(self, ctx: RequestContext) -> Prediction:
+        return NO_PREDICTION
+
+    def predict_window(self, ctx: RequestContext, generated_text: str,
+                       generated_tokens: int) -> Prediction:
+        return NO_PREDICTION
+
+
+def load_length_predictor(artifact: str | Path | None, model_map: Mapping[str, str],
+                          fallback_key: str | None) -> Predictor:
+    """The configured length predictor; torch is imported only when an artifact is set."""
+    if artifact is None:
+        return NullPredictor()
+    from predictors.length import load_artifact
+
+    return load_artifact(Path(artifact), model_map, fallback_key)

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     backends.add_cli(sub)
     bench_cli.add_cli(sub)
     emulator_cli.add_cli(sub)
+    from predictors import cli as predictors_cli  # torch/sklearn load inside its commands
+
+    predictors_cli.add_cli(sub)
     return parser
 
 

@@ -103,6 +103,21 @@ class DebugConfig(_Section):
                                          "`x-laneway-migrate-after: N` (tests, demos)")
 
 
+class LengthPredictorConfig(_Section):
+    """The MoE output-length predictor (README, Predictors); off without an artifact."""
+
+    artifact: str | None = Field(None, description="directory written by `laneway train "
+                                 "length`; null: no length predictions")
+    model_map: dict[str, str] = Field(default_factory=dict, description="request model → "
+                                      "predictor key (an expert model name or `any`)")
+    fallback_key: str | None = Field("any", description="key for models neither mapped nor "
+                                     "a key themselves; null: no prediction for them")
+
+
+class PredictorsConfig(_Section):
+    length: LengthPredictorConfig = LengthPredictorConfig()
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="LANEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -115,6 +130,7 @@ class Settings(BaseSettings):
     poller: PollerConfig = PollerConfig()
     migration: MigrationConfig = MigrationConfig()
     admin: AdminConfig = AdminConfig()
+    predictors: PredictorsConfig = PredictorsConfig()
     debug: DebugConfig = DebugConfig()
 
     @field_validator("backends")

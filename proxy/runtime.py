@@ -11,6 +11,7 @@ from types import MappingProxyType
 import aiohttp
 
 from policies.base import build_policy
+from predictors.base import Prediction, load_length_predictor
 from proxy.config import Settings
 from proxy.metrics import Metrics
 from proxy.migration import ActiveStreams
@@ -18,7 +19,7 @@ from proxy.poller import Poller
 from proxy.registry import Registry
 from proxy.relay import Upstream, UpstreamFailure
 from proxy.routing import Router
-from proxy.types import Backend
+from proxy.types import Backend, RequestContext
 
 log = logging.getLogger("laneway")
 
@@ -42,6 +43,9 @@ class Runtime:
         self.metrics = Metrics(self.registry)
         policy = build_policy(settings.policy.name, settings.policy.params)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)
+        length = settings.predictors.length
+        self.predictor = load_length_predictor(length.artifact, length.model_map,
+                                               length.fallback_key)
         self._relay_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=settings.upstream.pool_size, ttl_dns_cache=300,
@@ -73,6 +77,15 @@ class Runtime:
                 await self._poll_task
         await self._relay_session.close()
         await self._poll_session.close()
+
+    def predict(self, ctx: RequestContext) -> Prediction:
+        """The request's predicted cost, for `router.pick` (synchronous, ≤ 1 ms)."""
+        return self.predictor.predict(ctx)
+
+    def predict_window(self, ctx: RequestContext, generated_text: str,
+                       generated_tokens: int) -> Prediction:
+        """Re-estimate mid-stream (every τ tokens), for `router.reroute`."""
+        return self.predictor.predict_window(ctx, generated_text, generated_tokens)
 
     def upstream_failed(self, failure: UpstreamFailure, model: str) -> None:
         log.warning("attempt on %s failed (%s): %s", failure.backend.name, failure.kind,

@@ -1,0 +1,109 @@
+"""The trained length predictor as the proxy uses it, and its versioned artifact.
+
+An artifact is a directory: `meta.json` (format, version, data digest, token unit,
+training config, per-model scale and tier edges), `featurizer.json` (TF-IDF
+vocabulary and idf; shared by all models so a request is encoded once) and
+`weights.pt` (one `MoELength` state dict per predictor key, loaded with
+`weights_only=True`). Keys are expert model names plus "any"; the proxy maps a
+request's model to a key with `predictors.length.model_map`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from predictors.base import NO_PREDICTION, Prediction
+from predictors.features import Featurizer
+from predictors.length_moe import FusedMoE, MoEConfig, MoELength
+from predictors.length_train import Trained
+from proxy.types import RequestContext
+
+ARTIFACT_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class KeyModel:
+    """One backend model's predictor, ready for single-request inference."""
+
+    fused: FusedMoE
+    scale: float
+
+
+class LengthPredictor:
+    """Predicted output tokens of a request, at arrival and again mid-stream."""
+
+    def __init__(self, featurizer: Featurizer, models: Mapping[str, KeyModel],
+                 model_map: Mapping[str, str], fallback_key: str | None) -> None:
+        self.featurizer = featurizer
+        self.models = dict(models)
+        self.model_map = dict(model_map)
+        self.fallback_key = fallback_key
+
+    def predict(self, ctx: RequestContext) -> Prediction:
+        return self.predict_window(ctx, "", 0)
+
+    def predict_window(self, ctx: RequestContext, generated_text: str,
+                       generated_tokens: int) -> Prediction:
+        """Total output tokens (generated + still to come) given the answer so far."""
+        model = self.models.get(self.key_for(ctx.model) or "")
+        if model is None:
+            return NO_PREDICTION
+        indices, weights = self.featurizer.encode(ctx.prompt_text, generated_text,
+                                                  generated_tokens)
+        with torch.inference_mode():
+            remaining = model.fused(torch.tensor(indices), torch.tensor(weights)) * model.scale
+        total = generated_tokens + max(1.0, remaining)
+        if ctx.max_tokens is not None:
+            total = min(total, float(ctx.max_tokens))
+        return Prediction(output_tokens=total)
+
+    def key_for(self, model: str) -> str | None:
+        return self.model_map.get(model, model if model in self.models else self.fallback_key)
+
+
+def save_artifact(target: Path, featurizer: Featurizer, trained: Mapping[str, Trained],
+                  meta: dict[str, Any], config: MoEConfig) -> None:
+    """Write the artifact directory (aside, then renamed: readers never see half of it)."""
+    scratch = target.with_name(f"{target.name}.tmp")
+    scratch.mkdir(parents=True, exist_ok=True)
+    keys = {key: {"scale": t.scale, "input_edges": t.input_edges,
+                  "output_edges": t.output_edges, "subset_rows": t.subset_sizes}
+            for key, t in trained.items()}
+    full = {"format": ARTIFACT_FORMAT, "kind": "length_moe", **meta,
+            "config": asdict(config), "keys": keys}
+    (scratch / "meta.json").write_text(json.dumps(full, indent=1))
+    (scratch / "featurizer.json").write_text(json.dumps(featurizer.state()))
+    torch.save({key: t.model.state_dict() for key, t in trained.items()}, scratch / "weights.pt")
+    if target.exists():
+        for old in target.iterdir():
+            old.unlink()
+        target.rmdir()
+    scratch.rename(target)
+
+
+def load_artifact(path: Path, model_map: Mapping[str, str] | None = None,
+                  fallback_key: str | None = "any") -> LengthPredictor:
+    """Load for inference: single-threaded torch, fused experts, no autograd."""
+    torch.set_num_threads(1)  # one small request at a time; threads only add latency
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != ARTIFACT_FORMAT or meta.get("kind") != "length_moe":
+        raise ValueError(f"{path}: not a length_moe artifact of format {ARTIFACT_FORMAT}")
+    featurizer = Featurizer.from_state(json.loads((path / "featurizer.json").read_text()))
+    config = config_from(meta["config"])
+    states = torch.load(path / "weights.pt", weights_only=True)
+    models: dict[str, KeyModel] = {}
+    for key, info in meta["keys"].items():
+        model = MoELength(featurizer.dim, config)
+        model.load_state_dict(states[key])
+        models[key] = KeyModel(FusedMoE(model.eval()), float(info["scale"]))
+    return LengthPredictor(featurizer, models, model_map or {}, fallback_key)
+
+
+def config_from(saved: dict[str, Any]) -> MoEConfig:
+    return MoEConfig(**{**saved, "expert_hidden": tuple(saved["expert_hidden"])})

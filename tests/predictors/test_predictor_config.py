@@ -1,0 +1,48 @@
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, LengthPredictorConfig, Settings, load_settings
+
+YAML = """
+predictors:
+  length:
+    artifact: /models/length-moe-v1
+    model_map: {tiny-llama: gpt-3.5-turbo-1106}
+    fallback_key: null
+"""
+
+
+def test_defaults_keep_predictions_off() -> None:
+    length = Settings().predictors.length
+    assert length.artifact is None and length.model_map == {} and length.fallback_key == "any"
+
+
+def test_yaml_section_loads(tmp_path: Path) -> None:
+    path = tmp_path / "laneway.yaml"
+    path.write_text(YAML)
+    length = load_settings(path).predictors.length
+    assert length.artifact == "/models/length-moe-v1"
+    assert length.model_map == {"tiny-llama": "gpt-3.5-turbo-1106"}
+    assert length.fallback_key is None
+
+
+def test_env_overrides_artifact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_PREDICTORS__LENGTH__ARTIFACT", "/elsewhere")
+    assert load_settings().predictors.length.artifact == "/elsewhere"
+
+
+def test_unknown_key_names_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "laneway.yaml"
+    path.write_text("predictors: {length: {artefact: x}}\n")
+    with pytest.raises(ConfigError, match=r"predictors\.length\.artefact"):
+        load_settings(path)
+
+
+def test_example_documents_every_predictor_option() -> None:
+    import yaml
+
+    example = Path(__file__).resolve().parents[2] / "deploy" / "laneway.example.yaml"
+    written = yaml.safe_load(example.read_text())["predictors"]["length"]
+    assert set(written) == set(LengthPredictorConfig.model_fields)
+    assert written["artifact"] is None  # the example keeps today's behaviour
