@@ -54,6 +54,7 @@ class Tracking:
     client_streams: bool
     max_tokens: int | None
     min_tokens: int
+    greedy: bool  # temperature 0 (or top_k 1): another backend regenerates the same tokens
 
 
 def why_not_migratable(data: Mapping[str, Any], chat: bool) -> str | None:
@@ -96,6 +97,7 @@ def tracking_of(data: Mapping[str, Any], max_tokens: int | None) -> Tracking:
         client_streams=bool(data.get("stream")),
         max_tokens=max_tokens,
         min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
+        greedy=data.get("temperature") == 0 or data.get("top_k") == 1,
     )
 
 

@@ -33,6 +33,7 @@ from proxy.handoff import Continuation, Handoff, HandoffFailed, open_continuatio
 from proxy.legs import Leg, LegFailed
 from proxy.migration import Tracking, tokenizer_of
 from proxy.pieces import Piece
+from proxy.race import Race
 from proxy.relay import UpstreamFailure
 from proxy.runtime import Runtime
 from proxy.types import Backend, Outcome, Progress, RequestContext
@@ -65,6 +66,7 @@ class TrackedRelay:
         self._read: asyncio.Future[list[Piece]] | None = None
         self._stash: list[Piece] = []  # source pieces past a forced splice point
         self._tokens_opened = False  # the first token event (it carries prompt ids) is out
+        self._failure: LegFailed | None = None  # the source failed during a paced handoff
 
     # -- the loop ----------------------------------------------------------------
     async def run(self, leg: Leg) -> None:
@@ -104,6 +106,9 @@ class TrackedRelay:
             self.rt.streams.untrack(self.leg.backend.name, self)
 
     async def _next_pieces(self) -> list[Piece]:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         if self._stash:  # held back at a forced splice whose handoff did not happen
             pieces, self._stash = self._stash, []
             return pieces
@@ -158,6 +163,15 @@ class TrackedRelay:
         reason, target = self._trigger()
         if reason is None:
             return
+        target = target or self._pick_target(reason)
+        if target is None:
+            return
+        self.migrations += 1
+        log.info("request %s: moving %s -> %s after %d tokens (%s)", self.ctx.request_id,
+                 self.leg.backend.name if self.leg else "-", target.name,
+                 self.gen.generated, reason)
+        if self._can_race(target) and await self._race(target, reason):
+            return
         self._start_handoff(reason, target)
         if self.handoff is not None and self.handoff.ready and self.gen.clean_boundary:
             await self._continue_handoff()  # no warm-up: cut over right here
@@ -191,19 +205,54 @@ class TrackedRelay:
         return self.rt.registry.view(
             self.ctx.model, time.monotonic(), exclude=(self.leg.backend.name, *exclude))
 
-    def _start_handoff(self, reason: str, target: Backend | None) -> None:
-        if target is None:
-            view = self._view()
-            if not view.candidates:
-                log.info("request %s: no backend to move to (%s)", self.ctx.request_id, reason)
-                return
-            target = self.rt.router.pick(self.ctx, NO_PREDICTION, view).backend
+    def _pick_target(self, reason: str) -> Backend | None:
+        view = self._view()
+        if not view.candidates:
+            log.info("request %s: no backend to move to (%s)", self.ctx.request_id, reason)
+            return None
+        return self.rt.router.pick(self.ctx, NO_PREDICTION, view).backend
+
+    def _start_handoff(self, reason: str, target: Backend) -> None:
         self.handoff = Handoff.start(self.c, self.gen, target, reason,
                                      warm=self.cfg.warm_prefill)
-        self.migrations += 1
-        log.info("request %s: moving %s -> %s after %d tokens (%s)", self.ctx.request_id,
-                 self.leg.backend.name if self.leg else "-", target.name,
-                 self.gen.generated, reason)
+
+    def _can_race(self, target: Backend) -> bool:
+        return (self.tracking.greedy and self.cfg.pace_slowdown > 0
+                and tokenizer_of(target) == self.gen.tokenizer
+                and self.gen.prompt_token_ids is not None)
+
+    async def _race(self, target: Backend, reason: str) -> bool:
+        """The paced handoff (proxy/race.py); False if it must fall back to freezing."""
+        assert self.leg is not None
+        started = time.monotonic()
+        held, self._stash = self._stash, []
+        race = Race(self.c, self.gen, self.leg, target, self.cfg.pace_slowdown,
+                    self.cfg.pace_default_tpot_s, started + self.cfg.pace_timeout_s, held)
+        read, self._read = self._read, None
+        try:
+            end = await race.run(self._emit, read)
+            if end.kind != "cut":
+                await race.flush(self._emit)
+        finally:
+            race.close()
+        if end.kind == "cut":
+            assert end.leg is not None
+            await self._cut_over(end.leg, reason, started, race.start)
+            self._read = end.next_read
+            await self._emit(list(end.ahead))
+            return True
+        self._observe_leg(target.name, started, ok=end.kind == "done", tokens=0)
+        if end.kind == "failed":
+            self._failure = end.error  # the main loop fails over
+            return True
+        if end.kind == "done":
+            log.info("request %s: finished on %s before %s caught up", self.ctx.request_id,
+                     self.leg.backend.name, target.name)
+        if end.kind == "abandoned":
+            log.info("request %s: paced handoff to %s abandoned (%s); freezing instead",
+                     self.ctx.request_id, target.name, end.detail)
+            return self.gen.finished
+        return True
 
     def _handoff_failed(self, handoff: Handoff, detail: str) -> None:
         assert self.leg is not None
@@ -264,7 +313,10 @@ class TrackedRelay:
                          "more_body": False})
 
     # -- cut-over ----------------------------------------------------------------
-    async def _cut_over(self, new_leg: Leg, reason: str, started_at: float) -> None:
+    async def _cut_over(self, new_leg: Leg, reason: str, started_at: float,
+                        continued_from: int | None = None) -> None:
+        """Switch to `new_leg`. `continued_from`: the position its continuation starts
+        at when that is before what the client has (a paced handoff)."""
         old = self.leg
         assert old is not None
         if self._read is not None:
@@ -290,7 +342,8 @@ class TrackedRelay:
         if self.announce and self.started:
             await self._send(comment_event({
                 "event": "migrated", "from": old.backend.name, "to": new_leg.backend.name,
-                "at_token": at_token, "reason": reason}))
+                "at_token": at_token, "reason": reason,
+                "continued_from": at_token if continued_from is None else continued_from}))
 
     # -- output ------------------------------------------------------------------
     async def _emit(self, pieces: list[Piece]) -> None:

@@ -92,8 +92,10 @@ def config(backends: list[Running], **migration: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cold_proxy(vllm_fleet: list[Running]) -> Iterator[str]:
-    """Forced moves splice exactly where asked: no warm-up racing the source."""
-    with running_proxy(config(two_same(vllm_fleet), warm_prefill=False)) as proxy:
+    """Forced moves splice exactly where asked: no warm-up racing the source, no paced
+    catch-up (the source is frozen at the forced point)."""
+    with running_proxy(config(two_same(vllm_fleet), warm_prefill=False,
+                              pace_slowdown=0)) as proxy:
         yield proxy.url
 
 
@@ -112,7 +114,7 @@ def test_moved_answer_equals_unmoved_one(
         assert moved.text == reference.text, f"after {after}"
         assert moved.finish_reason == "length"
         if stream:
-            assert [m["at_token"] for m in moved.moves] == [after]
+            assert [m["continued_from"] for m in moved.moves] == [after]
         else:
             assert _forced_moves(cold_proxy) == before + 1
             assert moved.usage is not None
@@ -144,7 +146,7 @@ def test_usage_and_stop_strings_survive_a_move(cold_proxy: str, vllm_fleet: list
     reference = ask(source, True, body(True, True, **options))
     moved = ask(cold_proxy, True, body(True, True, **options),
                 {"x-laneway-migrate-after": str(splice), "x-laneway-events": "1"})
-    assert [m["at_token"] for m in moved.moves] == [splice]
+    assert [m["continued_from"] for m in moved.moves] == [splice]
     assert reference.finish_reason == moved.finish_reason == "stop"
     assert moved.text == reference.text and stop not in moved.text
     assert free.text.startswith(moved.text + stop)
@@ -173,7 +175,7 @@ def _text_of(url: str, free: Answer, tokens: int) -> str:
 
 
 def test_warm_handoff_in_the_middle_is_exact(vllm_fleet: list[Running]) -> None:
-    with running_proxy(config(two_same(vllm_fleet))) as proxy:
+    with running_proxy(config(two_same(vllm_fleet), pace_slowdown=0)) as proxy:
         reference = ask(two_same(vllm_fleet)[0].url, True, body(True, True, ignore_eos=True,
                                                                max_tokens=120))
         moved = ask(proxy.url, True, body(True, True, ignore_eos=True, max_tokens=120),
@@ -182,6 +184,21 @@ def test_warm_handoff_in_the_middle_is_exact(vllm_fleet: list[Running]) -> None:
     assert len(moved.moves) == 1 and moved.moves[0]["at_token"] >= 20
     assert moved.token_ids == reference.token_ids and moved.text == reference.text
     assert stalls == 1
+
+
+def test_paced_handoff_of_a_greedy_stream_is_exact(vllm_fleet: list[Running]) -> None:
+    """The default for temperature 0: the target continues from the trigger point while
+    the source's tokens are shown slower, and the stream cuts over once it caught up.
+    (A 2x pace here, so the target catches up fast even on this shared 2-core box.)"""
+    with running_proxy(config(two_same(vllm_fleet), pace_slowdown=1.0)) as proxy:
+        reference = ask(two_same(vllm_fleet)[0].url, True, body(True, True, ignore_eos=True,
+                                                               max_tokens=900))
+        moved = ask(proxy.url, True, body(True, True, ignore_eos=True, max_tokens=900),
+                    {"x-laneway-migrate-after": "20", "x-laneway-events": "1"})
+        (move,) = moved.moves  # inside the block: a failure shows the proxy's log
+    # vLLM may pack tokens in one event, so the trigger can see 21 or 22 at once.
+    assert 20 <= move["continued_from"] <= 22 and move["at_token"] > move["continued_from"]
+    assert moved.token_ids == reference.token_ids and moved.text == reference.text
 
 
 def test_killing_the_source_mid_stream_loses_nothing(

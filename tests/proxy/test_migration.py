@@ -55,11 +55,16 @@ def continuation_bodies(fake: Any, warm: bool = False) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("after", [0, 1, 7, 11])
-async def test_forced_move_of_a_chat_stream_loses_and_repeats_nothing(after: int) -> None:
-    slow = FakeConfig(tpot_s=0.02)  # the target's warm-up ends before the next token
+@pytest.mark.parametrize("greedy", [True, False], ids=["paced", "frozen"])
+async def test_forced_move_of_a_chat_stream_loses_and_repeats_nothing(
+    after: int, greedy: bool
+) -> None:
+    slow = FakeConfig(tpot_s=0.02)  # a warm-up ends before the source's next token
     async with fleet(slow, slow, **FORCED) as (proxy, fakes):
-        body = {**CHAT, "stream": True, "max_tokens": 12, "temperature": 0,
+        body = {**CHAT, "stream": True, "max_tokens": 12,
                 "stream_options": {"include_usage": True}}
+        if greedy:
+            body["temperature"] = 0
         response = await post(proxy, body, headers={"x-laneway-migrate-after": str(after),
                                                     "x-laneway-events": "1"})
     assert response.status_code == 200
@@ -76,12 +81,19 @@ async def test_forced_move_of_a_chat_stream_loses_and_repeats_nothing(after: int
     assert moved["reason"] == "forced" and moved["at_token"] >= after
     target = fakes[1] if moved["to"] == "f1" else fakes[0]
     (cont,) = continuation_bodies(target)
-    (warm,) = continuation_bodies(target, warm=True)
-    assert warm["max_tokens"] == 1 and 2 + after <= len(warm["prompt"]) <= 2 + moved["at_token"]
-    assert len(cont["prompt"]) == 2 + moved["at_token"]
-    assert cont["max_tokens"] == 12 - moved["at_token"]
-    assert cont["temperature"] == 0 and cont["stream"] is True
-    assert cont["prompt"][-1] == GEN_BASE + moved["at_token"] - 1 or moved["at_token"] == 0
+    if greedy:  # paced: the target continues from the trigger point, no warm-up
+        assert continuation_bodies(target, warm=True) == []
+        spliced_at = after
+        assert moved["continued_from"] == after
+    else:  # frozen: warm-up first, then a continuation from where the client is
+        (warm,) = continuation_bodies(target, warm=True)
+        assert warm["max_tokens"] == 1 and 2 + after <= len(warm["prompt"])
+        assert len(warm["prompt"]) <= 2 + moved["at_token"]
+        spliced_at = moved["at_token"]
+    assert len(cont["prompt"]) == 2 + spliced_at
+    assert cont["max_tokens"] == 12 - spliced_at
+    assert cont.get("temperature") == (0 if greedy else None) and cont["stream"] is True
+    assert spliced_at == 0 or cont["prompt"][-1] == GEN_BASE + spliced_at - 1
 
 
 async def test_forced_move_of_completions_and_non_streamed_requests() -> None:
@@ -118,7 +130,8 @@ async def test_backend_dying_mid_stream_is_continued_elsewhere() -> None:
     assert response.headers["x-laneway-backend"] == "f0"
     assert stream_text(response) == expected_text(10)
     assert migrated_comments(response)[0] == {
-        "event": "migrated", "from": "f0", "to": "f1", "at_token": 4, "reason": "failure"}
+        "event": "migrated", "from": "f0", "to": "f1", "at_token": 4, "reason": "failure",
+        "continued_from": 4}
     assert continuation_bodies(fakes[1])[0]["max_tokens"] == 6
     assert 'laneway_migrations_total{reason="failure",source="f0",target="f1"} 1.0' in metrics
 
