@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from types import MappingProxyType
 from typing import Any
 
@@ -274,3 +275,34 @@ async def test_move_to_another_tokenizer_retokenizes_prompt_and_text() -> None:
                          "add_special_tokens": False}
     (cont,) = continuation_bodies(fakes[1])
     assert cont["max_tokens"] == 7
+
+
+async def _event_times(proxy: Any, body: dict[str, Any], headers: dict[str, str]
+                       ) -> tuple[list[float], str]:
+    times, text = [], []
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body,
+                               headers=headers) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    times.append(asyncio.get_running_loop().time())
+                if line.startswith((": laneway", "data: {")):
+                    text.append(line)
+    return times, "\n".join(text)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["paced", "frozen"])
+async def test_paced_handoff_hides_the_targets_startup(greedy: bool) -> None:
+    source, slow_start = FakeConfig(tpot_s=0.01), FakeConfig(tpot_s=0.01, ttft_s=0.08)
+    async with fleet(source, slow_start, **FORCED,
+                     migration={"warm_prefill": False, "pace_slowdown": 0.4}) as (proxy, _):
+        body = {**CHAT, "stream": True, "max_tokens": 120,
+                **({"temperature": 0} if greedy else {})}
+        times, text = await _event_times(proxy, body, {"x-laneway-migrate-after": "10",
+                                                       "x-laneway-events": "1"})
+    assert text.count(": laneway") == 1 and text.count('"finish_reason":"length"') == 1
+    gaps = [b - a for a, b in itertools.pairwise(times[2:])]
+    if greedy:  # shown at 14 ms per token while the target starts: no 80 ms hole
+        assert max(gaps) < 0.045, max(gaps)
+    else:  # frozen: the client waits for the target's whole start-up
+        assert max(gaps) >= 0.08
