@@ -17,10 +17,11 @@ current speed are re-estimated; if the expected finish exceeds D_r, the stream m
 
 Deviations, all configurable: requests without an SLO fall back to least in-flight
 (the paper: "follow the conventional routing methods"); L_in is estimated from the
-prompt's characters (`chars_per_token`); when a stream has already outrun its
-predicted length, its remaining length is taken as `overrun_fraction` * generated
-(the paper re-runs the predictor over the token window; `Prediction` carries no
-window re-estimate yet); a move must win at least `min_gain_s` over staying.
+prompt's characters (`chars_per_token`); at each check the proxy re-runs the
+length predictor over the answer so far (`Runtime.predict_window`, as the paper does),
+and if a stream has still outrun that estimate (or no predictor is loaded) its
+remaining length is taken as `overrun_fraction` * generated; a move must win at least
+`min_gain_s` over staying.
 """
 
 from __future__ import annotations

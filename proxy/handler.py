@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from predictors.base import NO_PREDICTION
+from predictors.base import Prediction
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, send_error
 from proxy.errors import (
     ModelNotFound,
@@ -140,13 +140,14 @@ class Exchange:
         rt, ctx = self.rt, self.ctx
         tried: list[str] = []
         failures: list[UpstreamFailure] = []
+        pred = self._predict()
         body = self.body if self.tracking is None else tracked_body(self.data, self.tracking)
         stream = ctx.stream or self.tracking is not None
         for _ in range(rt.settings.upstream.max_attempts):
             view = rt.registry.view(ctx.model, time.monotonic(), exclude=tried)
             if not view.candidates:
                 break
-            backend = rt.router.pick(ctx, NO_PREDICTION, view).backend
+            backend = rt.router.pick(ctx, pred, view).backend
             tried.append(backend.name)
             self.backend_name = backend.name
             guard = contextlib.ExitStack()
@@ -155,7 +156,7 @@ class Exchange:
                 opened = await rt.upstream.open(
                     backend, _PATHS[ctx.endpoint], body, self.headers, stream)
                 if self.tracking is not None and not opened.complete:
-                    await self._relay_tracked(opened, guard)
+                    await self._relay_tracked(opened, guard, pred)
                     return
             except UpstreamFailure as failure:
                 guard.close()
@@ -177,12 +178,20 @@ class Exchange:
             return
         raise _exhausted(ctx, failures, rt.settings.server.retry_after_s)
 
-    async def _relay_tracked(self, opened: Opened, guard: contextlib.ExitStack) -> None:
+    def _predict(self) -> Prediction:
+        started = time.perf_counter()
+        pred = self.rt.predict(self.ctx)
+        self.rt.metrics.prediction.observe(time.perf_counter() - started)
+        return pred
+
+    async def _relay_tracked(self, opened: Opened, guard: contextlib.ExitStack,
+                             pred: Prediction) -> None:
         """Relay a request that may migrate (see proxy/tracked.py)."""
         assert self.tracking is not None
         rt, ctx = self.rt, self.ctx
         relay = TrackedRelay(rt, ctx, self.data, self.tracking, self.headers, self.send,
-                             forced_after=self.forced_after, announce=self.announce)
+                             forced_after=self.forced_after, announce=self.announce,
+                             pred=pred)
         leg = Leg(opened, ctx.endpoint == "chat", guard, rt.settings.upstream.read_timeout_s)
         self.relay = relay
         try:

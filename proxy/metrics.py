@@ -50,6 +50,9 @@ class Metrics:
         self.decision = Histogram(
             "laneway_routing_decision_seconds", "Time spent in a policy's pick",
             ["policy"], buckets=_DECISION_BUCKETS, registry=r)
+        self.prediction = Histogram(
+            "laneway_prediction_seconds", "Time spent predicting a request's cost",
+            buckets=_DECISION_BUCKETS, registry=r)
         self.retries = Counter(
             "laneway_retries", "Attempts moved to another backend before the first byte",
             ["model", "backend", "reason"], registry=r)

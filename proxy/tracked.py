@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from predictors.base import NO_PREDICTION
+from predictors.base import NO_PREDICTION, Prediction
 from proxy.asgi import Send, send_error
 from proxy.emit import (
     DONE_EVENT,
@@ -44,8 +44,10 @@ log = logging.getLogger("laneway.migration")
 class TrackedRelay:
     def __init__(self, rt: Runtime, ctx: RequestContext, data: dict[str, Any],
                  tracking: Tracking, headers: dict[str, str], send: Send, *,
-                 forced_after: int | None, announce: bool) -> None:
+                 forced_after: int | None, announce: bool,
+                 pred: Prediction = NO_PREDICTION) -> None:
         self.rt, self.ctx, self.tracking, self.send = rt, ctx, tracking, send
+        self.pred = pred
         self.c = Continuation(rt, data, tracking, headers, ctx.model, ctx.endpoint == "chat")
         self.gen = Generation(tracking.stops, tracking.include_stop)
         self.forced_after = forced_after
@@ -186,8 +188,8 @@ class TrackedRelay:
             return reason, None
         if self.rt.router.reroutes and generated >= self._next_check:
             self._next_check = generated + self.cfg.check_every_tokens
-            decision = self.rt.router.reroute(
-                self.ctx, NO_PREDICTION, self._progress(), self._view())
+            pred = self.rt.predict_window(self.ctx, self.gen.text, generated)
+            decision = self.rt.router.reroute(self.ctx, pred, self._progress(), self._view())
             if decision is not None:
                 return "policy", decision.backend
         return None, None
@@ -210,7 +212,7 @@ class TrackedRelay:
         if not view.candidates:
             log.info("request %s: no backend to move to (%s)", self.ctx.request_id, reason)
             return None
-        return self.rt.router.pick(self.ctx, NO_PREDICTION, view).backend
+        return self.rt.router.pick(self.ctx, self.pred, view).backend
 
     def _start_handoff(self, reason: str, target: Backend) -> None:
         self.handoff = Handoff.start(self.c, self.gen, target, reason,
@@ -285,7 +287,7 @@ class TrackedRelay:
             view = self._view(tuple(tried))
             if not view.candidates:
                 break
-            target = self.rt.router.pick(self.ctx, NO_PREDICTION, view).backend
+            target = self.rt.router.pick(self.ctx, self.pred, view).backend
             tried.append(target.name)
             try:
                 new_leg = await open_continuation(self.c, self.gen, target)
