@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.tiny_models import DEFAULT_SHARED, laneway_home
 from predictors.length_data import (
@@ -29,7 +29,9 @@ from predictors.length_data import (
     token_counter,
     window_rows,
 )
-from predictors.length_moe import MoEConfig
+
+if TYPE_CHECKING:
+    from predictors.length_eval import Score
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
@@ -52,6 +54,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from predictors.features import Featurizer
     from predictors.length import save_artifact
+    from predictors.length_moe import MoEConfig
     from predictors.length_train import train_moe
 
     torch.set_num_threads(args.threads)
@@ -114,26 +117,45 @@ def _evaluate(args: argparse.Namespace) -> int:
     result = summary(meta, scores, window_scores, latency)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    pooled = [pool([s for s in scores if s.method == m and s.key != ANY_KEY])
+              for m in dict.fromkeys(s.method for s in scores)]
     args.out.with_suffix(".md").write_text(
-        markdown(scores) + "\n\nMid-stream (tokens still to come):\n\n"
-        + markdown(window_scores) + "\n")
+        f"Artifact {meta['version']}; lengths in {result['unit']}; held out: id % 5 == 0.\n\n"
+        "Per-model predictors, pooled over the six models' held-out answers:\n\n"
+        + markdown(pooled) + "\n\nEvery model:\n\n" + markdown(scores)
+        + "\n\nMid-stream (tokens still to come):\n\n" + markdown(window_scores) + "\n")
     print(markdown(window_scores), json.dumps(latency), f"wrote {args.out}", sep="\n")
     return 0
 
 
-def summary(meta: dict[str, Any], scores: list[Any], window_scores: list[Any],
+def summary(meta: dict[str, Any], scores: list[Score], window_scores: list[Score],
             latency: dict[str, float]) -> dict[str, Any]:
-    """The results JSON; `predictor_mae_tokens`: the per-model MoE predictors over all six
-    models' held-out answers (each answer predicted by its own model's predictor)."""
-    per_model = [s for s in scores if s.method == "moe" and s.key != ANY_KEY]
-    pooled = sum(s.mae * s.n for s in per_model) / max(1, sum(s.n for s in per_model))
+    """The results JSON. `predictor_mae_tokens`: the per-model MoE predictors over all six
+    models' held-out answers, each answer predicted by its own model's predictor."""
+    pooled = {method: pool([s for s in scores if s.method == method and s.key != ANY_KEY])
+              for method in dict.fromkeys(s.method for s in scores)}
     return {
-        "predictor": "length_moe", "artifact_version": meta["version"], "unit": meta["unit"],
-        "heldout": meta["heldout"], "predictor_p50_ms": latency["predict_p50_ms"],
-        "predictor_p99_ms": latency["predict_p99_ms"], "predictor_mae_tokens": round(pooled, 1),
-        "latency": latency, "table": [asdict(s) for s in scores],
-        "window_table": [asdict(s) for s in window_scores],
+        "predictor": "length_moe", "artifact_version": meta["version"],
+        "unit": meta["unit"].replace(f"{REPO}/", ""), "heldout": meta["heldout"],
+        "predictor_p50_ms": latency["predict_p50_ms"],
+        "predictor_p99_ms": latency["predict_p99_ms"],
+        "predictor_mae_tokens": round(pooled["moe"].mae, 1),
+        "latency": latency, "per_model_pooled": {m: asdict(s) for m, s in pooled.items()},
+        "table": [asdict(s) for s in scores], "window_table": [asdict(s) for s in window_scores],
     }
+
+
+def pool(scores: list[Score]) -> Score:
+    """One method's scores over several models, weighted by their held-out sizes."""
+    from predictors.length_eval import Score
+
+    n = sum(s.n for s in scores)
+
+    def mean(field: str) -> float:
+        return float(sum(getattr(s, field) * s.n for s in scores)) / n
+
+    return Score("per-model", scores[0].method, mean("mae"), mean("within_25"),
+                 mean("bucket_acc"), n)
 
 
 def add_cli(subparsers: Any) -> None:
@@ -144,7 +166,7 @@ def add_cli(subparsers: Any) -> None:
     length.add_argument("--out", type=Path, default=default_artifact())
     length.add_argument("--tokenizer", default="auto", help="auto | words | tokenizer.json")
     length.add_argument("--keys", default="", help="comma-separated; default: any + every model")
-    length.add_argument("--epochs", type=int, default=MoEConfig().epochs)
+    length.add_argument("--epochs", type=int, default=500, help="per phase (the paper's)")
     length.add_argument("--windows", type=int, default=2, help="mid-stream rows per answer")
     length.add_argument("--tau", type=int, default=50, help="re-estimate every τ tokens")
     length.add_argument("--seed", type=int, default=0)

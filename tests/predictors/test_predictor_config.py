@@ -46,3 +46,16 @@ def test_example_documents_every_predictor_option() -> None:
     written = yaml.safe_load(example.read_text())["predictors"]["length"]
     assert set(written) == set(LengthPredictorConfig.model_fields)
     assert written["artifact"] is None  # the example keeps today's behaviour
+
+
+def test_cli_registers_train_length_without_importing_torch() -> None:
+    """`laneway serve` builds the same parser: it must not pay for (or need) torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, proxy.cli as c; p = c.build_parser(); "
+            "a = p.parse_args(['train', 'length', '--epochs', '3']); "
+            "print(a.epochs, 'torch' in sys.modules, 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.split() == ["3", "False", "False"]

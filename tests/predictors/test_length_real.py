@@ -1,0 +1,43 @@
+"""The predictor on the real alpaca_eval data: it must beat the mean on the fixed split."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.tiny_models import DEFAULT_SHARED
+from predictors.features import Featurizer
+from predictors.length import KeyModel
+from predictors.length_data import arrival_rows, is_heldout, load_samples, samples_for
+from predictors.length_eval import moe_method
+from predictors.length_moe import FusedMoE, MoEConfig
+from predictors.length_train import train_moe
+from tests.predictors.helpers import counter
+
+DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
+KEY = "gpt-3.5-turbo-1106"  # the shortest answers: the cheapest model to train
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
+def test_heldout_split_of_the_real_data_is_fixed() -> None:
+    ids = [json.loads(line)["id"] for line in DATA.open()]
+    held = [i for i in ids if is_heldout(i)]
+    assert len(ids) == 805 and len(held) == 161 and held[:3] == [0, 5, 10]
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
+def test_moe_beats_the_mean_on_heldout_mae(tmp_path: Path) -> None:
+    # Word counts (not the tiny BPE) so the test does not depend on a built model;
+    # fewer epochs than `laneway train length` keep it under a minute.
+    samples = samples_for(load_samples(DATA, counter()), KEY)
+    train = [s for s in samples if not is_heldout(s.id)]
+    test = [s for s in samples if is_heldout(s.id)]
+    featurizer = Featurizer.fit([f"{s.prompt}\n{s.output}" for s in train])
+    trained = train_moe(arrival_rows(train), featurizer, MoEConfig(epochs=100))
+    moe = moe_method(KeyModel(FusedMoE(trained.model), trained.scale), featurizer)
+    truth = np.array([s.output_tokens for s in test], dtype=float)
+    mean = np.mean([s.output_tokens for s in train])
+    moe_mae = float(np.mean(np.abs(moe(arrival_rows(test)) - truth)))
+    mean_mae = float(np.mean(np.abs(mean - truth)))
+    assert moe_mae < 0.97 * mean_mae, (moe_mae, mean_mae)
