@@ -124,6 +124,7 @@ class FusedMoE:
     def __init__(self, model: MoELength) -> None:
         experts = cast(list[SparseMLP], list(model.experts))
         self.k = len(experts)
+        self._one_bag = torch.zeros(1, dtype=torch.int64)  # offsets of a single request
         self.router_width = model.router.first_bias.numel()
         first = [model.router.first.weight, *(e.first.weight for e in experts)]
         bias: list[Tensor] = [model.router.first_bias, *(e.first_bias for e in experts)]
@@ -137,7 +138,7 @@ class FusedMoE:
 
     def __call__(self, indices: Tensor, weights: Tensor) -> float:
         first = torch.nn.functional.embedding_bag(
-            indices, self.first, torch.zeros(1, dtype=torch.int64),
+            indices, self.first, self._one_bag,
             mode="sum", per_sample_weights=weights)[0] + self.first_bias
         hidden = torch.relu(first)
         gate = torch.softmax(hidden[: self.router_width] @ self.router_w + self.router_b, 0)
