@@ -60,29 +60,33 @@ class Sample:
     """One moved request beside its unmoved twin."""
 
     at_token: int
-    stall_s: float
+    stall_s: float  # largest gap around the splice
+    unmoved_gap_s: float  # largest gap of the unmoved twin over the same events
     normal_tpot_s: float
     e2e_s: float
     unmoved_e2e_s: float
 
 
-def stall_of(moved: RequestResult, after: int) -> float | None:
-    """The largest gap between two text events from the trigger (the `after`-th event)
-    to five events past the move event: the stall the client can see around a splice."""
+def window_of(moved: RequestResult, after: int) -> tuple[int, int] | None:
+    """Event indices from the trigger (the `after`-th event) to five events past the
+    move event: where the client could see a stall from the splice."""
     if not moved.migrations:
         return None
     at = moved.migrations[0].at_s
-    times = moved.chunk_times_s
-    cut = sum(1 for t in times if t <= at)
-    window = times[max(0, min(after, cut) - 1): cut + 5]
-    if cut == 0 or cut == len(times) or len(window) < 2:
+    cut = sum(1 for t in moved.chunk_times_s if t <= at)
+    if cut == 0 or cut == len(moved.chunk_times_s):
         return None
-    return max(b - a for a, b in itertools.pairwise(window))
+    return max(0, min(after, cut) - 1), cut + 5
+
+
+def max_gap(result: RequestResult, window: tuple[int, int]) -> float:
+    times = result.chunk_times_s[window[0]: window[1]]
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def normal_tpot(result: RequestResult) -> float:
-    times = result.chunk_times_s
-    return statistics.median(b - a for a, b in itertools.pairwise(times))
+    """Seconds per token over the whole answer (usage tokens; events may pack several)."""
+    return result.tpot_s or 0.0
 
 
 async def one(session: aiohttp.ClientSession, url: str, after: int | None, plan: Plan,
@@ -115,11 +119,12 @@ async def measure(urls: dict[str, str], plan: Plan) -> dict[str, Any]:
                 unmoved = await one(session, urls["paced"], None, plan, seq)
                 for mode, url in urls.items():
                     moved = await one(session, url, after, plan, seq)
-                    stall = stall_of(moved, after)
-                    if stall is None:
+                    window = window_of(moved, after)
+                    if window is None:
                         continue  # the source finished before the move could happen
                     samples[mode].setdefault(after, []).append(Sample(
-                        moved.migrations[0].at_token or after, stall, normal_tpot(unmoved),
+                        moved.migrations[0].at_token or after, max_gap(moved, window),
+                        max_gap(unmoved, window), normal_tpot(unmoved),
                         moved.e2e_s, unmoved.e2e_s))
     return summarize(samples)
 
@@ -134,6 +139,7 @@ def summarize(samples: dict[str, dict[int, list[Sample]]]) -> dict[str, Any]:
                 "moves": len(group),
                 "stall_ms_median": med(s.stall_s for s in group) * 1000,
                 "stall_ms_max": max(s.stall_s for s in group) * 1000,
+                "unmoved_gap_ms_median": med(s.unmoved_gap_s for s in group) * 1000,
                 "normal_tpot_ms": med(s.normal_tpot_s for s in group) * 1000,
                 "stall_over_tpot_median": med(s.stall_s / s.normal_tpot_s for s in group),
                 "extra_e2e_ms_median": med(s.e2e_s - s.unmoved_e2e_s for s in group) * 1000,
@@ -148,14 +154,16 @@ def summarize(samples: dict[str, dict[int, list[Sample]]]) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any], plan: Plan) -> str:
-    lines = ["| moved after N tokens | handoff | stall median (max) | normal TPOT | "
-             "stall / TPOT | extra e2e | re-prefilled tokens |", "|---|---|---|---|---|---|---|"]
+    lines = ["| moved after N tokens | handoff | stall median (max) | unmoved, same events | "
+             "normal TPOT | stall / TPOT | extra e2e | re-prefilled tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         for after, r in result[mode].items():
             lines.append(
                 f"| {after} | {mode} | "
                 f"{r['stall_ms_median']:.1f} ms ({r['stall_ms_max']:.1f}) | "
-                f"{r['normal_tpot_ms']:.1f} ms | {r['stall_over_tpot_median']:.2f}x | "
+                f"{r['unmoved_gap_ms_median']:.1f} ms | {r['normal_tpot_ms']:.1f} ms | "
+                f"{r['stall_over_tpot_median']:.2f}x | "
                 f"{r['extra_e2e_ms_median']:+.0f} ms | prompt + {after} |")
     return "\n".join(lines)
 
