@@ -8,7 +8,7 @@ Unknown keys and bad values fail at start with the key's dotted path in the mess
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, field_validator
@@ -104,6 +104,47 @@ class AdminConfig(_Section):
                               "Bearer <token>`")
 
 
+class ApiKeyConfig(_Section):
+    """One client key; only its SHA-256 is stored (`laneway keys hash <key>`)."""
+
+    name: str = Field(min_length=1, description="who the key belongs to (logs, limits)")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the key")
+    models: list[str] = Field(default_factory=list, description="models the key may "
+                              "use; empty: every model")
+    requests_per_minute: int | None = Field(None, gt=0, description="null: unlimited")
+    tokens_per_minute: int | None = Field(None, gt=0, description="prompt + completion "
+                                          "tokens; null: unlimited")
+
+
+class AuthConfig(_Section):
+    """Client API keys and per-key limits (README, Auth and limits)."""
+
+    enabled: bool = Field(False, description="require `Authorization: Bearer <key>`")
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    redis_keys: bool = Field(False, description="also accept keys stored in Redis "
+                             "(hash <state.key_prefix>:apikeys; needs state.backend redis)")
+    chars_per_token: float = Field(4.0, gt=0, description="prompt-token estimate charged "
+                                   "up front (reconciled with usage at the end)")
+    default_max_tokens: int = Field(256, gt=0, description="completion tokens charged up "
+                                    "front when a request sets no max_tokens")
+
+
+class StateConfig(_Section):
+    """State shared between proxy replicas (README, Shared state)."""
+
+    backend: Literal["memory", "redis"] = Field("memory", description="memory: this "
+                                                "process only; redis: shared by replicas")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis://host:port/db")
+    key_prefix: str = Field("laneway", min_length=1, description="prefix of every Redis key")
+    sync_interval_s: float = Field(0.05, gt=0, description="replicate local state this often")
+    inflight_ttl_s: float = Field(3.0, gt=0, description="a replica silent this long: its "
+                                  "in-flight counts stop counting (crash)")
+    log_max_entries: int = Field(10_000, gt=0, description="replication log length "
+                                 "(prefix index, EMA speeds)")
+    max_connections: int = Field(8, ge=1, description="Redis connection pool size")
+    timeout_s: float = Field(0.5, gt=0, description="per Redis call; slower = Redis down")
+
+
 class DebugConfig(_Section):
     log_decisions: bool = False
     allow_forced_migration: bool = Field(False, description="honour the request header "
@@ -138,6 +179,8 @@ class Settings(BaseSettings):
     migration: MigrationConfig = MigrationConfig()
     admin: AdminConfig = AdminConfig()
     predictors: PredictorsConfig = PredictorsConfig()
+    auth: AuthConfig = AuthConfig()
+    state: StateConfig = StateConfig()
     debug: DebugConfig = DebugConfig()
 
     @field_validator("backends")
