@@ -45,6 +45,7 @@ class Generation:
         self._pending = ""  # received, not yet released
         self._released_tail = ""  # the last `_lookback` released characters
         self.clean_boundary = True  # the text so far decodes completely (splice here)
+        self._trimmed = 0
 
     @property
     def finished(self) -> bool:
@@ -78,7 +79,7 @@ class Generation:
         self.clean_boundary = bool(piece.text) and not piece.text.endswith("\ufffd")
         self._pending += piece.text
         if self._stops and (hit := self._find_stop()) is not None:
-            return self._stop_at(*hit, ids)
+            return self._stop_at(*hit, piece)
         if piece.finish_reason is not None:
             return self._finish(piece, ids)
         cut = len(self._pending) - self._hold
@@ -95,11 +96,26 @@ class Generation:
         at, stop = min(hits)
         return at - len(self._released_tail), stop
 
-    def _stop_at(self, at: int, stop: str, ids: list[int]) -> Release:
+    def _stop_at(self, at: int, stop: str, piece: Piece) -> Release:
         end = at + len(stop) if self._include_stop else at
+        self._trim_past_stop(piece, at + len(stop))
         text = self._release(self._pending[:max(end, 0)], "")
         self.finish_reason, self.stop_reason = "stop", stop
-        return Release(text, ids, "stop", stop)
+        return Release(text, piece.token_ids[:len(piece.token_ids) - self._trimmed], "stop",
+                       stop)
+
+    def _trim_past_stop(self, piece: Piece, stop_end: int) -> None:
+        """Drop the ids generated after the token completing the stop string, as vLLM
+        does. A piece may pack several tokens whose text boundaries are unknown here, so
+        the count kept is proportional to the piece's text up to the stop's end."""
+        self._trimmed = 0
+        ids, text = piece.token_ids, piece.text
+        piece_start = len(self._pending) - len(text)
+        inside = stop_end - piece_start  # characters of this piece up to the stop's end
+        if len(ids) > 1 and text and 0 < inside < len(text):
+            keep = max(1, -(-len(ids) * inside // len(text)))
+            self._trimmed = len(ids) - keep
+            del self.token_ids[len(self.token_ids) - self._trimmed:]
 
     def _finish(self, piece: Piece, ids: list[int]) -> Release:
         text = self._pending

@@ -125,3 +125,11 @@ def test_continuation_carries_sampling_and_the_remaining_budget() -> None:
                     "return_token_ids": True}
     warm = orjson.loads(continuation_body(data, tracking, "m2", [1, 2, 7], 1, warm=True))
     assert warm["max_tokens"] == 1 and warm["stream"] is False and warm["prompt"] == [1, 2, 7]
+
+
+def test_ids_packed_after_the_stop_are_not_counted() -> None:
+    gen = Generation(stops=("STOP",), include_stop=True)
+    gen.add(Piece("one ", [1]))
+    release = gen.add(Piece("STOP and on and on", [2, 3, 4, 5]))  # 4 tokens in one event
+    assert release.text == "STOP" and release.finish_reason == "stop"
+    assert gen.token_ids == [1, 2]  # "STOP" is the first ~quarter of the piece's text
