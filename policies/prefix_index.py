@@ -44,3 +44,14 @@ class PrefixIndex:
                 owners.move_to_end(block)
         while len(owners) > self._max_entries:
             owners.popitem(last=False)
+
+
+def blocks_to_wire(blocks: tuple[bytes, ...]) -> str:
+    """Prefix-block hashes as one hex string (for replication through the state store)."""
+    return b"".join(blocks).hex() + f"/{len(blocks[0]) if blocks else 0}"
+
+
+def blocks_from_wire(wire: str) -> tuple[bytes, ...]:
+    hexes, _, width = wire.rpartition("/")
+    raw, size = bytes.fromhex(hexes), int(width)
+    return tuple(raw[i:i + size] for i in range(0, len(raw), size)) if size else ()

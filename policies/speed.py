@@ -10,6 +10,10 @@ doing recently, without modelling batch sizes or GPU types:
   prefill tokens, and `inter_token_latency`), so a new backend starts with an estimate;
 * every stream the proxy finishes on g gives one more sample of d_g (its mean TPOT as
   the proxy saw it).
+
+Replicas share their estimates (proxy/state): each one's changed estimates are
+averaged into the others' (`blend`), so every replica's EMA also reflects what the
+others saw, and repeated exchanges bring them to one value.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class SpeedModel:
         self._alpha = alpha
         self._default = default
         self._speeds: dict[str, Speed] = {}
+        self.changed: set[str] = set()  # backends whose estimate changed here (replication)
 
     def of(self, name: str, stats: BackendStats) -> Speed:
         """The backend's estimate, first folding in a snapshot it has not seen."""
@@ -42,6 +47,7 @@ class SpeedModel:
                 _or(stats.queue_s, d.queue_s), _or(stats.prefill_s_per_token,
                                                    d.prefill_s_per_token),
                 _or(stats.tpot_s, d.tpot_s), stats.updated_at)
+            self.changed.add(name)
         elif stats.updated_at > speed.seen_at:
             speed.seen_at = stats.updated_at
             a = self._alpha
@@ -52,12 +58,28 @@ class SpeedModel:
                                              + (1 - a) * speed.prefill_s_per_token)
             if stats.tpot_s is not None:
                 speed.tpot_s = a * stats.tpot_s + (1 - a) * speed.tpot_s
+            self.changed.add(name)
         return speed
 
     def observe_tpot(self, name: str, tpot_s: float) -> None:
         speed = self._speeds.get(name)
         if speed is not None:
             speed.tpot_s = self._alpha * tpot_s + (1 - self._alpha) * speed.tpot_s
+            self.changed.add(name)
+
+    def peek(self, name: str) -> Speed | None:
+        return self._speeds.get(name)
+
+    def blend(self, name: str, queue_s: float, prefill_s_per_token: float,
+              tpot_s: float) -> None:
+        """Average another replica's estimate of `name` into this one."""
+        speed = self._speeds.get(name)
+        if speed is None:
+            self._speeds[name] = Speed(queue_s, prefill_s_per_token, tpot_s)
+            return
+        speed.queue_s = (speed.queue_s + queue_s) / 2
+        speed.prefill_s_per_token = (speed.prefill_s_per_token + prefill_s_per_token) / 2
+        speed.tpot_s = (speed.tpot_s + tpot_s) / 2
 
 
 def _or(value: float | None, default: float) -> float:

@@ -13,9 +13,9 @@ from typing import Any
 
 from proxy.admin import PREFIX as ADMIN_PREFIX
 from proxy.admin import handle_admin
-from proxy.asgi import Receive, Scope, Send, send_bytes, send_error, send_json
+from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error, send_json
 from proxy.config import Settings
-from proxy.errors import MethodNotAllowed, NotFound
+from proxy.errors import MethodNotAllowed, NotFound, ProxyError
 from proxy.handler import handle_completion
 from proxy.runtime import Runtime
 
@@ -33,9 +33,14 @@ async def _completions(rt: Runtime, scope: Scope, receive: Receive, send: Send) 
 
 async def _models(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
     created = int(rt.started_at_wall)
+    try:  # with auth on: 401 without a valid key, and only the key's models
+        models = rt.auth.visible_models(header_map(scope), rt.registry.healthy_models())
+    except ProxyError as err:
+        await send_error(send, err)
+        return
     data = [
         {"id": model, "object": "model", "created": created, "owned_by": "laneway"}
-        for model in rt.registry.healthy_models()
+        for model in models
     ]
     await send_json(send, 200, {"object": "list", "data": data})
 

@@ -47,6 +47,35 @@ class Unauthorized(ProxyError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(ProxyError):
+    """A valid key asked for something it may not use (a model outside its list)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "model_not_allowed"
+
+
+class RateLimited(ProxyError):
+    """A key went over its requests or tokens per minute (OpenAI: type = the limit)."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.type = limit  # "requests" or "tokens", as OpenAI reports it
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(self.retry_after_s).encode())]
+
+
+class Conflict(ProxyError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
 class MethodNotAllowed(ProxyError):
     status = 405
     type = "invalid_request_error"

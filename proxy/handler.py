@@ -20,6 +20,7 @@ import aiohttp
 
 from predictors.base import Prediction
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, send_error
+from proxy.auth import Grant
 from proxy.errors import (
     ModelNotFound,
     NoHealthyBackend,
@@ -64,7 +65,9 @@ async def handle_completion(
             session_header=server.session_header,
             block_chars=server.prefix_block_chars,
         )
+        grant = rt.auth.admit(headers, ctx)  # 401/403/429; charges the request's limits
         if not rt.registry.serves(ctx.model):
+            rt.auth.settle(grant, None)
             raise ModelNotFound(ctx.model)
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
     except ClientGone:
@@ -75,7 +78,7 @@ async def handle_completion(
         return
     tracking = _tracking(rt, ctx, data, forced)
     await Exchange(rt, ctx, body, data, forward_headers(scope["headers"]), send,
-                   tracking=tracking, forced_after=forced,
+                   tracking=tracking, forced_after=forced, grant=grant,
                    announce=headers.get(EVENTS_HEADER) == "1").run(receive)
 
 
@@ -100,7 +103,7 @@ class Exchange:
     def __init__(
         self, rt: Runtime, ctx: RequestContext, body: bytes, data: dict[str, Any],
         headers: dict[str, str], send: Send, *, tracking: Tracking | None = None,
-        forced_after: int | None = None, announce: bool = False,
+        forced_after: int | None = None, announce: bool = False, grant: Grant | None = None,
     ) -> None:
         self.rt, self.ctx, self.body, self.data, self.headers, self.send = (
             rt, ctx, body, data, headers, send)
@@ -110,6 +113,8 @@ class Exchange:
         self.client_gone = False
         self.tally: StreamTally | None = None
         self.backend_name = "-"  # the backend being tried, for metrics
+        self.grant = grant
+        self.outcome: Outcome | None = None  # the final leg's, for `rt.finished`
 
     async def run(self, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -128,6 +133,7 @@ class Exchange:
         finally:
             self.finished = True
             watcher.cancel()
+            self.rt.finished(self.ctx, self.grant, self.outcome)
 
     async def _watch_disconnect(self, receive: Receive, task: asyncio.Task[None]) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -203,7 +209,7 @@ class Exchange:
             relay.close()
             if self.relay is not None:
                 self.finished = True
-                outcome = relay.final_outcome(self.client_gone)
+                outcome = self.outcome = relay.final_outcome(self.client_gone)
                 rt.metrics.observe(outcome)
                 rt.router.observe(outcome)
 
@@ -281,6 +287,7 @@ class Exchange:
             started_at=ctx.arrived_at, ttft_s=ttft, e2e_s=now - ctx.arrived_at,
             completion_tokens=tokens, prompt_tokens=prompt_tokens, tpot_s=tpot,
         )
+        self.outcome = outcome
         self.rt.metrics.observe(outcome)
         self.rt.router.observe(outcome)
 

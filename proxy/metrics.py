@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -79,6 +80,21 @@ class Metrics:
             "laneway_migration_reprefilled_tokens",
             "Tokens (prompt + generated) a move made a target prefill again",
             ["target"], registry=r)
+        self.slo = Counter(
+            "laneway_slo_requests", "Requests that carried an SLO (x-laneway-slo-ms), by "
+            "whether they finished within it (failures count as missed)",
+            ["model", "policy", "met"], registry=r)
+        self.state_connected = Gauge(
+            "laneway_state_connected", "1 if the last exchange with the shared state "
+            "store succeeded", registry=r)
+        self.state_failures = Counter(
+            "laneway_state_sync_failures", "Failed exchanges with the shared state store "
+            "(the proxy keeps serving on local state)", registry=r)
+        self.state_replicas = Gauge(
+            "laneway_state_replicas", "Live proxy replicas seen in the shared state", registry=r)
+        self.state_sync = Histogram(
+            "laneway_state_sync_seconds", "Duration of one exchange with the shared state",
+            buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_BackendCollector(registry))
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 
@@ -112,6 +128,9 @@ class _BackendCollector(Collector):
             "inflight": GaugeMetricFamily(
                 "laneway_backend_inflight", "Requests open on the backend via this proxy",
                 labels=["backend", "model"]),
+            "cluster": GaugeMetricFamily(
+                "laneway_backend_cluster_inflight", "Requests open on the backend via "
+                "every replica (shared state)", labels=["backend", "model"]),
             "healthy": GaugeMetricFamily(
                 "laneway_backend_healthy", "1 if the backend is routable",
                 labels=["backend", "model"]),
@@ -128,7 +147,9 @@ class _BackendCollector(Collector):
         for backend in self._registry.all():
             labels = [backend.name, backend.model]
             stats = self._registry.stats.get(backend.name)
-            families["inflight"].add_metric(labels, self._registry.inflight.get(backend.name, 0))
+            families["inflight"].add_metric(labels,
+                                             self._registry.local_inflight.get(backend.name, 0))
+            families["cluster"].add_metric(labels, self._registry.inflight.get(backend.name, 0))
             families["healthy"].add_metric(labels, 1.0 if stats and stats.healthy else 0.0)
             if stats is not None:
                 families["running"].add_metric(labels, stats.running)

@@ -19,7 +19,14 @@ class Registry:
 
     def __init__(self, backends: Iterable[Backend]) -> None:
         self._backends: dict[str, Backend] = {}
+        # Open requests per backend: via this proxy (`local_inflight`), and via every
+        # replica (`inflight`, what policies see: local + the others' counts from the
+        # shared state's last sync). Both are plain dicts updated in place, so a
+        # policy's lookup stays one C-level dict access.
+        self._local: dict[str, int] = {}
+        self._remote: dict[str, int] = {}
         self._inflight: dict[str, int] = {}
+        self.local_inflight: Mapping[str, int] = MappingProxyType(self._local)
         self.inflight: Mapping[str, int] = MappingProxyType(self._inflight)
         self.stats: Mapping[str, BackendStats] = MappingProxyType({})
         self._draining: set[str] = set()
@@ -32,7 +39,8 @@ class Registry:
         if backend.name in self._backends:
             raise ValueError(f"backend {backend.name!r} already registered")
         self._backends[backend.name] = backend
-        self._inflight.setdefault(backend.name, 0)
+        self._local.setdefault(backend.name, 0)
+        self._inflight.setdefault(backend.name, self._remote.get(backend.name, 0))
         self._rederive()
 
     def remove(self, name: str) -> Backend:
@@ -89,11 +97,19 @@ class Registry:
     @contextmanager
     def guard(self, name: str) -> Iterator[None]:
         """Count one open request on `name` for the lifetime of the block."""
+        self._local[name] = self._local.get(name, 0) + 1
         self._inflight[name] = self._inflight.get(name, 0) + 1
         try:
             yield
         finally:
+            self._local[name] -= 1
             self._inflight[name] -= 1
+
+    def set_remote_inflight(self, counts: Mapping[str, int]) -> None:
+        """Other replicas' open requests per backend (from the shared state)."""
+        self._remote = dict(counts)
+        for name in set(self._inflight) | set(counts):
+            self._inflight[name] = self._local.get(name, 0) + self._remote.get(name, 0)
 
     def _rederive(self) -> None:
         by_model: dict[str, list[Backend]] = {}

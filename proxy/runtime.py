@@ -12,14 +12,18 @@ import aiohttp
 
 from policies.base import build_policy
 from predictors.base import Prediction, load_length_predictor
+from proxy.auth import Auth, Grant
 from proxy.config import Settings
 from proxy.metrics import Metrics
 from proxy.migration import ActiveStreams
 from proxy.poller import Poller
+from proxy.ratelimit import WindowCounters
 from proxy.registry import Registry
 from proxy.relay import Upstream, UpstreamFailure
 from proxy.routing import Router
-from proxy.types import Backend, RequestContext
+from proxy.state import build_store, new_replica_id
+from proxy.state.replicator import Replicator
+from proxy.types import Backend, Outcome, RequestContext
 
 log = logging.getLogger("laneway")
 
@@ -61,6 +65,14 @@ class Runtime:
         self.poller = Poller(self.registry, settings.poller, self._poll_session)
         self._poll_task: asyncio.Task[None] | None = None
         self.started_at_wall = time.time()
+        self.replica_id = new_replica_id()
+        counters = WindowCounters()
+        self.auth = Auth(settings.auth, counters)
+        self.replicator = Replicator(
+            build_store(settings.state, self.replica_id), settings.state, self.registry,
+            counters, self.metrics, lambda: self.router.policy,
+            on_keys=self.auth.set_store_keys if settings.auth.redis_keys else None)
+        self._sync_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Poll once so that health is known before the first request, then keep polling."""
@@ -69,12 +81,16 @@ class Runtime:
         log.info("policy %s; %d/%d backends healthy: %s", self.router.policy_name,
                  len(healthy), len(self.registry.all()), ", ".join(healthy) or "none")
         self._poll_task = asyncio.create_task(self.poller.run(), name="laneway-poller")
+        await self.replicator.sync_once()  # shared state before the first request
+        self._sync_task = asyncio.create_task(self.replicator.run(), name="laneway-state")
 
     async def close(self) -> None:
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll_task
+        for task in (self._poll_task, self._sync_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.replicator.store.close()
         await self._relay_session.close()
         await self._poll_session.close()
 
@@ -86,6 +102,17 @@ class Runtime:
                        generated_tokens: int) -> Prediction:
         """Re-estimate mid-stream (every τ tokens), for `router.reroute`."""
         return self.predictor.predict_window(ctx, generated_text, generated_tokens)
+
+    def finished(self, ctx: RequestContext, grant: Grant | None,
+                 outcome: Outcome | None) -> None:
+        """A request ended (`outcome` None: no backend answered): settle its token
+        charge and count its SLO."""
+        self.auth.settle(grant, outcome)
+        if ctx.slo_ms is not None:
+            met = (outcome is not None and outcome.ok
+                   and outcome.e2e_s * 1000 <= ctx.slo_ms)
+            self.metrics.slo.labels(ctx.model, self.router.policy_name,
+                                    "true" if met else "false").inc()
 
     def upstream_failed(self, failure: UpstreamFailure, model: str) -> None:
         log.warning("attempt on %s failed (%s): %s", failure.backend.name, failure.kind,

@@ -1,0 +1,116 @@
+"""Real Redis and Prometheus servers as child processes (tests, `make stack-local`).
+
+Both come from Debian packages (`redis-server`, `prometheus`); `make services`
+installs them. Each runs in a temporary directory, on a port chosen by the caller,
+and is stopped (SIGTERM, then SIGKILL) when the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.proxy_process import free_port
+
+
+class MissingService(RuntimeError):
+    """The server's binary is not installed."""
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise MissingService(f"`{name}` is not installed (Debian: `make services` or "
+                             f"`apt-get install -y {name}`)")
+    return path
+
+
+@contextlib.contextmanager
+def running_redis(port: int | None = None) -> Iterator[str]:
+    """A throwaway redis-server (no persistence); yields its redis:// URL."""
+    port = port or free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen(
+            [binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", tmp],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            _wait(lambda: _redis_ping(port), proc, 10.0, "redis-server")
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            _stop(proc)
+
+
+def _redis_ping(port: int) -> bool:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+        sock.sendall(b"PING\r\n")
+        return sock.recv(16).startswith(b"+PONG")
+
+
+def prometheus_config(targets: dict[str, list[str]], interval_s: float = 1.0
+                      ) -> dict[str, Any]:
+    """Scrape config: job name -> host:port targets, all at `interval_s`."""
+    return {
+        "global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"},
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": hosts}]}
+            for job, hosts in targets.items()
+        ],
+    }
+
+
+@contextlib.contextmanager
+def running_prometheus(config: dict[str, Any], port: int | None = None) -> Iterator[str]:
+    """A throwaway Prometheus with `config`; yields its base URL."""
+    port = port or free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prometheus.yml"
+        path.write_text(yaml.safe_dump(config))
+        log = open(Path(tmp) / "prometheus.log", "wb")
+        proc = subprocess.Popen(
+            [binary("prometheus"), f"--config.file={path}", f"--storage.tsdb.path={tmp}/data",
+             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
+            stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200,
+                  proc, 30.0, "prometheus")
+            yield url
+        finally:
+            _stop(proc)
+            log.close()
+
+
+def _wait(ready: Any, proc: subprocess.Popen[bytes], timeout_s: float, name: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
+        with contextlib.suppress(OSError, httpx.TransportError):
+            if ready():
+                return
+        time.sleep(0.05)
+    _stop(proc)
+    raise RuntimeError(f"{name} not ready in {timeout_s}s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

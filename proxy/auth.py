@@ -1,0 +1,141 @@
+"""Client API keys, per-key model lists and per-key rate limits.
+
+Keys are looked up by the SHA-256 of the bearer token, so neither the config nor Redis
+ever holds a usable key. Limits (requests and tokens per minute) are counted in
+`WindowCounters` that every replica shares through the state store (proxy/ratelimit.py).
+Tokens are charged up front (prompt characters / `chars_per_token` + `max_tokens`, or
+`default_max_tokens`), then corrected with the usage the backend reported when the
+request ends (`settle`); a request that got no answer is refunded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.config import ApiKeyConfig, AuthConfig
+from proxy.errors import PermissionDenied, RateLimited, Unauthorized
+from proxy.ratelimit import RateLimiter, WindowCounters, window_of
+from proxy.types import Outcome, RequestContext
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    name: str
+    models: frozenset[str]  # empty: every model
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+    @classmethod
+    def from_config(cls, cfg: ApiKeyConfig) -> ApiKey:
+        return cls(cfg.name, frozenset(cfg.models), cfg.requests_per_minute,
+                   cfg.tokens_per_minute)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """An admitted request's charge, settled when it ends."""
+
+    key: ApiKey
+    window: int
+    prompt_estimate: int
+    charged_tokens: int
+
+
+class Auth:
+    def __init__(self, cfg: AuthConfig, counters: WindowCounters,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.limiter = RateLimiter(counters)
+        self._clock = clock
+        self._store_keys: dict[str, ApiKey] = {}
+        self.reload(cfg)
+
+    def reload(self, cfg: AuthConfig) -> None:
+        self.cfg = cfg
+        self._config_keys = {k.sha256: ApiKey.from_config(k) for k in cfg.keys}
+
+    def set_store_keys(self, keys: Mapping[str, Mapping[str, Any]]) -> None:
+        """Keys read from the state store (sha256 -> settings); bad entries are skipped."""
+        loaded: dict[str, ApiKey] = {}
+        for digest, raw in keys.items():
+            try:
+                loaded[digest] = ApiKey.from_config(
+                    ApiKeyConfig.model_validate({**raw, "sha256": digest}))
+            except ValueError:
+                continue
+        self._store_keys = loaded
+
+    def key_of(self, headers: Mapping[str, str]) -> ApiKey | None:
+        """The caller's key (None when auth is off); raises `Unauthorized`."""
+        if not self.cfg.enabled:
+            return None
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthorized("You didn't provide an API key. Send `Authorization: "
+                               "Bearer <key>`.")
+        digest = hash_key(token.strip())
+        key = self._config_keys.get(digest) or self._store_keys.get(digest)
+        if key is None:
+            raise Unauthorized("Incorrect API key provided.")
+        return key
+
+    def admit(self, headers: Mapping[str, str], ctx: RequestContext) -> Grant | None:
+        """Check the key, its models and its limits, and charge the request."""
+        key = self.key_of(headers)
+        if key is None:
+            return None
+        if not key.allows(ctx.model):
+            raise PermissionDenied(f"The key `{key.name}` may not use model "
+                                   f"`{ctx.model}`.", param="model")
+        now = self._clock()
+        prompt = math.ceil(len(ctx.prompt_text) / self.cfg.chars_per_token)
+        tokens = prompt + (ctx.max_tokens or self.cfg.default_max_tokens)
+        self._check(key, "requests", key.requests_per_minute, 1, now)
+        self._check(key, "tokens", key.tokens_per_minute, tokens, now)
+        window = window_of(now)
+        self.limiter.charge(f"{key.name}:requests", 1, window)
+        self.limiter.charge(f"{key.name}:tokens", tokens, window)
+        return Grant(key, window, prompt, tokens)
+
+    def settle(self, grant: Grant | None, outcome: Outcome | None) -> None:
+        """Replace the up-front token charge by the tokens really used."""
+        if grant is None:
+            return
+        used = 0
+        if outcome is not None:
+            prompt = outcome.prompt_tokens
+            used = (grant.prompt_estimate if prompt is None else prompt) \
+                + outcome.completion_tokens
+        if used != grant.charged_tokens:
+            self.limiter.charge(f"{grant.key.name}:tokens", used - grant.charged_tokens,
+                                grant.window)
+
+    def visible_models(self, headers: Mapping[str, str], models: list[str]) -> list[str]:
+        key = self.key_of(headers)
+        return models if key is None else [m for m in models if key.allows(m)]
+
+    def _check(self, key: ApiKey, limit_name: str, limit: int | None, cost: int,
+               now: float) -> None:
+        if limit is None:
+            return
+        subject = f"{key.name}:{limit_name}"
+        wait = self.limiter.retry_after(subject, cost, limit, now)
+        if wait is None:
+            return
+        used = round(self.limiter.used(subject, now))
+        raise RateLimited(
+            f"Rate limit reached for key `{key.name}` on {limit_name} per min: limit "
+            f"{limit}, used {used}, requested {cost}. Please try again in {wait}s.",
+            limit=limit_name, retry_after_s=wait)

@@ -1,0 +1,143 @@
+"""Shared state in Redis: one pipelined transaction per sync tick (plus one read of
+the other replicas' in-flight hashes).
+
+Keys (all under `state.key_prefix`, `laneway` by default):
+* `<p>:log`              stream of table writes, trimmed to ~`log_max_entries` batches;
+                         fields `r` (replica id), `t` (table), `d` (JSON list of writes)
+* `<p>:c:<counter>`      float counters (rate-limit windows), expiring with their window
+* `<p>:inflight:<id>`    hash backend -> open requests of replica `id`, with a TTL of
+                         `inflight_ttl_s`, refreshed every tick
+* `<p>:replicas`         sorted set replica id -> last tick (wall clock)
+* `<p>:apikeys`          hash sha256 hex -> JSON key settings (`laneway keys add`)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from proxy.config import StateConfig
+from proxy.state.base import Inbox, Outbox, StoreUnavailable
+
+COUNTER_TTL_S = 180  # counters are per-minute windows; two windows are read back
+_LOG_READ_BATCH = 2000
+
+
+class RedisStore:
+    name = "redis"
+
+    def __init__(self, cfg: StateConfig, replica_id: str) -> None:
+        self._cfg = cfg
+        self.replica_id = replica_id
+        self._p = cfg.key_prefix
+        self._client = aioredis.Redis.from_url(
+            cfg.redis_url, max_connections=cfg.max_connections,
+            socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+            health_check_interval=30)
+        self._log_cursor: str | None = None  # last log entry id read; None: not started
+
+    async def exchange(self, outbox: Outbox, counters: Collection[str]) -> Inbox:
+        try:
+            if self._log_cursor is None:
+                self._log_cursor = await self._log_start()
+            return await self._exchange(outbox, list(counters))
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def _log_start(self) -> str:
+        """Start reading the log where a ~full index is still in it: its oldest entry."""
+        first = await self._client.xrange(f"{self._p}:log", count=1)
+        return "0-0" if not first else _prev_id(_text(first[0][0]))
+
+    async def _exchange(self, outbox: Outbox, counters: list[str]) -> Inbox:
+        p, me, now = self._p, self.replica_id, time.time()
+        ttl_s = self._cfg.inflight_ttl_s
+        pipe = self._client.pipeline(transaction=True)
+        for key, amount in outbox.counters.items():
+            pipe.incrbyfloat(f"{p}:c:{key}", amount)
+            pipe.expire(f"{p}:c:{key}", COUNTER_TTL_S)
+        for table, writes in outbox.entries.items():
+            if writes:
+                pipe.xadd(f"{p}:log", {"r": me, "t": table, "d": orjson.dumps(writes)},
+                          maxlen=self._cfg.log_max_entries, approximate=True)
+        mine = f"{p}:inflight:{me}"
+        pipe.delete(mine)
+        if outbox.inflight:
+            pipe.hset(mine, mapping=dict(outbox.inflight.items()))
+            pipe.pexpire(mine, int(ttl_s * 1000))
+        pipe.zadd(f"{p}:replicas", {me: now})
+        pipe.zremrangebyscore(f"{p}:replicas", "-inf", now - ttl_s)
+        pipe.zrange(f"{p}:replicas", 0, -1)
+        if counters:
+            pipe.mget([f"{p}:c:{key}" for key in counters])
+        cursor: str = self._log_cursor or "0-0"
+        pipe.xread({f"{p}:log": cursor}, count=_LOG_READ_BATCH)
+        results = await pipe.execute()
+        log_read = results[-1]
+        totals = results[-2] if counters else []
+        replicas = [r.decode() for r in (results[-3] if counters else results[-2])]
+        inbox = Inbox(replicas=len(replicas))
+        inbox.counters = {key: float(v) if v is not None else 0.0
+                          for key, v in zip(counters, totals, strict=True)}
+        self._read_log(log_read, inbox)
+        inbox.inflight = await self._others_inflight([r for r in replicas if r != me])
+        return inbox
+
+    def _read_log(self, log_read: Any, inbox: Inbox) -> None:
+        for _stream, entries in log_read or ():
+            for entry_id, fields in entries:
+                self._log_cursor = entry_id.decode()
+                if fields[b"r"].decode() == self.replica_id:
+                    continue
+                inbox.entries.setdefault(fields[b"t"].decode(), []).extend(
+                    orjson.loads(fields[b"d"]))
+
+    async def _others_inflight(self, replicas: list[str]) -> dict[str, int]:
+        if not replicas:
+            return {}
+        pipe = self._client.pipeline(transaction=False)
+        for replica in replicas:
+            pipe.hgetall(f"{self._p}:inflight:{replica}")
+        total: dict[str, int] = {}
+        for counts in await pipe.execute():
+            for backend, count in counts.items():
+                name = backend.decode()
+                total[name] = total.get(name, 0) + int(count)
+        return total
+
+    async def api_keys(self) -> dict[str, dict[str, Any]]:
+        try:
+            raw = await self._client.hgetall(f"{self._p}:apikeys")
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        keys: dict[str, dict[str, Any]] = {}
+        for digest, settings in raw.items():
+            value = orjson.loads(settings)
+            if isinstance(value, dict):
+                keys[_text(digest)] = value
+        return keys
+
+    async def close(self) -> None:
+        """Leave at once: drop this replica's in-flight counts instead of waiting out
+        their TTL."""
+        try:
+            await self._client.delete(f"{self._p}:inflight:{self.replica_id}")
+            await self._client.zrem(f"{self._p}:replicas", self.replica_id)
+        except (RedisError, OSError):
+            pass
+        await self._client.aclose()
+
+
+def _prev_id(entry_id: str) -> str:
+    """The stream id just before `entry_id` (XREAD returns entries after its cursor)."""
+    ms, seq = (int(part) for part in entry_id.split("-"))
+    return f"{ms}-{seq - 1}" if seq else f"{ms - 1}-18446744073709551615"
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

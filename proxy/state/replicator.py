@@ -1,0 +1,107 @@
+"""The background task that keeps this replica's mirrors in step with the others'.
+
+Every `state.sync_interval_s` it trades, in one exchange with the store, what this
+replica wrote (policy table writes, rate-limit increments, its in-flight counts) for
+what the others wrote. Nothing on the request path waits for it. When the store is
+unreachable the proxy keeps serving on local state: writes and increments are kept
+(bounded) and sent once it is back, the others' in-flight counts are dropped after
+`inflight_ttl_s` (as the others drop ours), and the outage is logged once and counted
+in `laneway_state_sync_failures_total` / `laneway_state_connected`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from policies.base import Policy
+from proxy.config import StateConfig
+from proxy.metrics import Metrics
+from proxy.ratelimit import WindowCounters
+from proxy.registry import Registry
+from proxy.state.base import Outbox, Store, StoreUnavailable
+
+log = logging.getLogger("laneway.state")
+MAX_UNSENT = 20_000  # table writes kept across an outage (the oldest are dropped)
+KEYS_EVERY_S = 2.0  # API keys kept in the store are re-read this often
+
+
+class Replicator:
+    def __init__(self, store: Store, cfg: StateConfig, registry: Registry,
+                 counters: WindowCounters, metrics: Metrics,
+                 policy: Callable[[], Policy],
+                 on_keys: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> None:
+        self.store, self._cfg, self._registry = store, cfg, registry
+        self._counters, self._metrics, self._policy = counters, metrics, policy
+        self._on_keys = on_keys
+        self._unsent: dict[str, list[Any]] = {}
+        self._last_ok = time.monotonic()
+        self._keys_read_at = -KEYS_EVERY_S
+        self.connected: bool | None = None  # None until the first exchange
+        self.replicas = 1
+
+    async def run(self) -> None:
+        """Sync forever (cancel to stop); back off to 1 s while the store is down."""
+        while True:
+            ok = await self.sync_once()
+            await asyncio.sleep(self._cfg.sync_interval_s if ok
+                                else max(self._cfg.sync_interval_s, 1.0))
+
+    async def sync_once(self) -> bool:
+        policy = self._policy()
+        table = f"policy:{policy.name}"
+        export = getattr(policy, "export_updates", None)
+        if export is not None:
+            self._queue(table, export())
+        outbox = Outbox(entries=self._unsent, counters=self._counters.outgoing(),
+                        inflight={k: v for k, v in self._registry.local_inflight.items() if v})
+        started = time.monotonic()
+        try:
+            inbox = await self.store.exchange(outbox, self._counters.wanted(time.time()))
+            await self._read_keys(started)
+        except StoreUnavailable as exc:
+            self._failed(exc)
+            return False
+        self._metrics.state_sync.observe(time.monotonic() - started)
+        self._unsent = {}
+        self._last_ok = time.monotonic()
+        self._counters.confirm(inbox.counters)
+        self._registry.set_remote_inflight(inbox.inflight)
+        merge = getattr(policy, "merge_updates", None)
+        if merge is not None and inbox.entries.get(table):
+            merge(inbox.entries[table])
+        self.replicas = inbox.replicas
+        self._metrics.state_replicas.set(inbox.replicas)
+        self._set_connected(True, "")
+        return True
+
+    async def _read_keys(self, now: float) -> None:
+        if self._on_keys is not None and now - self._keys_read_at >= KEYS_EVERY_S:
+            self._on_keys(await self.store.api_keys())
+            self._keys_read_at = now
+
+    def _queue(self, table: str, writes: list[Any]) -> None:
+        if not writes:
+            return
+        queued = self._unsent.setdefault(table, [])
+        queued.extend(writes)
+        del queued[:-MAX_UNSENT]
+
+    def _failed(self, exc: StoreUnavailable) -> None:
+        self._metrics.state_failures.inc()
+        if time.monotonic() - self._last_ok > self._cfg.inflight_ttl_s:
+            self._registry.set_remote_inflight({})  # as stale as ours are to them
+        self._set_connected(False, str(exc))
+
+    def _set_connected(self, up: bool, why: str) -> None:
+        if up != self.connected:
+            if up:
+                log.info("shared state (%s) connected", self.store.name)
+            else:
+                log.warning("shared state (%s) unreachable, serving on local state: %s",
+                            self.store.name, why)
+        self.connected = up
+        self._metrics.state_connected.set(1 if up else 0)

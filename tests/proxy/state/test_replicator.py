@@ -1,0 +1,118 @@
+"""Replicas' mirrors kept in step through a real Redis, and an outage survived."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from bench.proxy_process import free_port
+from bench.services import running_redis
+from policies.base import Policy, build_policy
+from predictors.base import NO_PREDICTION
+from proxy.config import StateConfig
+from proxy.metrics import Metrics
+from proxy.ratelimit import RateLimiter, WindowCounters, window_of
+from proxy.registry import Registry
+from proxy.state import build_store
+from proxy.state.replicator import Replicator
+from proxy.types import BackendStats
+from tests.policies.helpers import backends, ctx
+
+FLEET = backends(4)
+
+
+@dataclass
+class Replica:
+    registry: Registry
+    policy: Policy
+    counters: WindowCounters
+    metrics: Metrics
+    sync: Replicator
+
+    def pick(self, prompt: str) -> str:
+        view = self.registry.view("m", 0.0)
+        return self.policy.pick(ctx(prompt * 8), NO_PREDICTION, view).backend.name
+
+
+def replica(url: str, name: str, policy: str = "prefix_aware") -> Replica:
+    cfg = StateConfig(backend="redis", redis_url=url, inflight_ttl_s=1.0, timeout_s=0.2)
+    registry = Registry(FLEET)
+    registry.publish({b.name: BackendStats(healthy=True) for b in FLEET})
+    built = build_policy(policy, {})
+    counters, metrics = WindowCounters(), Metrics(registry)
+    sync = Replicator(build_store(cfg, name), cfg, registry, counters, metrics,
+                      lambda: built)
+    return Replica(registry, built, counters, metrics, sync)
+
+
+async def test_prefix_index_and_inflight_are_shared(redis_url: str) -> None:
+    a, b = replica(redis_url, "a"), replica(redis_url, "b")
+    try:
+        assert await a.sync.sync_once() and await b.sync.sync_once()
+        prompts = [f"conversation {i} " for i in range(8)]
+        homes = {p: a.pick(p) for p in prompts}  # a spreads them (least in-flight)
+        assert len(set(homes.values())) > 1
+        with a.registry.guard("b2"), a.registry.guard("b2"):
+            await a.sync.sync_once()
+            await b.sync.sync_once()
+            b_sees_open = dict(b.registry.inflight)
+            b_local = dict(b.registry.local_inflight)
+        await a.sync.sync_once()
+        await b.sync.sync_once()
+        b_sees_closed = b.registry.inflight["b2"]
+        # b never saw these prompts, yet sends each where a sent it (prefix match).
+        assert {p: b.pick(p) for p in prompts} == homes
+    finally:
+        await a.sync.store.close()
+        await b.sync.store.close()
+    assert b_sees_open["b2"] == 2 and b_local["b2"] == 0
+    assert b_sees_closed == 0
+
+
+async def test_goodput_speed_estimates_converge(redis_url: str) -> None:
+    a, b = replica(redis_url, "a", "goodput"), replica(redis_url, "b", "goodput")
+    stats = BackendStats(healthy=True, tpot_s=0.02, updated_at=1.0)
+    speeds_a, speeds_b = a.policy._speeds, b.policy._speeds  # type: ignore[attr-defined]
+    try:
+        speeds_a.of("b0", stats)
+        speeds_b.of("b0", stats)
+        for _ in range(5):  # a keeps seeing b0 much slower than b does
+            speeds_a.observe_tpot("b0", 0.1)
+        await a.sync.sync_once()
+        await b.sync.sync_once()
+    finally:
+        await a.sync.store.close()
+        await b.sync.store.close()
+    tpot_a, tpot_b = speeds_a.peek("b0").tpot_s, speeds_b.peek("b0").tpot_s
+    assert tpot_a > 0.05
+    assert abs(tpot_b - (0.02 + tpot_a) / 2) < 1e-12  # b moved half way towards a's
+
+
+async def test_redis_outage_serves_locally_then_resyncs() -> None:
+    port = free_port()
+    down_url = f"redis://127.0.0.1:{port}/0"
+    a = replica(down_url, "a")
+    limiter = RateLimiter(a.counters)
+    now = time.time()
+    limiter.charge("k:requests", 3, window_of(now))
+    with a.registry.guard("b1"):
+        assert await a.sync.sync_once() is False  # nothing listens on the port yet
+        assert a.sync.connected is False
+        assert a.metrics.state_failures._value.get() == 1  # type: ignore[attr-defined]
+        assert limiter.used("k:requests", now) == 3  # still counted locally
+        assert a.pick("during the outage ") in {b.name for b in FLEET}  # still routes
+        with running_redis(port) as url:
+            b = replica(url, "b")
+            try:
+                assert await a.sync.sync_once() is True  # back: the backlog goes out
+                # b admits its first request of key k, then learns the cluster total:
+                # a's 3 from during the outage and its own 1.
+                b_limiter = RateLimiter(b.counters)
+                b_limiter.charge("k:requests", 1, window_of(now))
+                await b.sync.sync_once()
+                assert b_limiter.used("k:requests", now) == 4
+                assert b.registry.inflight["b1"] == 1
+                assert a.metrics.state_connected._value.get() == 1  # type: ignore[attr-defined]
+            finally:
+                await b.sync.store.close()
+                await a.sync.store.close()
