@@ -293,16 +293,16 @@ async def _event_times(proxy: Any, body: dict[str, Any], headers: dict[str, str]
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["paced", "frozen"])
 async def test_paced_handoff_hides_the_targets_startup(greedy: bool) -> None:
-    source, slow_start = FakeConfig(tpot_s=0.01), FakeConfig(tpot_s=0.01, ttft_s=0.08)
+    source, slow_start = FakeConfig(tpot_s=0.01), FakeConfig(tpot_s=0.01, ttft_s=0.3)
     async with fleet(source, slow_start, **FORCED,
                      migration={"warm_prefill": False, "pace_slowdown": 0.4}) as (proxy, _):
-        body = {**CHAT, "stream": True, "max_tokens": 120,
+        body = {**CHAT, "stream": True, "max_tokens": 250,
                 **({"temperature": 0} if greedy else {})}
         times, text = await _event_times(proxy, body, {"x-laneway-migrate-after": "10",
                                                        "x-laneway-events": "1"})
     assert text.count(": laneway") == 1 and text.count('"finish_reason":"length"') == 1
     gaps = [b - a for a, b in itertools.pairwise(times[2:])]
-    if greedy:  # shown at 14 ms per token while the target starts: no 80 ms hole
-        assert max(gaps) < 0.045, max(gaps)
+    if greedy:  # shown at 14 ms per token while the target starts: no 300 ms hole
+        assert max(gaps) < 0.15, max(gaps)
     else:  # frozen: the client waits for the target's whole start-up
-        assert max(gaps) >= 0.08
+        assert max(gaps) >= 0.3
