@@ -1,18 +1,30 @@
-"""`/admin/...`: operate a running proxy (drain a backend and move its streams).
+"""`/admin/...`: operate a running proxy. With `admin.token` set every route needs
+`Authorization: Bearer <token>`.
 
-POST /admin/backends/{name}/drain    no new requests go to `name`; its tracked
-                                     streams move elsewhere (`{"migrate": false}`:
-                                     they finish where they are)
-POST /admin/backends/{name}/undrain  route to `name` again
+GET    /admin/backends                 backends with live stats, policy, shared state
+POST   /admin/backends                 add one: {"name", "url", "model", "labels"?}
+DELETE /admin/backends/{name}          stop routing to it, move its tracked streams
+                                       (`{"migrate": false}`: let them finish), forget it
+POST   /admin/backends/{name}/drain    no new requests go to `name`; its tracked
+                                       streams move elsewhere (`{"migrate": false}`:
+                                       they finish where they are)
+POST   /admin/backends/{name}/undrain  route to `name` again
+GET    /admin/policy                   {"name", "params"}
+PUT    /admin/policy                   switch policy and/or params: {"name", "params"?}
+POST   /admin/reload                   re-read the config file (as SIGHUP does)
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
+from policies.base import UnknownPolicyError
 from proxy.asgi import (
     ClientGone,
     Receive,
@@ -23,12 +35,22 @@ from proxy.asgi import (
     send_error,
     send_json,
 )
-from proxy.errors import InvalidRequest, MethodNotAllowed, NotFound, ProxyError, Unauthorized
-from proxy.runtime import Runtime
+from proxy.config import BackendConfig, ConfigError, PolicyConfig
+from proxy.errors import (
+    Conflict,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    ProxyError,
+    Unauthorized,
+)
+from proxy.reconfigure import add_backend, reload_config, remove_backend, switch_policy
+from proxy.runtime import Runtime, backends_from
 
 log = logging.getLogger("laneway.admin")
 PREFIX = "/admin/"
 _MAX_BODY = 64 * 1024
+Action = Callable[[Runtime, list[str], bytes], Awaitable[tuple[int, Any]]]
 
 
 async def handle_admin(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
@@ -36,26 +58,32 @@ async def handle_admin(rt: Runtime, scope: Scope, receive: Receive, send: Send) 
         headers = header_map(scope)
         _authorize(rt, headers)
         parts = scope["path"][len(PREFIX):].strip("/").split("/")
-        if len(parts) != 3 or parts[0] != "backends" or parts[2] not in ("drain", "undrain"):
-            raise NotFound(f"No admin route for {scope['path']}.")
-        if scope["method"] != "POST":
-            raise MethodNotAllowed(f"{scope['path']} accepts POST only.")
+        action = _route(parts, scope["method"], scope["path"])
         body = await read_body(headers, receive, _MAX_BODY)
-        name, action = parts[1], parts[2]
-        if rt.registry.get(name) is None:
-            raise NotFound(f"No backend named `{name}`.")
-        if action == "undrain":
-            rt.registry.undrain(name)
-            log.info("backend %s undrained", name)
-            await send_json(send, 200, {"backend": name, "draining": False})
-            return
-        moved = _drain(rt, name, _wants_migration(body))
-        await send_json(send, 200, {"backend": name, "draining": True, "moving": moved,
-                                    "inflight": rt.registry.inflight.get(name, 0)})
+        status, payload = await action(rt, parts, body)
+        await send_json(send, status, payload)
     except ClientGone:
         return
     except ProxyError as err:
         await send_error(send, err)
+
+
+def _route(parts: list[str], method: str, path: str) -> Action:
+    if parts[0] == "backends" and len(parts) == 1:
+        key = ("backends", method)
+    elif parts[0] == "backends" and len(parts) == 2:
+        key = ("backend", method)
+    elif parts[0] == "backends" and len(parts) == 3 and parts[2] in ("drain", "undrain"):
+        key = (parts[2], method)
+    elif len(parts) == 1 and parts[0] in ("policy", "reload"):
+        key = (parts[0], method)
+    else:
+        raise NotFound(f"No admin route for {path}.")
+    action = _ACTIONS.get(key)
+    if action is None:
+        allowed = ", ".join(m for (name, m) in _ACTIONS if name == key[0])
+        raise MethodNotAllowed(f"{path} accepts {allowed}.")
+    return action
 
 
 def _authorize(rt: Runtime, headers: dict[str, str]) -> None:
@@ -67,21 +95,132 @@ def _authorize(rt: Runtime, headers: dict[str, str]) -> None:
         raise Unauthorized("The admin API needs `Authorization: Bearer <admin.token>`.")
 
 
-def _wants_migration(body: bytes) -> bool:
-    if not body.strip():
-        return True
+# -- actions ---------------------------------------------------------------------------
+async def _list(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    return 200, {
+        "policy": {"name": rt.router.policy_name, "params": rt.settings.policy.params},
+        "replica": rt.replica_id,
+        "state": {"backend": rt.settings.state.backend,
+                  "connected": rt.replicator.connected,
+                  "replicas": rt.replicator.replicas},
+        "backends": [_describe(rt, b.name) for b in rt.registry.all()],
+    }
+
+
+def _describe(rt: Runtime, name: str) -> dict[str, Any]:
+    backend = rt.registry.get(name)
+    assert backend is not None
+    stats = rt.registry.stats.get(name)
+    return {
+        "name": name, "url": backend.url, "model": backend.model,
+        "labels": dict(backend.labels),
+        "healthy": rt.registry.is_healthy(name),
+        "draining": rt.registry.is_draining(name),
+        "inflight": rt.registry.local_inflight.get(name, 0),  # via this replica
+        "cluster_inflight": rt.registry.inflight.get(name, 0),  # via every replica
+        "tracked_streams": rt.streams.count(name),
+        "running": stats.running if stats else None,
+        "waiting": stats.waiting if stats else None,
+        "kv_usage": stats.kv_usage if stats else None,
+        "ttft_s": stats.ttft_s if stats else None,
+        "tpot_s": stats.tpot_s if stats else None,
+        "prefix_hit_rate": stats.prefix_hit_rate if stats else None,
+    }
+
+
+async def _add(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    data = _json(body)
     try:
-        data = orjson.loads(body)
+        cfg = BackendConfig.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(_first_error(exc)) from None
+    backend = backends_from(rt.settings.model_copy(update={"backends": [cfg]}))[0]
+    try:
+        add_backend(rt, backend)
+    except ValueError:
+        raise Conflict(f"A backend named `{cfg.name}` exists already.") from None
+    await rt.poller.poll_once()  # know its health before answering
+    return 201, _describe(rt, cfg.name)
+
+
+async def _remove(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    name = _existing(rt, parts[1])
+    moving = remove_backend(rt, name, _wants_migration(body))
+    return 200, {"backend": name, "removed": True, "moving": moving}
+
+
+async def _drain(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    name = _existing(rt, parts[1])
+    migrate = _wants_migration(body)
+    rt.registry.drain(name)
+    moved = rt.streams.move_all(name, "drain") if migrate else 0
+    log.info("backend %s drained; %d tracked streams asked to move", name, moved)
+    return 200, {"backend": name, "draining": True, "moving": moved,
+                 "inflight": rt.registry.local_inflight.get(name, 0)}
+
+
+async def _undrain(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    name = _existing(rt, parts[1])
+    rt.registry.undrain(name)
+    log.info("backend %s undrained", name)
+    return 200, {"backend": name, "draining": False}
+
+
+async def _get_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    return 200, {"name": rt.router.policy_name, "params": rt.settings.policy.params}
+
+
+async def _put_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    try:
+        cfg = PolicyConfig.model_validate(_json(body))
+        switch_policy(rt, cfg.name, dict(cfg.params))
+    except UnknownPolicyError as exc:
+        raise InvalidRequest(str(exc), param="name") from None
+    except ValidationError as exc:
+        raise InvalidRequest(_first_error(exc), param="params") from None
+    return 200, {"name": cfg.name, "params": cfg.params}
+
+
+async def _reload(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    if rt.config_path is None:
+        raise InvalidRequest("The proxy was started without a config file.")
+    try:
+        return 200, reload_config(rt, rt.config_path)
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+_ACTIONS: dict[tuple[str, str], Action] = {
+    ("backends", "GET"): _list, ("backends", "POST"): _add,
+    ("backend", "DELETE"): _remove,
+    ("drain", "POST"): _drain, ("undrain", "POST"): _undrain,
+    ("policy", "GET"): _get_policy, ("policy", "PUT"): _put_policy,
+    ("reload", "POST"): _reload,
+}
+
+
+# -- helpers ---------------------------------------------------------------------------
+def _existing(rt: Runtime, name: str) -> str:
+    if rt.registry.get(name) is None:
+        raise NotFound(f"No backend named `{name}`.")
+    return name
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body) if body.strip() else {}
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"Request body is not valid JSON: {exc}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}"
+
+
+def _wants_migration(body: bytes) -> bool:
+    data = _json(body)
     migrate = data.get("migrate", True) if isinstance(data, dict) else None
     if not isinstance(migrate, bool):
         raise InvalidRequest("`migrate` must be a boolean.", param="migrate")
     return migrate
-
-
-def _drain(rt: Runtime, name: str, migrate: bool) -> int:
-    rt.registry.drain(name)
-    moved = rt.streams.move_all(name, "drain") if migrate else 0
-    log.info("backend %s drained; %d tracked streams asked to move", name, moved)
-    return moved

@@ -17,6 +17,7 @@ from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error,
 from proxy.config import Settings
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError
 from proxy.handler import handle_completion
+from proxy.reconfigure import install_sighup, remove_sighup
 from proxy.runtime import Runtime
 
 log = logging.getLogger("laneway")
@@ -86,8 +87,9 @@ ROUTES: dict[str, tuple[str, Handler]] = {
 class LanewayApp:
     """ASGI entry point. The runtime exists between lifespan startup and shutdown."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, config_path: str | None = None) -> None:
         self.settings = settings
+        self.config_path = config_path
         self.runtime: Runtime | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -118,8 +120,10 @@ class LanewayApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    self.runtime = Runtime(self.settings)
+                    self.runtime = Runtime(self.settings, self.config_path)
                     await self.runtime.start()
+                    if self.config_path is not None:
+                        install_sighup(self.runtime, self.config_path)
                 except Exception as exc:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -127,6 +131,8 @@ class LanewayApp:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.runtime is not None:
+                    if self.config_path is not None:
+                        remove_sighup()
                     await self.runtime.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     _configure_logging(settings.server.log_level)
     from proxy.server import run
 
-    run(settings)
+    run(settings, args.config)
     return 0
 
 

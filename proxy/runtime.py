@@ -41,8 +41,9 @@ def backends_from(settings: Settings) -> list[Backend]:
 
 
 class Runtime:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, config_path: str | None = None) -> None:
         self.settings = settings
+        self.config_path = config_path  # re-read by SIGHUP and POST /admin/reload
         self.registry = Registry(backends_from(settings))
         self.metrics = Metrics(self.registry)
         policy = build_policy(settings.policy.name, settings.policy.params)

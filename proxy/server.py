@@ -30,8 +30,12 @@ def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
     )
 
 
-def run(settings: Settings) -> None:
-    uvicorn.Server(uvicorn_config(settings, LanewayApp(settings))).run()
+def run(settings: Settings, config_path: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; then open streams get `server.shutdown_timeout_s` to
+    finish (uvicorn's graceful shutdown) before the runtime closes. SIGHUP re-reads
+    `config_path`."""
+    app = LanewayApp(settings, config_path)
+    uvicorn.Server(uvicorn_config(settings, app)).run()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,116 @@
+"""Change a running proxy: backends, policy, and a config reload (SIGHUP or admin).
+
+Sections that take effect at once on reload: backends (added, removed after their
+tracked streams were asked to move, or replaced when url/model/labels changed),
+policy (name or params), auth, admin, debug, migration. Others (server, upstream,
+poller, state, predictors) are logged as needing a restart and keep their old values.
+
+A policy switch replaces the router; outcomes of requests picked by the previous
+policy then reach the new one, which ignores requests it did not pick (every policy
+either keys its bookkeeping by request id or keeps none per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from policies.base import build_policy
+from proxy.config import ConfigError, Settings, load_settings
+from proxy.routing import Router
+from proxy.runtime import Runtime, backends_from
+from proxy.types import Backend
+
+log = logging.getLogger("laneway.admin")
+HOT_SECTIONS = ("backends", "policy", "auth", "admin", "debug", "migration")
+
+
+def switch_policy(rt: Runtime, name: str, params: dict[str, Any]) -> None:
+    """Route with another policy (or other params) from the next request on.
+
+    Raises `UnknownPolicyError` or pydantic's `ValidationError`."""
+    policy = build_policy(name, params)
+    rt.router = Router(policy, rt.metrics, log_decisions=rt.settings.debug.log_decisions)
+    policy_cfg = rt.settings.policy.model_copy(update={"name": name, "params": params})
+    rt.settings = rt.settings.model_copy(update={"policy": policy_cfg})
+    log.info("policy switched to %s %s", name, params)
+
+
+def add_backend(rt: Runtime, backend: Backend) -> None:
+    """Raises ValueError if the name is taken; the poller scrapes it from its next round."""
+    rt.registry.add(backend)
+    log.info("backend %s (%s, %s) added", backend.name, backend.url, backend.model)
+
+
+def remove_backend(rt: Runtime, name: str, migrate: bool = True) -> int:
+    """Stop routing to `name`, ask its tracked streams to move, forget it. Streams that
+    cannot move finish where they are. Returns how many streams were asked to move."""
+    rt.registry.drain(name)
+    moving = rt.streams.move_all(name, "drain") if migrate else 0
+    rt.registry.remove(name)
+    log.info("backend %s removed; %d tracked streams asked to move", name, moving)
+    return moving
+
+
+def apply_settings(rt: Runtime, new: Settings) -> dict[str, Any]:
+    """Apply what can change at runtime; returns what changed and what needs a restart."""
+    old = rt.settings
+    changes: dict[str, Any] = _apply_backends(rt, backends_from(new))
+    if new.policy != old.policy:
+        switch_policy(rt, new.policy.name, dict(new.policy.params))
+        changes["policy"] = new.policy.name
+    if new.auth != old.auth:
+        rt.auth.reload(new.auth)
+        changes["auth"] = True
+    rt.settings = rt.settings.model_copy(update={s: getattr(new, s) for s in HOT_SECTIONS})
+    restart = [s for s in Settings.model_fields
+               if s not in HOT_SECTIONS and getattr(old, s) != getattr(new, s)]
+    if restart:
+        log.warning("config sections %s changed; they apply after a restart", restart)
+    changes["needs_restart"] = restart
+    return changes
+
+
+def _apply_backends(rt: Runtime, wanted: list[Backend]) -> dict[str, Any]:
+    current = {b.name: b for b in rt.registry.all()}
+    target = {b.name: b for b in wanted}
+    changed = [n for n in target.keys() & current.keys()
+               if (target[n].url, target[n].model, dict(target[n].labels))
+               != (current[n].url, current[n].model, dict(current[n].labels))]
+    removed = sorted(current.keys() - target.keys())
+    for name in removed + changed:
+        remove_backend(rt, name)
+    added = sorted(target.keys() - current.keys())
+    for name in added + changed:
+        add_backend(rt, target[name])
+    return {"added": added, "removed": removed, "replaced": sorted(changed)}
+
+
+def reload_config(rt: Runtime, path: str | Path) -> dict[str, Any]:
+    """Re-read the config file (and env) and apply it; a bad file changes nothing."""
+    try:
+        new = load_settings(path)
+    except ConfigError as exc:
+        log.error("config reload rejected, keeping the running config: %s", exc)
+        raise
+    changes = apply_settings(rt, new)
+    log.info("config reloaded from %s: %s", path, changes)
+    return changes
+
+
+def install_sighup(rt: Runtime, path: str | Path) -> None:
+    """Reload `path` on SIGHUP (the usual daemon convention)."""
+    def on_hup() -> None:
+        try:
+            reload_config(rt, path)
+        except ConfigError:
+            pass  # logged; the running config stays
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hup)
+
+
+def remove_sighup() -> None:
+    asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
