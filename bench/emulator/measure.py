@@ -1,0 +1,126 @@
+"""Streamed latency under load: the same load against a real vLLM or the emulator.
+
+`concurrency` workers each send streaming `/v1/completions` requests back to back,
+prompts given as token ids (exact lengths, every prompt distinct so no prefix-cache
+hits; seeds fresh per run), `ignore_eos` so every answer has exactly `output_tokens`
+tokens. TTFT is the time to the first token; TPOT is (last token - first token) /
+(tokens - 1), with the token count taken from `usage`, since vLLM may pack several
+tokens into one chunk. Waves (`run_waves`) send `concurrency` requests at once and
+wait for all of them: the fit's probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+PROMPT_ID_RANGE = (10, 4000)  # inside the tiny models' vocabulary, past the specials
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    concurrency: int
+    requests: int  # in all, spread over the workers
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    ttft_s: float
+    tpot_s: float
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    ttft_s: float  # medians over the requests
+    tpot_s: float
+    requests: int
+
+    def to_row(self) -> dict[str, float | int]:
+        return {"ttft_s": round(self.ttft_s, 6), "tpot_s": round(self.tpot_s, 6),
+                "requests": self.requests}
+
+
+def run_seed() -> int:
+    """A fresh seed per run: a real server keeps prompts in its prefix cache across
+    runs, so a prompt seen by an earlier run would be prefilled for free."""
+    return random.SystemRandom().randrange(1 << 40)
+
+
+def prompts(load: Load, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*PROMPT_ID_RANGE) for _ in range(load.prompt_tokens)]
+            for _ in range(load.requests)]
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, model: str,
+                     prompt_ids: list[int], max_tokens: int) -> Timing:
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    async with session.post(f"{url}/v1/completions", data=orjson.dumps(body),
+                            headers={"content-type": "application/json"}) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = orjson.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event.get("choices"):
+                last = time.perf_counter()
+                first = first or last
+    if tokens < 2 or not first:
+        raise RuntimeError(f"{url}: expected a streamed answer of several tokens")
+    return Timing(first - started, (last - first) / (tokens - 1), tokens)
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=600))
+
+
+async def run_load(url: str, model: str, load: Load, seed: int = 0) -> list[Timing]:
+    """Closed loop: each worker sends its next request when the last one ends."""
+    queue = prompts(load, seed)
+    timings: list[Timing] = []
+    async with _session() as session:
+
+        async def worker() -> None:
+            while queue:
+                prompt_ids = queue.pop()
+                timings.append(await stream_one(session, url, model, prompt_ids,
+                                                load.output_tokens))
+
+        await asyncio.gather(*(worker() for _ in range(load.concurrency)))
+    return timings
+
+
+def summarize(timings: Sequence[Timing], skip: int = 0) -> Summary:
+    """Medians, leaving out the first `skip` requests (warm-up)."""
+    kept = list(timings[skip:]) or list(timings)
+    return Summary(statistics.median(t.ttft_s for t in kept),
+                   statistics.median(t.tpot_s for t in kept), len(kept))
+
+
+async def run_waves(url: str, model: str, load: Load, seed: int = 0) -> list[Timing]:
+    """Waves of `concurrency` simultaneous requests, each wave after the last ends."""
+    queue = prompts(load, seed)
+    timings: list[Timing] = []
+    async with _session() as session:
+        for start in range(0, len(queue), load.concurrency):
+            timings += await asyncio.gather(*(
+                stream_one(session, url, model, prompt_ids, load.output_tokens)
+                for prompt_ids in queue[start:start + load.concurrency]))
+    return timings

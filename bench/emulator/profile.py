@@ -1,0 +1,92 @@
+"""What an emulated vLLM instance is like: its step-time model and its limits.
+
+One engine step (one forward pass over a batch) takes
+
+    t_step = a + b·tokens + c·seqs + d·context + e·pairs
+
+where `tokens` are the tokens computed in the step (prefill chunks + one per decoding
+request), `seqs` the requests in the batch, `context` the KV entries the step reads
+(for each scheduled chunk of n tokens after p computed ones: p + n) and `pairs` the
+causal attention pairs it computes (n·p + n(n+1)/2; a decode token: its context).
+`a` is the fixed cost (weights read once per step on a GPU, Python and launch
+overhead on CPU), `b` the per-token compute, `c` per-request work (sampling, output
+processing), `d` the KV read (what makes GPU decode slower with long contexts), `e`
+the attention compute (what makes long prefills superlinear). `request_overhead_s` is
+the API server's own latency (parse, tokenize, hand to the engine, stream back), added
+once to every request before it reaches the scheduler.
+
+Profiles are YAML files in `profiles/`; `load_profile("a100-40gb")` or a path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+class StepModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_s: float = Field(ge=0, description="a: fixed cost of a step")
+    per_token_s: float = Field(ge=0, description="b: per token computed in the step")
+    per_seq_s: float = Field(0.0, ge=0, description="c: per request in the batch")
+    per_context_s: float = Field(0.0, ge=0, description="d: per KV entry read")
+    per_pair_s: float = Field(0.0, ge=0, description="e: per attention pair computed")
+
+    def seconds(self, tokens: int, seqs: int, context: int, pairs: int) -> float:
+        return (self.base_s + self.per_token_s * tokens + self.per_seq_s * seqs
+                + self.per_context_s * context + self.per_pair_s * pairs)
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str = ""
+    model: str = Field(description="served model name by default")
+    step: StepModel
+    request_overhead_s: float = Field(0.0, ge=0)
+    max_num_seqs: int = Field(gt=0)
+    max_num_batched_tokens: int = Field(gt=0)
+    kv_blocks: int = Field(gt=0, description="KV cache capacity in blocks")
+    block_size: int = Field(16, gt=0)
+    max_model_len: int = Field(gt=0)
+    sources: list[str] = Field(default_factory=list, description="where the figures come from")
+    derivation: str = ""
+    fit: dict[str, Any] | None = Field(None, description="fitted profiles: data and residuals")
+
+    @model_validator(mode="after")
+    def _kv_holds_one_request(self) -> Profile:
+        if self.kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError("kv_blocks * block_size must hold max_model_len tokens")
+        return self
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+
+def profile_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        return path
+    return PROFILES_DIR / f"{name_or_path}.yaml"
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A profile by name (a file in `profiles/`) or by path (YAML or JSON)."""
+    return Profile.model_validate(yaml.safe_load(profile_path(name_or_path).read_text()))
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def dump_profile(profile: Profile, path: Path) -> None:
+    path.write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False,
+                                   width=100, allow_unicode=True))
