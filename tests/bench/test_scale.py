@@ -1,0 +1,47 @@
+"""bench/scale.py: staleness arithmetic, added-latency pairing, result JSON shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.policy_latency import Row
+from bench.scale import LoadRow, overhead, percentiles_ms, results_json, snapshot_staleness
+
+
+def test_staleness_is_the_oldest_healthy_snapshot() -> None:
+    age = snapshot_staleness([9.0, 9.95, 5.0], [True, True, False], now=10.0)
+    assert age == pytest.approx(1.0)  # the unhealthy backend's old stats do not count
+
+
+def test_staleness_unknown_before_the_first_publish() -> None:
+    assert snapshot_staleness([], [], now=1.0) is None
+    assert snapshot_staleness([0.5], [False], now=1.0) is None
+
+
+def test_percentiles_in_ms() -> None:
+    summary = percentiles_ms([0.001 * i for i in range(1, 101)])
+    assert summary["p50_ms"] == pytest.approx(50.5)
+    assert summary["max_ms"] == pytest.approx(100.0)
+    assert summary["samples"] == 100
+    assert percentiles_ms([])["p99_ms"] == 0.0
+
+
+def test_overhead_pairs_laneway_with_direct_at_the_same_rate() -> None:
+    rows = [LoadRow(8, "direct", 250, 249, 0, 30.0, 40.0),
+            LoadRow(8, "laneway", 250, 248, 0, 31.5, 45.0),
+            LoadRow(8, "laneway", 500, 400, 0, 90.0, 900.0)]  # no direct twin: skipped
+    assert overhead(rows) == [{"backends": 8, "offered_rps": 250, "achieved_rps_direct": 249,
+                               "achieved_rps_laneway": 248, "added_p50_ms": 1.5,
+                               "added_p99_ms": 5.0}]
+
+
+def test_results_json_keys() -> None:
+    decisions = [Row("goodput", 512, 10, 50.0, 104.0, 200.0, 60.0),
+                 Row("goodput", 8, 10, 5.0, 20.0, 30.0, 6.0),
+                 Row("random", 512, 10, 1.0, 2.0, 3.0, 1.0)]
+    staleness = {8: {"p99_ms": 105.0}, 512: {"p99_ms": 1600.0}}
+    out = results_json(decisions, staleness, [], "cmd", "abc")
+    assert out["decision_p99_ms"] == {"goodput": 0.104, "random": 0.002}
+    assert out["decision_p99_ms_max_512"] == 0.104
+    assert out["poller_staleness_p99_ms_512"] == 1600.0
+    assert out["command"] == "cmd" and out["commit"] == "abc"
