@@ -132,7 +132,7 @@ async def show_migration(url: str, model: str) -> tuple[bool, str]:
         async def text(headers: dict[str, str]) -> str:
             stream = await sdk.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": "Tell me about lighthouses."}],
-                max_tokens=64, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                max_tokens=300, temperature=0, stream=True, extra_body={"ignore_eos": True},
                 extra_headers=headers)
             return "".join([c.choices[0].delta.content or "" async for c in stream
                             if c.choices])
