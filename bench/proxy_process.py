@@ -30,6 +30,7 @@ def free_port() -> int:
 class ProxyProcess:
     url: str
     pid: int
+    config_path: str = ""  # the YAML it was started with (rewrite + SIGHUP to reload)
 
 
 @contextlib.contextmanager
@@ -52,7 +53,7 @@ def running_proxy(
         failed = False
         try:
             _wait_ready(url, proc, ready_timeout_s, Path(tmp) / "proxy.log")
-            yield ProxyProcess(url, proc.pid)
+            yield ProxyProcess(url, proc.pid, str(path))
         except BaseException:
             failed = True
             raise

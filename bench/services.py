@@ -114,3 +114,24 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def running_fakes(count: int, *args: str) -> Iterator[list[str]]:
+    """`count` fake vLLM servers (`python -m bench.fake_vllm <args>`) in processes of
+    their own, so that proxies in other processes reach them whatever this one does."""
+    import sys
+
+    ports = [free_port() for _ in range(count)]
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.fake_vllm", "--port", str(port),
+                               *args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+             for port in ports]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url, proc in zip(urls, procs, strict=True):
+            _wait(lambda u=url: httpx.get(f"{u}/v1/models", timeout=1).status_code == 200,
+                  proc, 20.0, "fake vLLM")
+        yield urls
+    finally:
+        for proc in procs:
+            _stop(proc)

