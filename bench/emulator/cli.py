@@ -64,7 +64,7 @@ def _fit(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else profile_path(f"tiny-llama-{args.variant}")
     with calibrate.real_server(args.variant, args.url, args.served_model) as url:
         floor = calibrate.emulator_floor_s()
-        profile = fit.fit(url, args.served_model, out.stem, args.repeats, floor,
+        profile = fit.fit(url, args.served_model, out.stem, args.rounds, floor,
                           calibrate.MAX_MODEL_LEN)
     dump_profile(profile, out)
     print(f"wrote {out}: {profile.step.model_dump()}, "
@@ -78,7 +78,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     load = calibrate.CheckLoad(args.prompt_tokens, args.output_tokens,
                                args.requests_per_worker, args.passes)
     return calibrate.run(args.variants.split(","), args.refit, args.url, args.served_model,
-                         Path(args.out), args.threshold, load, args.repeats)
+                         Path(args.out), args.threshold, load, args.rounds)
 
 
 def _capacity(args: argparse.Namespace) -> int:
@@ -117,7 +117,7 @@ def add_cli(subparsers: Any) -> None:
     fit_cmd.add_argument("--out", help="default: bench/emulator/profiles/tiny-llama-<variant>.yaml")
     fit_cmd.add_argument("--url", help="use this running server instead of starting one")
     fit_cmd.add_argument("--served-model", default="tiny-llama", help="its model name")
-    fit_cmd.add_argument("--repeats", type=int, default=8, help="waves per probe")
+    fit_cmd.add_argument("--rounds", type=int, default=8, help="waves per probe")
     fit_cmd.set_defaults(func=_fit)
 
     cal = sub.add_parser("calibrate", help="emulator vs real vLLM-CPU: TTFT/TPOT errors")
@@ -131,7 +131,7 @@ def add_cli(subparsers: Any) -> None:
     cal.add_argument("--output-tokens", type=int, default=64)
     cal.add_argument("--requests-per-worker", type=int, default=4)
     cal.add_argument("--passes", type=int, default=5)
-    cal.add_argument("--repeats", type=int, default=8, help="fit: waves per probe")
+    cal.add_argument("--rounds", type=int, default=8, help="fit: waves per probe")
     cal.set_defaults(func=_calibrate)
 
     cap = sub.add_parser("capacity", help="requests/s one emulator process sustains")

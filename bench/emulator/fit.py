@@ -1,7 +1,7 @@
 """Fit a profile's step-time model to a real vLLM server (`laneway emulate fit`).
 
-Probes, each a few waves of simultaneous streaming requests (token-id prompts, exact
-lengths), medians over the waves:
+Probes, each a wave of simultaneous streaming requests (token-id prompts, exact
+lengths), repeated over several rounds, medians:
 
 * prefill: one request of P tokens, P from 16 to 1000:
   TTFT = o + a + (b + d)·P + c + e·P(P+1)/2
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,24 +52,32 @@ class Probe:
         return [0.0, 1.0, n, n, context, context]
 
 
-def probes(repeats: int) -> list[Probe]:
-    prefill = [Probe("ttft", Load(1, repeats, prompt, 2))
-               for prompt in (16, 128, 256, 512, 768, 1000)]
-    decode = [Probe("tpot", Load(n, n * repeats, 16, 96))
-              for n in (1, 2, 3, 4, 6, 8, 12, 16, 20, 24)]
-    long_decode = [Probe("tpot", Load(n, n * repeats, 768, 96)) for n in (1, 4, 8, 12)]
+def probes() -> list[Probe]:
+    prefill = [Probe("ttft", Load(1, 1, prompt, 2)) for prompt in (16, 128, 256, 512, 768, 1000)]
+    decode = [Probe("tpot", Load(n, n, 16, 96)) for n in (1, 2, 3, 4, 6, 8, 12, 16, 20, 24)]
+    long_decode = [Probe("tpot", Load(n, n, 768, 96)) for n in (1, 4, 8, 12)]
     return prefill + decode + long_decode
 
 
-async def measure(url: str, model: str, plan: Sequence[Probe]) -> list[float]:
+async def measure(url: str, model: str, plan: Sequence[Probe], rounds: int) -> list[float]:
+    """Median over `rounds` of each probe's wave median. Rounds go through every probe
+    in turn, so a burst of load from elsewhere spoils one wave of several probes
+    rather than every wave of one; a first round warms up and is dropped."""
     seed = run_seed()
-    values = []
-    for index, probe in enumerate(plan):
-        timings = await run_waves(url, model, probe.load, seed=seed + index)
-        summary = summarize(timings, skip=probe.load.concurrency)  # first wave: warm-up
-        values.append(summary.ttft_s if probe.metric == "ttft" else summary.tpot_s)
+    waves: list[list[float]] = [[] for _ in plan]
+    for round_index in range(rounds + 1):
+        for index, probe in enumerate(plan):
+            timings = await run_waves(url, model, probe.load,
+                                      seed=seed + 1000 * round_index + index)
+            if round_index:
+                summary = summarize(timings)
+                waves[index].append(summary.ttft_s if probe.metric == "ttft"
+                                    else summary.tpot_s)
+        print(f"  fit round {round_index}/{rounds}", flush=True)
+    values = [statistics.median(wave) for wave in waves]
+    for probe, value in zip(plan, values, strict=True):
         print(f"  {probe.metric} n={probe.load.concurrency} P={probe.load.prompt_tokens}: "
-              f"{values[-1] * 1000:.2f} ms", flush=True)
+              f"{value * 1000:.2f} ms", flush=True)
     return values
 
 
@@ -123,10 +132,10 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
              "emulator_floor_ttft_ms": round(floor_s * 1000, 3), "probes": rows})
 
 
-def fit(url: str, model: str, name: str, repeats: int, floor_s: float,
+def fit(url: str, model: str, name: str, rounds: int, floor_s: float,
         max_model_len: int) -> Profile:
-    plan = probes(repeats)
-    values = asyncio.run(measure(url, model, plan))
+    plan = probes()
+    values = asyncio.run(measure(url, model, plan, rounds))
     terms = solve(plan, values)
     return build_profile(name, model, plan, values, terms, floor_s, cache_config(url),
                          max_model_len)
