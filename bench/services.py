@@ -62,8 +62,9 @@ def _redis_ping(port: int) -> bool:
 def prometheus_config(targets: dict[str, list[str]], interval_s: float = 1.0
                       ) -> dict[str, Any]:
     """Scrape config: job name -> host:port targets, all at `interval_s`."""
+    interval = f"{round(interval_s * 1000)}ms"  # Prometheus durations are integers
     return {
-        "global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"},
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "scrape_configs": [
             {"job_name": job, "static_configs": [{"targets": hosts}]}
             for job, hosts in targets.items()
@@ -87,6 +88,10 @@ def running_prometheus(config: dict[str, Any], port: int | None = None) -> Itera
         try:
             _wait(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200,
                   proc, 30.0, "prometheus")
+        except RuntimeError:
+            log.close()
+            raise RuntimeError((Path(tmp) / "prometheus.log").read_text()[-2000:]) from None
+        try:
             yield url
         finally:
             _stop(proc)
