@@ -59,6 +59,18 @@ def empty_panels(prometheus: str, dashboard: Path = OVERVIEW,
             if not has_data(instant(prometheus, q.expr, rate_interval))]
 
 
+def peaks(prometheus: str, start: float, end: float, dashboard: Path = OVERVIEW,
+          rate_interval: str = "1m") -> dict[PanelQuery, float | None]:
+    """Each query's largest finite value between `start` and `end` (None: no data)."""
+    found: dict[PanelQuery, float | None] = {}
+    for query in panel_queries(dashboard):
+        values = [float(v) for series in _range(prometheus, promql(query.expr, rate_interval),
+                                                start, end)
+                  for _, v in series["values"] if v not in ("NaN", "+Inf", "-Inf")]
+        found[query] = max(values) if values else None
+    return found
+
+
 def render(prometheus: str, out: Path, dashboard: Path = OVERVIEW, minutes: float = 10,
            rate_interval: str = "1m") -> Path:
     """Every panel of `dashboard` as a matplotlib subplot over the last `minutes`."""

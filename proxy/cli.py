@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     from predictors import cli as predictors_cli  # torch/sklearn load inside its commands
 
     predictors_cli.add_cli(sub)
+    from proxy import keys_cli
+
+    keys_cli.add_cli(sub)
     return parser
 
 
