@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.emulator.fit import fit
-from bench.emulator.measure import Load, Summary, run_load, run_seed, run_waves, summarize
+from bench.emulator.measure import (
+    Load,
+    Summary,
+    cpu_times,
+    run_load,
+    run_seed,
+    run_waves,
+    summarize,
+)
 from bench.emulator.profile import Profile, StepModel, dump_profile, load_profile, profile_path
 from bench.overhead_procs import child
 from bench.proxy_process import free_port
@@ -81,13 +89,6 @@ def emulator_floor_s() -> float:
         with emulator(path, MODEL) as url:
             timings = asyncio.run(run_waves(url, MODEL, Load(1, 30, 16, 2)))
     return summarize(timings, skip=5).ttft_s
-
-
-def cpu_times() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle, sum(fields)
 
 
 def check(real_url: str, emulated_url: str, model: str, load: CheckLoad

@@ -18,6 +18,7 @@ import os
 import random
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ import aiohttp
 import httpx
 import orjson
 
+from bench.emulator.measure import cpu_times
 from bench.overhead_procs import child, wait_ok
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -43,6 +45,8 @@ class Point:
     cpu_us_per_request: float
     cpu_us_per_token: float
     lag_ms_per_step: float  # how late step ends ran, on average
+    client_cpu_cores: float  # the load generator's own CPU (same machine)
+    machine_cpu_busy: float  # all cores, everything running
     ttft_p50_ms: float
     e2e_p50_ms: float
 
@@ -91,7 +95,10 @@ async def offer(urls: Sequence[str], model: str, rate: float, duration_s: float,
         results = await asyncio.gather(*tasks, return_exceptions=True)
         wall = loop.time() - started
     ok = [r for r in results if isinstance(r, tuple)]
-    return len(results) - len(ok), ok, wall
+    failed = [r for r in results if not isinstance(r, tuple)]
+    if failed:
+        print(f"{len(failed)} requests failed, e.g. {failed[0]!r}", file=sys.stderr)
+    return len(failed), ok, wall
 
 
 def free_port_range(count: int, start: int = 20000) -> int:
@@ -128,10 +135,14 @@ def emulator_fleet(n: int, profile: str, processes: int) -> Iterator[tuple[list[
 def measure_point(urls: Sequence[str], pid: int, model: str, rate: float, duration_s: float,
                   prompt_tokens: int, output_tokens: int, seed: int) -> Point:
     before_stats = httpx.get(f"{urls[0]}/emulator/stats").json()
-    cpu_before = cpu_seconds(pid)
+    cpu_before, client_before, machine_before = cpu_seconds(pid), time.process_time(), \
+        cpu_times()
     errors, timings, wall = asyncio.run(offer(urls, model, rate, duration_s, prompt_tokens,
                                               output_tokens, seed))
     cpu = cpu_seconds(pid) - cpu_before
+    client = time.process_time() - client_before
+    machine = [after - before for after, before in zip(cpu_times(), machine_before,
+                                                       strict=True)]
     after_stats = httpx.get(f"{urls[0]}/emulator/stats").json()
     steps = max(1, after_stats["steps"] - before_stats["steps"])
     done = max(1, len(timings))
@@ -142,6 +153,8 @@ def measure_point(urls: Sequence[str], pid: int, model: str, rate: float, durati
         cpu_us_per_request=round(cpu / done * 1e6), cpu_us_per_token=round(
             cpu / (done * output_tokens) * 1e6, 1),
         lag_ms_per_step=round((after_stats["lag_s"] - before_stats["lag_s"]) / steps * 1e3, 3),
+        client_cpu_cores=round(client / wall, 3),
+        machine_cpu_busy=round(machine[0] / max(1, machine[1]), 3),
         ttft_p50_ms=round(statistics.median(t for t, _ in timings) * 1e3, 2) if timings else 0,
         e2e_p50_ms=round(statistics.median(e for _, e in timings) * 1e3, 2) if timings else 0)
 

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -124,3 +125,10 @@ async def run_waves(url: str, model: str, load: Load, seed: int = 0) -> list[Tim
                 stream_one(session, url, model, prompt_ids, load.output_tokens)
                 for prompt_ids in queue[start:start + load.concurrency]))
     return timings
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)

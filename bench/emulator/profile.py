@@ -12,8 +12,9 @@ causal attention pairs it computes (n·p + n(n+1)/2; a decode token: its context
 overhead on CPU), `b` the per-token compute, `c` per-request work (sampling, output
 processing), `d` the KV read (what makes GPU decode slower with long contexts), `e`
 the attention compute (what makes long prefills superlinear). `request_overhead_s` is
-the API server's own latency (parse, tokenize, hand to the engine, stream back), added
-once to every request before it reaches the scheduler.
+the API server's own work per request (parse, tokenize, hand to the engine, stream
+back), done before the request reaches the scheduler and one request at a time, as
+vLLM's single API-server process does it.
 
 Profiles are YAML files in `profiles/`; `load_profile("a100-40gb")` or a path.
 """

@@ -37,6 +37,7 @@ class EmulatedVllm(FakeVllm):
         self.profile = profile
         self.stats = FakeStats(keep_bodies=False)
         self.engine = Engine(profile, self.stats)
+        self._frontend_free_at = 0.0  # when the emulated API server is next idle
 
     async def _admitted(self, job: Completion, body: dict[str, Any], send: Send) -> None:
         loop = asyncio.get_running_loop()
@@ -47,7 +48,10 @@ class EmulatedVllm(FakeVllm):
                                                   "code": 400}})
             return
         if self.profile.request_overhead_s:
-            await asyncio.sleep(self.profile.request_overhead_s)
+            # vLLM's API server is one Python process: requests are taken in turn
+            start = max(arrival, self._frontend_free_at)
+            self._frontend_free_at = start + self.profile.request_overhead_s
+            await asyncio.sleep(self._frontend_free_at - arrival)
         seq = EngineSequence(job.prompt_ids, job.start, job.tokens, arrival)
         self.engine.add(seq)
         try:

@@ -235,6 +235,17 @@ async def test_tokens_come_at_the_step_times() -> None:
     assert steps < 4 * 5  # batched: 5 steps plus those the arrival skew adds
 
 
+async def test_the_api_server_takes_requests_one_at_a_time() -> None:
+    zero = StepModel(base_s=0.0, per_token_s=0.0)
+    async with serve_fleet([Instance("a", profile(step=zero, request_overhead_s=0.05),
+                                     "m")]) as fleet, httpx.AsyncClient(timeout=10) as http:
+        await asyncio.gather(*(http.post(f"{fleet.urls[0]}/v1/completions",
+                                         json={"model": "m", "prompt": [i], "max_tokens": 1})
+                               for i in range(1, 5)))
+        ttft = fleet.apps[0].stats.ttft
+    assert ttft.count == 4 and ttft.sum >= 0.45  # 50 + 100 + 150 + 200 ms, not 4 x 50
+
+
 async def test_disconnect_frees_kv_and_metrics_show_it() -> None:
     slow = StepModel(base_s=0.005, per_token_s=0.0)
     async with serve_fleet([Instance("a", profile(step=slow), "m")]) as fleet, \
