@@ -54,7 +54,8 @@ async def _health(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> No
             "url": backend.url,
             "model": backend.model,
             "healthy": bool(stats and stats.healthy),
-            "inflight": rt.registry.inflight.get(backend.name, 0),
+            "inflight": rt.registry.local_inflight.get(backend.name, 0),  # via this replica
+            "cluster_inflight": rt.registry.inflight.get(backend.name, 0),  # via all
             "running": stats.running if stats else None,
             "waiting": stats.waiting if stats else None,
             "kv_usage": stats.kv_usage if stats else None,
