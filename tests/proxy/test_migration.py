@@ -55,8 +55,10 @@ def continuation_bodies(fake: Any, warm: bool = False) -> list[dict[str, Any]]:
             if isinstance(b.get("prompt"), list) and b.get("stream") is not warm]
 
 
-@pytest.mark.parametrize("after", [0, 1, 7, 11])
-@pytest.mark.parametrize("greedy", [True, False], ids=["paced", "frozen"])
+@pytest.mark.parametrize(("after", "greedy"), [
+    (0, True), (1, True), (7, True),  # paced: one token before the end races the source's
+    (0, False), (1, False), (7, False), (11, False)],  # last token, so only when frozen
+    ids=["paced-0", "paced-1", "paced-7", "frozen-0", "frozen-1", "frozen-7", "frozen-11"])
 async def test_forced_move_of_a_chat_stream_loses_and_repeats_nothing(
     after: int, greedy: bool
 ) -> None:
@@ -269,12 +271,14 @@ async def test_move_to_another_tokenizer_retokenizes_prompt_and_text() -> None:
                               headers={"x-laneway-migrate-after": "5",
                                        "x-laneway-events": "1"})
     assert stream_text(response) == expected_text(12)
+    (moved,) = migrated_comments(response)
+    at = moved["at_token"]  # 5, or later if the warm-up took longer than a token
     prompt_call, text_call = fakes[1].app.stats.tokenized[-2:]
     assert prompt_call["messages"] == CHAT["messages"] and prompt_call["add_generation_prompt"]
-    assert text_call == {"model": "fake", "prompt": expected_text(5),
+    assert text_call == {"model": "fake", "prompt": expected_text(at),
                          "add_special_tokens": False}
     (cont,) = continuation_bodies(fakes[1])
-    assert cont["max_tokens"] == 7
+    assert cont["max_tokens"] == 12 - at
 
 
 async def _event_times(proxy: Any, body: dict[str, Any], headers: dict[str, str]
