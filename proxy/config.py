@@ -89,9 +89,9 @@ class MigrationConfig(_Section):
                                "source keeps streaming, so the cut-over stall is short")
     handoff_timeout_s: float = Field(30.0, gt=0, description="give up a handoff (and "
                                      "stay on the source) after this long")
-    pace_slowdown: float = Field(0.4, ge=0, description="greedy streams: while the "
+    pace_slowdown: float = Field(0.25, ge=0, description="greedy streams: while the "
                                  "target catches up, show the source's tokens this much "
-                                 "slower (0.4: 1.4x TPOT) instead of freezing; 0: freeze")
+                                 "slower (0.25: 1.25x TPOT) instead of freezing; 0: freeze")
     pace_timeout_s: float = Field(3.0, gt=0, description="give up a paced catch-up (then "
                                   "freeze) after this long")
     pace_default_tpot_s: float = Field(0.03, gt=0, description="pace base when the "

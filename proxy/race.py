@@ -146,8 +146,10 @@ class Race:
             await emit(pieces)
 
     def _caught_up(self) -> bool:
+        """The target has a piece ready right after what the client has seen (so the
+        cut shows it at once) and a piece boundary exactly there."""
         shown = self.gen.generated
-        return self.target_end >= shown and (shown == self.start or any(
+        return self.target_end > shown and (shown == self.start or any(
             start + len(piece.token_ids) == shown for start, piece in self.target_pieces))
 
     def _cut(self, t_read: asyncio.Future[list[Piece]] | None) -> RaceEnd:
