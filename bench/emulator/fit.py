@@ -59,25 +59,14 @@ def probes() -> list[Probe]:
     return prefill + decode + long_decode
 
 
-async def measure(url: str, model: str, plan: Sequence[Probe], rounds: int) -> list[float]:
-    """Median over `rounds` of each probe's wave median. Rounds go through every probe
-    in turn, so a burst of load from elsewhere spoils one wave of several probes
-    rather than every wave of one; a first round warms up and is dropped."""
-    seed = run_seed()
-    waves: list[list[float]] = [[] for _ in plan]
-    for round_index in range(rounds + 1):
-        for index, probe in enumerate(plan):
-            timings = await run_waves(url, model, probe.load,
-                                      seed=seed + 1000 * round_index + index)
-            if round_index:
-                summary = summarize(timings)
-                waves[index].append(summary.ttft_s if probe.metric == "ttft"
-                                    else summary.tpot_s)
-        print(f"  fit round {round_index}/{rounds}", flush=True)
-    values = [statistics.median(wave) for wave in waves]
-    for probe, value in zip(plan, values, strict=True):
-        print(f"  {probe.metric} n={probe.load.concurrency} P={probe.load.prompt_tokens}: "
-              f"{value * 1000:.2f} ms", flush=True)
+async def measure_round(url: str, model: str, plan: Sequence[Probe], seed: int
+                        ) -> list[float]:
+    """One wave of every probe in turn: a burst of load from elsewhere then spoils one
+    wave of several probes rather than every wave of one."""
+    values = []
+    for index, probe in enumerate(plan):
+        summary = summarize(await run_waves(url, model, probe.load, seed=seed + index))
+        values.append(summary.ttft_s if probe.metric == "ttft" else summary.tpot_s)
     return values
 
 
@@ -132,10 +121,22 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
              "emulator_floor_ttft_ms": round(floor_s * 1000, 3), "probes": rows})
 
 
+def profile_from(name: str, model: str, plan: Sequence[Probe],
+                 rounds: Sequence[Sequence[float]], floor_s: float, url: str,
+                 max_model_len: int) -> Profile:
+    """The profile fitted to the medians over `rounds` of measured probe values."""
+    values = [statistics.median(column) for column in zip(*rounds, strict=True)]
+    for probe, value in zip(plan, values, strict=True):
+        print(f"  {probe.metric} n={probe.load.concurrency} P={probe.load.prompt_tokens}: "
+              f"{value * 1000:.2f} ms", flush=True)
+    return build_profile(name, model, plan, values, solve(plan, values), floor_s,
+                         cache_config(url), max_model_len)
+
+
 def fit(url: str, model: str, name: str, rounds: int, floor_s: float,
         max_model_len: int) -> Profile:
-    plan = probes()
-    values = asyncio.run(measure(url, model, plan, rounds))
-    terms = solve(plan, values)
-    return build_profile(name, model, plan, values, terms, floor_s, cache_config(url),
-                         max_model_len)
+    """Measure `rounds` rounds of probes (after one warm-up round) and fit."""
+    plan, seed = probes(), run_seed()
+    measured = [asyncio.run(measure_round(url, model, plan, seed + 1000 * index))
+                for index in range(rounds + 1)]
+    return profile_from(name, model, plan, measured[1:], floor_s, url, max_model_len)

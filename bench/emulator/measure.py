@@ -42,13 +42,9 @@ class Timing:
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    ttft_s: float  # medians over the requests
+    ttft_s: float  # trimmed means over the requests (see `summarize`)
     tpot_s: float
     requests: int
-
-    def to_row(self) -> dict[str, float | int]:
-        return {"ttft_s": round(self.ttft_s, 6), "tpot_s": round(self.tpot_s, 6),
-                "requests": self.requests}
 
 
 def run_seed() -> int:
@@ -109,10 +105,20 @@ async def run_load(url: str, model: str, load: Load, seed: int = 0) -> list[Timi
 
 
 def summarize(timings: Sequence[Timing], skip: int = 0) -> Summary:
-    """Medians, leaving out the first `skip` requests (warm-up)."""
+    """Means without the highest and lowest 10%, leaving out the first `skip` requests
+    (warm-up). Not medians: under closed-loop load the latencies are bimodal (requests
+    prefilled in the first or the second chunk of a batch), and a median jumps from
+    one mode to the other on a small shift; the trimmed mean moves smoothly and still
+    ignores stalls caused by other processes on the machine."""
     kept = list(timings[skip:]) or list(timings)
-    return Summary(statistics.median(t.ttft_s for t in kept),
-                   statistics.median(t.tpot_s for t in kept), len(kept))
+    return Summary(trimmed_mean([t.ttft_s for t in kept]),
+                   trimmed_mean([t.tpot_s for t in kept]), len(kept))
+
+
+def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
+    ordered = sorted(values)
+    drop = int(len(ordered) * cut)
+    return statistics.fmean(ordered[drop:len(ordered) - drop])
 
 
 async def run_waves(url: str, model: str, load: Load, seed: int = 0) -> list[Timing]:
