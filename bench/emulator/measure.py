@@ -138,3 +138,13 @@ def cpu_times() -> tuple[int, int]:
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]
     return sum(fields) - idle, sum(fields)
+
+
+def over_passes(values: Sequence[float]) -> float:
+    """Mean of one figure over repeated passes without the highest and the lowest (from
+    5 passes on). A mean, not a median: the machine's speed drifts between two or three
+    levels as other work comes and goes, and the fit's rounds and the check's passes,
+    taken in turn, see the same mixture; a median of a few passes picks a level."""
+    ordered = sorted(values)
+    drop = 1 if len(ordered) >= 5 else 0
+    return statistics.fmean(ordered[drop:len(ordered) - drop])

@@ -10,8 +10,10 @@ request), `seqs` the requests in the batch, `context` the KV entries the step re
 causal attention pairs it computes (n·p + n(n+1)/2; a decode token: its context).
 `a` is the fixed cost (weights read once per step on a GPU, Python and launch
 overhead on CPU), `b` the per-token compute, `c` per-request work (sampling, output
-processing), `d` the KV read (what makes GPU decode slower with long contexts), `e`
-the attention compute (what makes long prefills superlinear). `request_overhead_s` is
+processing), `d` the KV read (what makes GPU decode slower with long contexts; on CPU
+the first `cached_context` entries a step reads come from the caches and cost
+nothing measurable), `e` the attention compute (what makes long prefills
+superlinear). `request_overhead_s` is
 the API server's own work per request (parse, tokenize, hand to the engine, stream
 back), done before the request reaches the scheduler and one request at a time, as
 vLLM's single API-server process does it.
@@ -38,10 +40,13 @@ class StepModel(BaseModel):
     per_seq_s: float = Field(0.0, ge=0, description="c: per request in the batch")
     per_context_s: float = Field(0.0, ge=0, description="d: per KV entry read")
     per_pair_s: float = Field(0.0, ge=0, description="e: per attention pair computed")
+    cached_context: int = Field(0, ge=0, description="KV entries a step reads for free "
+                                "(on CPU they stay in the caches)")
 
     def seconds(self, tokens: int, seqs: int, context: int, pairs: int) -> float:
         return (self.base_s + self.per_token_s * tokens + self.per_seq_s * seqs
-                + self.per_context_s * context + self.per_pair_s * pairs)
+                + self.per_context_s * max(0, context - self.cached_context)
+                + self.per_pair_s * pairs)
 
 
 class Profile(BaseModel):

@@ -12,6 +12,7 @@ import pytest
 
 from bench.emulator.calibrate import CheckLoad, calibrate_variant
 from bench.emulator.engine import Engine, Sequence
+from bench.emulator.fit import TERMS, best_fit, probes
 from bench.emulator.kv import KvCache
 from bench.emulator.profile import Profile, StepModel, available_profiles, load_profile
 from bench.emulator.server import Instance, RunningFleet, serve_fleet
@@ -161,6 +162,23 @@ def test_abort_frees_slot_and_blocks_at_once() -> None:
     eng.abort(request)
     assert request.done and eng.kv.used_blocks == 0 and eng.stats.running == 0
     assert not eng.advance() or not eng.running  # the in-flight step drops it
+
+
+def test_cached_context_is_read_for_free() -> None:
+    step = StepModel(base_s=0.0, per_token_s=0.0, per_context_s=1e-3, cached_context=100)
+    assert step.seconds(1, 1, 60, 60) == 0.0
+    assert step.seconds(1, 1, 160, 160) == pytest.approx(0.060)
+
+
+def test_fit_recovers_the_step_model_from_probe_values() -> None:
+    truth = {"request_overhead_s": 0.004, "base_s": 0.003, "per_token_s": 1e-4,
+             "per_seq_s": 4e-4, "per_context_s": 2e-6, "per_pair_s": 5e-8}
+    plan = probes()
+    values = [sum(f * truth[t] for f, t in zip(p.features(512), TERMS, strict=True))
+              for p in plan]
+    terms, cached = best_fit(plan, values)
+    assert cached == 512
+    assert terms == pytest.approx(truth, rel=1e-6)
 
 
 # -- HTTP ---------------------------------------------------------------------------
