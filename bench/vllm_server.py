@@ -49,6 +49,7 @@ class Spec:
     variant: str
     model: str  # served model name
     port: int
+    eldr_port: int | None = None  # the ELDR plugin's side endpoint (MoE variants)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class Running:
     model: str
     port: int
     pid: int
+    eldr_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -65,11 +67,16 @@ class Running:
 
     def to_row(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "model": self.model, "pid": self.pid,
-                "port": self.port, "variant": self.variant}
+                "port": self.port, "variant": self.variant, "eldr_port": self.eldr_port}
+
+    @property
+    def eldr_url(self) -> str | None:
+        return None if self.eldr_port is None else f"http://127.0.0.1:{self.eldr_port}"
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Running:
-        return cls(row["name"], row["variant"], row["model"], row["port"], row["pid"])
+        return cls(row["name"], row["variant"], row["model"], row["port"], row["pid"],
+                   row.get("eldr_port"))
 
     def kill(self) -> None:
         """Stop at once (SIGKILL), as a crash would."""
@@ -84,7 +91,7 @@ def log_path(name: str) -> Path:
 def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
           timeout_s: float = 300.0, max_model_len: int = 1024) -> list[Running]:
     """Start every spec and wait until all answer; on any failure stop them all."""
-    busy = [s.port for s in specs if _port_in_use(s.port)]
+    busy = [p for s in specs for p in (s.port, s.eldr_port) if p and _port_in_use(p)]
     if busy:  # another server there would answer our readiness probe
         raise RuntimeError(f"ports already in use: {busy}")
     dirs = {v: ensure_model(v, shared) for v in {s.variant for s in specs}}
@@ -109,10 +116,12 @@ def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
     ]
     log_path(spec.name).parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path(spec.name), "wb")
+    # The laneway_eldr plugin (deploy/vllm_plugins) is idle unless given a port.
+    eldr = {} if spec.eldr_port is None else {"LANEWAY_ELDR_PORT": str(spec.eldr_port)}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **VLLM_ENV}, start_new_session=True)
+                            env={**os.environ, **VLLM_ENV, **eldr}, start_new_session=True)
     log.close()
-    return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid)
+    return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid, spec.eldr_port)
 
 
 def _port_in_use(port: int) -> bool:

