@@ -7,6 +7,8 @@ bounds are vLLM 0.32's; values are what really runs in the fake.
 from __future__ import annotations
 
 import bisect
+import urllib.parse
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,14 +106,21 @@ _HELP = {
 }
 
 
-def render(stats: FakeStats, model: str, kv_capacity_tokens: int) -> bytes:
+def render(stats: FakeStats, model: str, kv_capacity_tokens: int,
+           names: Collection[str] = ()) -> bytes:
+    """vLLM's `/metrics` text; only the samples in `names` when given, as
+    prometheus_client does for `?name[]=...`."""
     labels = f'engine="0",model_name="{model}"'
     out: list[str] = []
 
+    def wanted(sample: str) -> bool:
+        return not names or sample in names
+
     def family(name: str, kind: str, value: float) -> None:
         sample = f"{name}_total" if kind == "counter" else name
-        out.append(f"# HELP {sample} {_HELP[name]}\n# TYPE {sample} {kind}\n"
-                   f"{sample}{{{labels}}} {float(value)!r}\n")
+        if wanted(sample):
+            out.append(f"# HELP {sample} {_HELP[name]}\n# TYPE {sample} {kind}\n"
+                       f"{sample}{{{labels}}} {float(value)!r}\n")
 
     family("vllm:num_requests_running", "gauge", stats.running)
     family("vllm:num_requests_waiting", "gauge", stats.waiting)
@@ -123,12 +132,23 @@ def render(stats: FakeStats, model: str, kv_capacity_tokens: int) -> bytes:
     family("vllm:num_preemptions", "counter", stats.preemptions)
     for name, hist in (("vllm:time_to_first_token_seconds", stats.ttft),
                        ("vllm:inter_token_latency_seconds", stats.itl)):
-        out.append(f"# HELP {name} {_HELP[name]}\n# TYPE {name} histogram\n")
-        cumulative = 0
-        for bound, count in zip((*map(repr, hist.bounds), "+Inf"), hist.buckets, strict=True):
-            cumulative += count
-            out.append(f'{name}_bucket{{engine="0",le="{bound}",model_name="{model}"}} '
-                       f"{float(cumulative)!r}\n")
-        out.append(f"{name}_count{{{labels}}} {float(hist.count)!r}\n"
-                   f"{name}_sum{{{labels}}} {hist.sum!r}\n")
+        lines = []
+        if wanted(f"{name}_bucket"):
+            cumulative = 0
+            for bound, count in zip((*map(repr, hist.bounds), "+Inf"), hist.buckets,
+                                    strict=True):
+                cumulative += count
+                lines.append(f'{name}_bucket{{engine="0",le="{bound}",model_name="{model}"}} '
+                             f"{float(cumulative)!r}\n")
+        if wanted(f"{name}_count"):
+            lines.append(f"{name}_count{{{labels}}} {float(hist.count)!r}\n")
+        if wanted(f"{name}_sum"):
+            lines.append(f"{name}_sum{{{labels}}} {hist.sum!r}\n")
+        if lines:
+            out += [f"# HELP {name} {_HELP[name]}\n# TYPE {name} histogram\n", *lines]
     return "".join(out).encode()
+
+
+def requested_names(query_string: bytes) -> frozenset[str]:
+    """The `name[]` values of a `/metrics` query (empty: everything)."""
+    return frozenset(urllib.parse.parse_qs(query_string.decode("latin-1")).get("name[]", ()))

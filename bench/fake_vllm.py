@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import uvicorn
 
-from bench.fake_metrics import FakeStats, PrefixCache, render
+from bench.fake_metrics import FakeStats, PrefixCache, render, requested_names
 from bench.fake_wire import (
     BOS_ID,
     Completion,
@@ -69,9 +69,10 @@ class FakeVllm:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
-        if path == "/metrics":
+        if path in ("/metrics", "/metrics/"):  # vLLM: the instrumentator's, prometheus
             await send_bytes(send, 200, render(self.stats, self.config.model,
-                                               self.config.kv_capacity_tokens),
+                                               self.config.kv_capacity_tokens,
+                                               requested_names(scope["query_string"])),
                              [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
         elif path in ("/health", "/ping"):
             await send_bytes(send, 200, b"", [])

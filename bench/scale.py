@@ -9,7 +9,8 @@ overhead with 8, 64 and 512 emulated backends.
    fleet (before the proxy starts), sampling `now - BackendStats.updated_at` every
    `--sample-ms` (what a policy reading the registry at that instant sees; the worst
    backend of each sample), with the round's duration and this process's CPU per
-   round (aiohttp requests + parsing; the emulator answering runs on the same cores).
+   round (requests + parsing; the emulator answering runs on the same cores), at each
+   `--intervals-ms` value of `poller.interval_s`.
 3. End-to-end: open-loop Poisson load at each `--rates` value, straight to the
    emulated instances and then through `laneway serve` (round_robin), alternating;
    offered vs achieved requests/s and the added latency (p50/p99 via laneway minus
@@ -29,16 +30,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
+import uvloop
 
 from bench import policy_latency
-from bench.emulator.capacity import emulator_fleet, offer
+from bench.emulator.capacity import emulator_fleet, free_port_range, offer
+from bench.overhead_procs import child
 from bench.proxy_process import running_proxy
 from bench.tiny_models import REPO
 from policies import POLICIES
@@ -82,35 +84,32 @@ def snapshot_staleness(updated_at: Sequence[float], healthy: Sequence[bool], now
 
 async def sample_staleness(urls: Sequence[str], seconds: float, every_s: float,
                            cfg: PollerConfig) -> dict[str, Any]:
-    """Staleness percentiles (ms) and the poll round's duration (`round_ms`)."""
+    """Staleness percentiles (ms), the poll round's duration (`round_ms`: a round's
+    start to its last answer) and this process's CPU per scrape and per second."""
     registry = Registry(Backend(f"emu-{i}", url, MODEL) for i, url in enumerate(urls))
     samples: list[float] = []
     rounds: list[float] = []
-    published = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        poller = Poller(registry, cfg, session)
-        cpu_before, last = time.process_time(), registry.stats
-        task = asyncio.create_task(poller.run())
-        try:
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
-                await asyncio.sleep(every_s)
-                stats = list(registry.stats.values())
-                age = snapshot_staleness([s.updated_at for s in stats],
-                                         [s.healthy for s in stats], time.monotonic())
-                published += registry.stats is not last
-                last = registry.stats
-                if age is not None and len(stats) == len(urls):
-                    samples.append(age)
-                    rounds.append(poller.last_poll_s)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        cpu_s = time.process_time() - cpu_before
+    poller = Poller(registry, cfg)
+    cpu_before, started = time.process_time(), time.monotonic()
+    task = asyncio.create_task(poller.run())
+    try:
+        while time.monotonic() < started + seconds:
+            await asyncio.sleep(every_s)
+            stats = list(registry.stats.values())
+            age = snapshot_staleness([s.updated_at for s in stats],
+                                     [s.healthy for s in stats], time.monotonic())
+            if age is not None and len(stats) == len(urls):
+                samples.append(age)
+                rounds.append(poller.last_poll_s)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    cpu_s, wall_s = time.process_time() - cpu_before, time.monotonic() - started
     return {**percentiles_ms(samples), "interval_ms": cfg.interval_s * 1e3,
             "round_ms": percentiles_ms(rounds),
-            "cpu_ms_per_round": round(cpu_s * 1e3 / max(1, published), 1)}
+            "cpu_us_per_scrape": round(cpu_s * 1e6 / max(1, poller.scrapes), 1),
+            "cpu_cores": round(cpu_s / wall_s, 3)}
 
 
 def load_row(n: int, path: str, urls: Sequence[str], rate: float, seconds: float,
@@ -121,12 +120,37 @@ def load_row(n: int, path: str, urls: Sequence[str], rate: float, seconds: float
                    e2e["p50_ms"], e2e["p99_ms"])
 
 
+def staleness_runs(source: str, urls: Sequence[str], stale_s: float, every_ms: float,
+                   intervals_ms: Sequence[float]) -> dict[str, Any]:
+    """`sample_staleness` at each poller interval, on uvloop like `laneway serve`."""
+    out = {}
+    for interval_ms in intervals_ms:
+        cfg = PollerConfig(interval_s=interval_ms / 1e3)
+        out[f"{interval_ms:g}"] = uvloop.run(sample_staleness(urls, stale_s, every_ms / 1e3, cfg))
+        print(f"{len(urls)} backends ({source}), interval {interval_ms:g} ms: poller "
+              f"staleness {out[f'{interval_ms:g}']}", flush=True)
+    return out
+
+
+@contextlib.contextmanager
+def static_fleet(n: int) -> Iterator[list[str]]:
+    """`bench.metrics_responder`: n static /metrics endpoints in one child process."""
+    base = free_port_range(n, start=30000)
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
+    with child(["-m", "bench.metrics_responder", "--n", str(n), "--base-port", str(base)],
+               f"{urls[-1]}/metrics"):
+        yield urls
+
+
 def fleet_run(n: int, rates: Sequence[float], seconds: float, every_ms: float,
-              stale_s: float) -> tuple[list[LoadRow], dict[str, Any]]:
+              stale_s: float, intervals_ms: Sequence[float]
+              ) -> tuple[list[LoadRow], dict[str, Any]]:
     rows: list[LoadRow] = []
+    with static_fleet(n) as urls:
+        staleness = {"static": staleness_runs("static", urls, stale_s, every_ms, intervals_ms)}
     with emulator_fleet(n, PROFILE, 1) as (urls, _pid):
-        staleness = asyncio.run(sample_staleness(urls, stale_s, every_ms / 1e3, PollerConfig()))
-        print(f"{n} backends: poller staleness {staleness}", flush=True)
+        staleness["emulator"] = staleness_runs("emulator", urls, stale_s, every_ms,
+                                               intervals_ms)
         config = {"backends": [{"name": f"emu-{i}", "url": u, "model": MODEL}
                                for i, u in enumerate(urls)],
                   "policy": {"name": "round_robin", "params": {}}}
@@ -156,12 +180,22 @@ def overhead(rows: Sequence[LoadRow]) -> list[dict[str, Any]]:
 
 def results_json(decisions: Sequence[policy_latency.Row], staleness: dict[int, dict[str, Any]],
                  rows: Sequence[LoadRow], command: str, commit: str) -> dict[str, Any]:
-    at_512 = {r.policy: round(r.p99_us / 1e3, 4) for r in decisions if r.backends == 512}
+    decisions_512 = {r.policy: round(r.p99_us / 1e3, 4) for r in decisions if r.backends == 512}
     top = max(staleness) if staleness else 0
+    default_interval = f"{PollerConfig().interval_s * 1e3:g}"
+
+    def at_512(source: str) -> dict[str, float]:
+        return {ms: s["p99_ms"] for ms, s in staleness.get(512, {}).get(source, {}).items()}
+
     return {
-        "decision_p99_ms": at_512,
-        "decision_p99_ms_max_512": max(at_512.values()) if at_512 else None,
-        "poller_staleness_p99_ms_512": staleness.get(512, {}).get("p99_ms"),
+        "decision_p99_ms": decisions_512,
+        "decision_p99_ms_max_512": max(decisions_512.values()) if decisions_512 else None,
+        # The poller's own staleness (static /metrics endpoints, `bench.metrics_responder`)
+        # at the default poller.interval_s; then every interval, and against the emulator
+        # fleet, whose one process cannot serve 512 pages per interval here.
+        "poller_staleness_p99_ms_512": at_512("static").get(default_interval),
+        "poller_staleness_p99_ms_512_by_interval_ms": at_512("static"),
+        "poller_staleness_p99_ms_512_emulator_by_interval_ms": at_512("emulator"),
         "poller_staleness_ms": {str(n): s for n, s in staleness.items()},
         "largest_fleet": top,
         "decisions": [asdict(r) for r in decisions],
@@ -185,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--picks", type=int, default=20_000)
     parser.add_argument("--sample-ms", type=float, default=5.0)
     parser.add_argument("--staleness-s", type=float, default=10.0)
+    parser.add_argument("--intervals-ms", type=float, nargs="+", default=[100, 50],
+                        help="poller.interval_s values to measure staleness at")
     parser.add_argument("--out", default=str(REPO / "docs/results/scale.json"))
     args = parser.parse_args(argv)
     decisions = [policy_latency.measure(name, n, args.picks, "cpu")
@@ -195,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     staleness: dict[int, dict[str, Any]] = {}
     for n in args.backends:
         fleet_rows, staleness[n] = fleet_run(n, args.rates, args.seconds, args.sample_ms,
-                                             args.staleness_s)
+                                             args.staleness_s, args.intervals_ms)
         rows += fleet_rows
     command = "python -m bench.scale " + " ".join(sys.argv[1:] if argv is None else argv)
     report = results_json(decisions, staleness, rows, command.strip(), _commit())

@@ -71,6 +71,9 @@ class PollerConfig(_Section):
     unhealthy_after: int = Field(3, ge=1, description="consecutive failed scrapes")
     backoff_initial_s: float = Field(0.5, gt=0)
     backoff_max_s: float = Field(10.0, gt=0)
+    filter_families: bool = Field(True, description="ask /metrics for only the samples "
+                                  "the router reads (`?name[]=`, honoured by vLLM's "
+                                  "prometheus_client); off: fetch the whole page")
 
 
 class MigrationConfig(_Section):

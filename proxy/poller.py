@@ -1,4 +1,10 @@
-"""Scrape every backend's vLLM `/metrics` concurrently and publish frozen snapshots.
+"""Scrape every backend's vLLM `/metrics` and publish frozen snapshots.
+
+Every `interval_s` the poller starts a scrape of each backend that is due and not
+still being scraped, and publishes each answer as it arrives (a few ms of coalescing),
+stamped with its own arrival time: one slow or hung backend delays nobody else's
+stats, and a policy sees each backend's state as of its latest answer, not as of the
+end of a round over the whole fleet.
 
 A backend is healthy once a scrape succeeds. It turns unhealthy after
 `unhealthy_after` consecutive failed scrapes, or at once when the relay reports a
@@ -8,18 +14,20 @@ connection failure; an unhealthy backend is probed again with exponential backof
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
 
-import aiohttp
-
 from proxy.config import PollerConfig
 from proxy.registry import Registry
+from proxy.scrape import Scraper
 from proxy.types import UNKNOWN_STATS, Backend, BackendStats
-from proxy.vllm_metrics import Cumulative, parse_samples, to_stats
+from proxy.vllm_metrics import WANTED, Cumulative, parse_samples, to_stats
 
 log = logging.getLogger("laneway.poller")
+
+_COALESCE_S = 0.002  # answers arriving within this are published together
 
 
 @dataclass(slots=True)
@@ -31,33 +39,38 @@ class _Health:
 
 
 class Poller:
-    def __init__(self, registry: Registry, cfg: PollerConfig, session: aiohttp.ClientSession):
+    def __init__(self, registry: Registry, cfg: PollerConfig) -> None:
         self._registry = registry
         self._cfg = cfg
-        self._session = session
+        self.scraper = Scraper(cfg.timeout_s, WANTED if cfg.filter_families else ())
         self._health: dict[str, _Health] = {}
-        self._timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-        self.last_poll_s: float = 0.0  # duration of the last round, for metrics
+        self._scraping: set[str] = set()
+        self._arrived: dict[str, BackendStats] = {}  # not yet published
+        self._flush_at: asyncio.TimerHandle | None = None
+        self.last_poll_s: float = 0.0  # start of a round to its last answer (or interval)
+        self.scrapes = 0  # answered or failed, since start
 
     async def run(self) -> None:
         """Poll forever at the configured interval (cancel to stop)."""
-        while True:
-            started = time.monotonic()
-            await self.poll_once()
-            self.last_poll_s = time.monotonic() - started
-            await asyncio.sleep(max(0.0, self._cfg.interval_s - self.last_poll_s))
+        interval = self._cfg.interval_s
+        try:
+            while True:
+                started = time.monotonic()
+                self.scraper.forget(b.url for b in self._registry.all())
+                scrapes = self._start_due(started)
+                if scrapes:  # a backend still unanswered at the next tick is skipped then
+                    await asyncio.wait(scrapes, timeout=interval)
+                self.last_poll_s = time.monotonic() - started
+                await asyncio.sleep(max(0.0, interval - self.last_poll_s))
+        finally:
+            await self.scraper.close()
 
     async def poll_once(self) -> None:
-        now = time.monotonic()
-        due = [b for b in self._registry.all() if self._state(b.name).next_probe_at <= now]
-        if not due:
-            return
-        texts = await asyncio.gather(*(self._scrape(b) for b in due))
-        snapshot = dict(self._registry.stats)
-        for backend, text in zip(due, texts, strict=True):
-            snapshot[backend.name] = self._next_stats(backend, text, snapshot, now)
-        known = {b.name for b in self._registry.all()}
-        self._registry.publish({k: v for k, v in snapshot.items() if k in known})
+        """Scrape every due backend and publish once all have answered."""
+        scrapes = self._start_due(time.monotonic())
+        if scrapes:
+            await asyncio.wait(scrapes)
+        self._flush()
 
     def report_failure(self, name: str, why: str) -> None:
         """The relay could not reach `name`: stop routing there until a probe succeeds."""
@@ -65,10 +78,37 @@ class Poller:
         last = self._registry.stats.get(name, UNKNOWN_STATS)
         if last.healthy:
             log.warning("backend %s marked unhealthy: %s", name, why)
-            snapshot = dict(self._registry.stats)
-            snapshot[name] = replace(last, healthy=False)
-            self._registry.publish(snapshot)
+            self._arrived[name] = replace(last, healthy=False)
+            self._flush()
         self._back_off(state, time.monotonic())
+
+    def _start_due(self, now: float) -> list[asyncio.Future[bytes | None]]:
+        scrapes = []
+        for backend in self._registry.all():
+            if backend.name in self._scraping or self._state(backend.name).next_probe_at > now:
+                continue
+            self._scraping.add(backend.name)
+            scrape = self.scraper.get(backend.url)
+            scrape.add_done_callback(functools.partial(self._answered, backend))
+            scrapes.append(scrape)
+        return scrapes
+
+    def _answered(self, backend: Backend, scrape: asyncio.Future[bytes | None]) -> None:
+        self._scraping.discard(backend.name)
+        self.scrapes += 1
+        body = None if scrape.cancelled() or scrape.exception() else scrape.result()
+        text = None if body is None else body.decode("utf-8", "replace")
+        self._arrived[backend.name] = self._next_stats(backend, text, time.monotonic())
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(_COALESCE_S, self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        if self._arrived:
+            self._registry.update(self._arrived)
+            self._arrived.clear()
 
     def _state(self, name: str) -> _Health:
         state = self._health.get(name)
@@ -76,22 +116,10 @@ class Poller:
             state = self._health[name] = _Health()
         return state
 
-    async def _scrape(self, backend: Backend) -> str | None:
-        try:
-            async with self._session.get(
-                f"{backend.url}/metrics", timeout=self._timeout
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                return await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return None
-
-    def _next_stats(
-        self, backend: Backend, text: str | None, snapshot: dict[str, BackendStats], now: float
-    ) -> BackendStats:
+    def _next_stats(self, backend: Backend, text: str | None, now: float) -> BackendStats:
         state = self._state(backend.name)
-        last = snapshot.get(backend.name, UNKNOWN_STATS)
+        last = self._arrived.get(backend.name) or self._registry.stats.get(
+            backend.name, UNKNOWN_STATS)
         if text is not None:
             if not last.healthy:
                 log.info("backend %s is healthy", backend.name)

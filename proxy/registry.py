@@ -46,6 +46,7 @@ class Registry:
     def remove(self, name: str) -> Backend:
         backend = self._backends.pop(name)
         self._draining.discard(name)
+        self.stats = MappingProxyType({k: v for k, v in self.stats.items() if k != name})
         self._rederive()
         return backend
 
@@ -82,6 +83,16 @@ class Registry:
     def publish(self, stats: Mapping[str, BackendStats]) -> None:
         self.stats = MappingProxyType(dict(stats))
         self._rederive()
+
+    def update(self, changed: Mapping[str, BackendStats]) -> None:
+        """Replace the snapshot with one where `changed` (of configured backends) is
+        new. The candidates are re-derived only when someone's health changed: the
+        poller publishes every few ms at 512 backends."""
+        old = self.stats
+        fresh = {k: v for k, v in changed.items() if k in self._backends}
+        self.stats = MappingProxyType({**old, **fresh})
+        if any(k not in old or old[k].healthy != v.healthy for k, v in fresh.items()):
+            self._rederive()
 
     def is_healthy(self, name: str) -> bool:
         stats = self.stats.get(name)

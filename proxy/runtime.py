@@ -58,12 +58,9 @@ class Runtime:
             auto_decompress=False,  # relay bytes exactly as the backend sent them
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        self._poll_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        )
         self.upstream = Upstream(self._relay_session, settings.upstream)
         self.streams = ActiveStreams()
-        self.poller = Poller(self.registry, settings.poller, self._poll_session)
+        self.poller = Poller(self.registry, settings.poller)
         self._poll_task: asyncio.Task[None] | None = None
         self.started_at_wall = time.time()
         self.replica_id = new_replica_id()
@@ -93,7 +90,7 @@ class Runtime:
                     await task
         await self.replicator.store.close()
         await self._relay_session.close()
-        await self._poll_session.close()
+        await self.poller.scraper.close()
 
     def predict(self, ctx: RequestContext) -> Prediction:
         """The request's predicted cost, for `router.pick` (synchronous, ≤ 1 ms)."""

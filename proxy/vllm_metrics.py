@@ -24,24 +24,34 @@ _QUEUE = ("vllm:request_queue_time_seconds",)
 _PREFILL = ("vllm:request_prefill_time_seconds",)
 _PREFILL_TOKENS = ("vllm:request_prefill_kv_computed_tokens",)  # prompt minus cache hits
 
+
+def _suffixed(names: tuple[str, ...], suffix: str) -> tuple[str, ...]:
+    return tuple(f"{n}_{suffix}" for n in names)
+
+
+_TTFT_SUM, _TTFT_COUNT = _suffixed(_TTFT, "sum"), _suffixed(_TTFT, "count")
+_TPOT_SUM, _TPOT_COUNT = _suffixed(_TPOT, "sum"), _suffixed(_TPOT, "count")
+_QUEUE_SUM, _QUEUE_COUNT = _suffixed(_QUEUE, "sum"), _suffixed(_QUEUE, "count")
+_PREFILL_SUM, _PREFILL_TOKENS_SUM = _suffixed(_PREFILL, "sum"), _suffixed(_PREFILL_TOKENS, "sum")
+
 # Alias groups, current name first; only the first name present is read.
 _GROUPS: tuple[tuple[str, ...], ...] = (
-    _RUNNING, _WAITING, _KV_USAGE, _PREFIX_HITS, _PREFIX_QUERIES,
-    *(tuple(f"{n}_{suffix}" for n in names) for names in (_TTFT, _TPOT)
-      for suffix in ("sum", "count")),
-    *(tuple(f"{n}_{suffix}" for n in names) for names in (_QUEUE,)
-      for suffix in ("sum", "count")),
-    tuple(f"{n}_sum" for n in _PREFILL), tuple(f"{n}_sum" for n in _PREFILL_TOKENS),
+    _RUNNING, _WAITING, _KV_USAGE, _PREFIX_HITS, _PREFIX_QUERIES, _TTFT_SUM, _TTFT_COUNT,
+    _TPOT_SUM, _TPOT_COUNT, _QUEUE_SUM, _QUEUE_COUNT, _PREFILL_SUM, _PREFILL_TOKENS_SUM,
 )
+# Every sample name read, for the scrape's `?name[]=` filter (`proxy/scrape.py`).
+WANTED: tuple[str, ...] = tuple(name for group in _GROUPS for name in group)
 
 
 def parse_samples(text: str) -> dict[str, float]:
     """Sum of every wanted sample over its label sets, by metric name.
 
-    vLLM's /metrics is ~50 KB of which we need a dozen lines, and the poller reads it
-    10 times a second per backend: jump to each wanted family with `str.find` (a
-    family's samples are contiguous in Prometheus text) instead of scanning lines.
+    A filtered page (a few KB, `proxy/scrape.py`) is read line by line. vLLM's whole
+    page is ~50 KB of which we need a dozen lines: there, jump to each wanted family
+    with `str.find` (a family's samples are contiguous in Prometheus text) instead.
     """
+    if len(text) <= _LINE_SCAN_MAX:
+        return _scan_lines(text)
     text = "\n" + text
     totals: dict[str, float] = {}
     for group in _GROUPS:
@@ -58,6 +68,33 @@ def parse_samples(text: str) -> dict[str, float]:
                 at = end if end >= 0 and _is_sample(text, name, end) else -1
             totals[name] = total
             break
+    return totals
+
+
+_LINE_SCAN_MAX = 8192
+_WANTED_SET = frozenset(WANTED)
+
+
+def _scan_lines(text: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for line in text.split("\n"):
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        name = line[:brace] if brace >= 0 else line[:line.find(" ")]
+        if name in _WANTED_SET:
+            try:
+                found[name] = found.get(name, 0.0) + float(
+                    line[line.rfind("}") + 1:].split()[0])
+            except (ValueError, IndexError):
+                continue
+    # An alias group counts only its first name present, as the find-based path does.
+    totals: dict[str, float] = {}
+    for group in _GROUPS:
+        for name in group:
+            if name in found:
+                totals[name] = found[name]
+                break
     return totals
 
 
@@ -114,16 +151,16 @@ def to_stats(
 ) -> tuple[BackendStats, Cumulative]:
     """Build the next snapshot from one scrape and the previous cumulative counters."""
     cum = Cumulative(
-        ttft_sum=_first(samples, tuple(f"{n}_sum" for n in _TTFT)) or 0.0,
-        ttft_count=_first(samples, tuple(f"{n}_count" for n in _TTFT)) or 0.0,
-        tpot_sum=_first(samples, tuple(f"{n}_sum" for n in _TPOT)) or 0.0,
-        tpot_count=_first(samples, tuple(f"{n}_count" for n in _TPOT)) or 0.0,
+        ttft_sum=_first(samples, _TTFT_SUM) or 0.0,
+        ttft_count=_first(samples, _TTFT_COUNT) or 0.0,
+        tpot_sum=_first(samples, _TPOT_SUM) or 0.0,
+        tpot_count=_first(samples, _TPOT_COUNT) or 0.0,
         prefix_hits=_first(samples, _PREFIX_HITS) or 0.0,
         prefix_queries=_first(samples, _PREFIX_QUERIES) or 0.0,
-        queue_sum=_first(samples, tuple(f"{n}_sum" for n in _QUEUE)) or 0.0,
-        queue_count=_first(samples, tuple(f"{n}_count" for n in _QUEUE)) or 0.0,
-        prefill_sum=_first(samples, tuple(f"{n}_sum" for n in _PREFILL)) or 0.0,
-        prefill_tokens=_first(samples, tuple(f"{n}_sum" for n in _PREFILL_TOKENS)) or 0.0,
+        queue_sum=_first(samples, _QUEUE_SUM) or 0.0,
+        queue_count=_first(samples, _QUEUE_COUNT) or 0.0,
+        prefill_sum=_first(samples, _PREFILL_SUM) or 0.0,
+        prefill_tokens=_first(samples, _PREFILL_TOKENS_SUM) or 0.0,
     )
     queries = cum.prefix_queries - prev.prefix_queries
     hit_rate = last.prefix_hit_rate

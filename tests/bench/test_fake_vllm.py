@@ -202,3 +202,17 @@ async def test_health_and_unknown_path() -> None:
     async with serve_fake(FakeConfig()) as fake, httpx.AsyncClient(base_url=fake.url) as http:
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/v1/embeddings")).status_code == 404
+
+
+async def test_metrics_honour_the_name_filter_like_prometheus_client() -> None:
+    wanted = ["vllm:num_requests_running", "vllm:prefix_cache_hits_total",
+              "vllm:time_to_first_token_seconds_sum"]
+    async with serve_fake(FakeConfig(model="m")) as fake, httpx.AsyncClient() as http:
+        await http.post(f"{fake.url}/v1/chat/completions", json={**CHAT, "model": "m"})
+        full = (await http.get(f"{fake.url}/metrics")).text
+        some = (await http.get(f"{fake.url}/metrics", params={"name[]": wanted})).text
+    samples = {line.split("{")[0] for line in some.splitlines() if not line.startswith("#")}
+    assert samples == set(wanted)
+    for line in some.splitlines():
+        assert line in full.splitlines()  # same lines, fewer of them
+    assert len(some) < len(full) / 3

@@ -39,9 +39,13 @@ def test_results_json_keys() -> None:
     decisions = [Row("goodput", 512, 10, 50.0, 104.0, 200.0, 60.0),
                  Row("goodput", 8, 10, 5.0, 20.0, 30.0, 6.0),
                  Row("random", 512, 10, 1.0, 2.0, 3.0, 1.0)]
-    staleness = {8: {"p99_ms": 105.0}, 512: {"p99_ms": 1600.0}}
+    staleness = {8: {"static": {"100": {"p99_ms": 105.0}}},
+                 512: {"static": {"100": {"p99_ms": 160.0}, "50": {"p99_ms": 90.0}},
+                       "emulator": {"100": {"p99_ms": 700.0}}}}
     out = results_json(decisions, staleness, [], "cmd", "abc")
     assert out["decision_p99_ms"] == {"goodput": 0.104, "random": 0.002}
     assert out["decision_p99_ms_max_512"] == 0.104
-    assert out["poller_staleness_p99_ms_512"] == 1600.0
+    assert out["poller_staleness_p99_ms_512"] == 160.0  # at the default interval
+    assert out["poller_staleness_p99_ms_512_by_interval_ms"] == {"100": 160.0, "50": 90.0}
+    assert out["poller_staleness_p99_ms_512_emulator_by_interval_ms"] == {"100": 700.0}
     assert out["command"] == "cmd" and out["commit"] == "abc"

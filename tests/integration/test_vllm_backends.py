@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import time
@@ -15,6 +16,8 @@ import pytest
 from bench import backends
 from bench.backends import Running
 from bench.vllm_server import group_alive
+from proxy.scrape import Scraper
+from proxy.vllm_metrics import WANTED, parse_samples
 
 pytestmark = pytest.mark.vllm
 
@@ -103,3 +106,30 @@ def test_down_kills_the_recorded_backend(
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{throwaway_backend.url}/health", timeout=5)
     assert not backends.state_file().exists()
+
+
+def test_vllm_metrics_filtered_by_name_read_the_same(vllm_fleet: list[Running]) -> None:
+    """vLLM's /metrics/ honours `?name[]=` (prometheus_client): the poller's filtered
+    page is a small fraction of the full one and reads the same values."""
+    server = vllm_fleet[0]
+    httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": "hello", "max_tokens": 4})  # histograms non-empty
+
+    async def scrape() -> bytes | None:
+        scraper = Scraper(timeout_s=5.0, names=WANTED)
+        try:
+            return await scraper.get(server.url)
+        finally:
+            await scraper.close()
+
+    filtered = asyncio.run(scrape())
+    full = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert filtered is not None
+    text = filtered.decode()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+             if line and not line.startswith("#")}
+    assert "vllm:num_requests_running" in names and names <= set(WANTED)
+    assert len(text) < len(full) / 5
+    values = parse_samples(text)
+    assert values == parse_samples(full)
+    assert values["vllm:time_to_first_token_seconds_count"] >= 1

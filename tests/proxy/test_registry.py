@@ -50,3 +50,20 @@ def test_add_remove() -> None:
         reg.add(Backend("d", "http://d", "m1"))
     reg.remove("a")
     assert [b.name for b in reg.view("m1", 0.0).candidates] == ["b"]
+
+
+def test_update_merges_and_rederives_only_on_health_changes() -> None:
+    reg = make()
+    reg.update({"a": UP, "zz": UP})  # not configured: ignored
+    assert "zz" not in reg.stats
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["a"]
+    before = reg.view("m1", 0.0).candidates
+    reg.update({"a": BackendStats(healthy=True, running=5)})
+    assert reg.stats["a"].running == 5
+    assert reg.view("m1", 0.0).candidates is before  # same health: nothing re-derived
+    reg.update({"b": UP})
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["a", "b"]
+    reg.update({"a": BackendStats(healthy=False)})
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["b"]
+    reg.remove("b")
+    assert "b" not in reg.stats

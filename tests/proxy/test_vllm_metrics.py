@@ -80,3 +80,14 @@ def test_queue_and_prefill_speed_from_histogram_deltas() -> None:
     assert first.queue_s == pytest.approx(0.1)
     assert second.queue_s == pytest.approx(0.3)  # 0.6 s over 2 new requests
     assert second.prefill_s_per_token == pytest.approx(0.001)  # 0.5 s over 500 tokens
+
+
+@pytest.mark.parametrize("text", [SCRAPE_1, SCRAPE_2, 'vllm:gpu_cache_usage_perc 0.5\n'
+                                  'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'])
+def test_line_scan_and_family_jumps_read_the_same(text: str) -> None:
+    """Small (filtered) pages are read line by line, whole pages by jumping to each
+    family; padding a page past the threshold with unrelated families switches paths."""
+    padding = "".join(f'other_family_{i}{{engine="0"}} {i}.0\n' for i in range(400))
+    assert len(text) < 8192 < len(text + padding)
+    assert parse_samples(text) == parse_samples(text + padding)
+    assert parse_samples(text)  # something was read
