@@ -14,6 +14,7 @@ connection failure; an unhealthy backend is probed again with exponential backof
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -47,6 +48,7 @@ class Poller:
         self._scraping: set[str] = set()
         self._arrived: dict[str, BackendStats] = {}  # not yet published
         self._flush_at: asyncio.TimerHandle | None = None
+        self._all_answered = asyncio.Event()
         self.last_poll_s: float = 0.0  # start of a round to its last answer (or interval)
         self.scrapes = 0  # answered or failed, since start
 
@@ -56,20 +58,21 @@ class Poller:
         try:
             while True:
                 started = time.monotonic()
+                self.scraper.expire(asyncio.get_running_loop().time())
                 self.scraper.forget(b.url for b in self._registry.all())
-                scrapes = self._start_due(started)
-                if scrapes:  # a backend still unanswered at the next tick is skipped then
-                    await asyncio.wait(scrapes, timeout=interval)
+                self._start_due(started)
+                # A backend still unanswered at the next tick is skipped then.
+                await self._answers(interval)
                 self.last_poll_s = time.monotonic() - started
                 await asyncio.sleep(max(0.0, interval - self.last_poll_s))
         finally:
             await self.scraper.close()
 
     async def poll_once(self) -> None:
-        """Scrape every due backend and publish once all have answered."""
-        scrapes = self._start_due(time.monotonic())
-        if scrapes:
-            await asyncio.wait(scrapes)
+        """Scrape every due backend and publish once all have answered (or timed out)."""
+        self._start_due(time.monotonic())
+        await self._answers(self._cfg.timeout_s)
+        self.scraper.expire(asyncio.get_running_loop().time() + self._cfg.timeout_s)
         self._flush()
 
     def report_failure(self, name: str, why: str) -> None:
@@ -82,25 +85,30 @@ class Poller:
             self._flush()
         self._back_off(state, time.monotonic())
 
-    def _start_due(self, now: float) -> list[asyncio.Future[bytes | None]]:
-        scrapes = []
+    def _start_due(self, now: float) -> None:
         for backend in self._registry.all():
             if backend.name in self._scraping or self._state(backend.name).next_probe_at > now:
                 continue
             self._scraping.add(backend.name)
-            scrape = self.scraper.get(backend.url)
-            scrape.add_done_callback(functools.partial(self._answered, backend))
-            scrapes.append(scrape)
-        return scrapes
+            self.scraper.get(backend.url, functools.partial(self._answered, backend))
 
-    def _answered(self, backend: Backend, scrape: asyncio.Future[bytes | None]) -> None:
+    async def _answers(self, timeout_s: float) -> None:
+        """Until every scrape started has answered, or `timeout_s`."""
+        if self._scraping:
+            self._all_answered.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._all_answered.wait()
+
+    def _answered(self, backend: Backend, body: bytes | None) -> None:
         self._scraping.discard(backend.name)
         self.scrapes += 1
-        body = None if scrape.cancelled() or scrape.exception() else scrape.result()
         text = None if body is None else body.decode("utf-8", "replace")
         self._arrived[backend.name] = self._next_stats(backend, text, time.monotonic())
         if self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_later(_COALESCE_S, self._flush)
+        if not self._scraping:
+            self._all_answered.set()
 
     def _flush(self) -> None:
         if self._flush_at is not None:

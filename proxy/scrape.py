@@ -15,7 +15,8 @@ same way.
 
 One request at a time per backend (the poller never overlaps its own scrapes); any
 error, timeout or unexpected byte closes the connection and the next scrape opens a
-new one.
+new one. The hot path has no task, future or timer per request: the answer goes to a
+callback, and the poller expires overdue requests once per tick (`expire`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 from urllib.parse import quote, urlsplit
 
@@ -34,28 +35,33 @@ __all__ = ["Scraper"]
 log = logging.getLogger("laneway.poller")
 
 
+Answer = Callable[[bytes | None], None]  # the body of a 200 answer, or None
+
+
 class _Connection(asyncio.Protocol):
-    """A keep-alive connection answering one GET at a time with (status, body), or
-    None on a broken connection or a timeout."""
+    """A keep-alive connection answering one GET at a time: `on_answer(status, body)`,
+    or `on_answer(0, b"")` on a broken connection, a bad answer or a timeout."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.deadline = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._body: list[bytes] = []
-        self._answer: asyncio.Future[tuple[int, bytes] | None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._on_answer: Callable[[int, bytes], None] | None = None
 
     @property
     def idle(self) -> bool:
-        return self.transport is not None and self._answer is None
+        return self.transport is not None and self._on_answer is None
 
-    def get(self, request: bytes, timeout_s: float) -> asyncio.Future[tuple[int, bytes] | None]:
-        assert self.transport is not None and self._answer is None
-        loop = asyncio.get_running_loop()
-        self._answer = answer = loop.create_future()
-        self._timer = loop.call_later(timeout_s, self._give_up)
+    @property
+    def waiting(self) -> bool:
+        return self._on_answer is not None
+
+    def get(self, request: bytes, deadline: float, on_answer: Callable[[int, bytes], None]
+            ) -> None:
+        assert self.transport is not None and self._on_answer is None
+        self._on_answer, self.deadline = on_answer, deadline
         self.transport.write(request)
-        return answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
@@ -65,11 +71,11 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError:
-            self._give_up()
+            self.give_up()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self._finish(None)
+        self._finish(0, b"")
 
     # httptools callbacks
     def on_body(self, body: bytes) -> None:
@@ -80,28 +86,26 @@ class _Connection(asyncio.Protocol):
         body, self._body = b"".join(self._body), []
         if not self._parser.should_keep_alive():
             self.close()
-        self._finish((status, body))
+        self._finish(status, body)
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
 
-    def _give_up(self) -> None:
+    def give_up(self) -> None:
         self.close()  # a late answer must not be read as the next request's
-        self._finish(None)
+        self._finish(0, b"")
 
-    def _finish(self, answer: tuple[int, bytes] | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        future, self._answer = self._answer, None
-        if future is not None and not future.done():
-            future.set_result(answer)
+    def _finish(self, status: int, body: bytes) -> None:
+        on_answer, self._on_answer = self._on_answer, None
+        if on_answer is not None:
+            on_answer(status, body)
 
 
 class Scraper:
-    """`get(url)`: the body of a 200 answer from `url`'s metrics page, or None."""
+    """`get(url, answer)`: `answer(body)` once with the body of a 200 answer from
+    `url`'s metrics page, or with None (error, other status, timeout)."""
 
     def __init__(self, timeout_s: float, names: Iterable[str] = ()) -> None:
         self._timeout_s = timeout_s
@@ -109,22 +113,31 @@ class Scraper:
         self._filtered_path = f"/metrics/?{query}" if query else ""
         self._connections: dict[str, _Connection] = {}
         self._requests: dict[str, tuple[bytes, ...]] = {}  # filtered (if any), plain
+        self._connecting: set[asyncio.Task[None]] = set()
         self._tls: ssl.SSLContext | None = None
 
-    def get(self, url: str) -> asyncio.Future[bytes | None]:
-        """A future of the body; no task when a connection is open (the hot path)."""
+    def get(self, url: str, answer: Answer) -> None:
         connection = self._connections.get(url)
-        if connection is None or not connection.idle:
-            if connection is not None:
-                connection.close()  # still busy: a scrape overran; start clean
-            return asyncio.ensure_future(self._connect_and_get(url))
-        body: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
-        self._ask(url, connection, body)
-        return body
+        if connection is not None and connection.idle:
+            self._ask(url, connection, answer)
+            return
+        if connection is not None:
+            connection.give_up()  # still busy: a scrape overran; start clean
+        task = asyncio.ensure_future(self._connect_and_get(url, answer))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    def expire(self, now: float) -> None:
+        """Give up on every request past its deadline (the poller calls this each tick)."""
+        for connection in list(self._connections.values()):
+            if connection.waiting and connection.deadline <= now:
+                connection.give_up()
 
     async def close(self) -> None:
+        for task in list(self._connecting):
+            task.cancel()
         for connection in self._connections.values():
-            connection.close()
+            connection.give_up()
         self._connections.clear()
         await asyncio.sleep(0)  # let the transports finish closing
 
@@ -132,56 +145,49 @@ class Scraper:
         """Close the connections of backends no longer configured."""
         kept = set(keep)
         for url in [u for u in self._connections if u not in kept]:
-            self._connections.pop(url).close()
+            self._connections.pop(url).give_up()
             self._requests.pop(url, None)
 
-    def _ask(self, url: str, connection: _Connection, body: asyncio.Future[bytes | None]
-             ) -> None:
-        requests = self._requests[url]
-        answer = connection.get(requests[0], self._timeout_s)
-        answer.add_done_callback(lambda done: self._answered(url, connection, body, done))
+    def _ask(self, url: str, connection: _Connection, answer: Answer) -> None:
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        connection.get(self._requests[url][0], deadline,
+                       lambda status, body: self._answered(url, connection, answer, status, body))
 
-    def _answered(self, url: str, connection: _Connection, body: asyncio.Future[bytes | None],
-                  answer: asyncio.Future[tuple[int, bytes] | None]) -> None:
-        result = answer.result()
-        if body.done():
-            return
-        if result is not None and result[0] == 200:
-            body.set_result(result[1])
-        elif result is not None and len(self._requests[url]) > 1:
-            log.info("%s: no filtered metrics page (HTTP %d); reading /metrics", url, result[0])
+    def _answered(self, url: str, connection: _Connection, answer: Answer, status: int,
+                  body: bytes) -> None:
+        if status == 200:
+            answer(body)
+        elif status and len(self._requests[url]) > 1:
+            log.info("%s: no filtered metrics page (HTTP %d); reading /metrics", url, status)
             self._requests[url] = self._requests[url][1:]
             if connection.idle:
-                self._ask(url, connection, body)
+                self._ask(url, connection, answer)
             else:
-                body.set_result(None)
+                self.get(url, answer)  # the server closed the connection: a new one
         else:
-            body.set_result(None)
+            answer(None)
 
-    async def _connect_and_get(self, url: str) -> bytes | None:
+    async def _connect_and_get(self, url: str, answer: Answer) -> None:
         parts = urlsplit(url)
         tls = parts.scheme == "https"
         if tls and self._tls is None:
             self._tls = ssl.create_default_context()
-        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._timeout_s):
-                _, connection = await loop.create_connection(
+                _, connection = await asyncio.get_running_loop().create_connection(
                     _Connection, parts.hostname or "localhost", parts.port or (443 if tls else 80),
                     ssl=self._tls if tls else None)
         except (OSError, TimeoutError):
-            return None
+            answer(None)
+            return
+        except asyncio.CancelledError:
+            answer(None)
+            raise
         self._connections[url] = connection
         if url not in self._requests:
             self._requests[url] = self._build_requests(parts.path.rstrip("/"),
                                                        parts.netloc.rsplit("@", 1)[-1])
-        body: asyncio.Future[bytes | None] = loop.create_future()
-        self._ask(url, connection, body)
-        try:
-            return await body
-        except asyncio.CancelledError:
-            connection.close()
-            raise
+        self._ask(url, connection, answer)
 
     def _build_requests(self, prefix: str, host: str) -> tuple[bytes, ...]:
         paths = ([f"{prefix}{self._filtered_path}"] if self._filtered_path else []) \

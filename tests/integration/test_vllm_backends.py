@@ -117,8 +117,10 @@ def test_vllm_metrics_filtered_by_name_read_the_same(vllm_fleet: list[Running]) 
 
     async def scrape() -> bytes | None:
         scraper = Scraper(timeout_s=5.0, names=WANTED)
+        answer: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
         try:
-            return await scraper.get(server.url)
+            scraper.get(server.url, answer.set_result)
+            return await asyncio.wait_for(answer, 10)
         finally:
             await scraper.close()
 
