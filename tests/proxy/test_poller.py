@@ -196,7 +196,10 @@ async def test_a_hung_backend_delays_no_one_else(make_poller: Make) -> None:
                     updates.append(registry.stats["fast"].updated_at)
             assert len(set(updates)) >= 5  # the fast one kept being published
             assert "hung" not in registry.stats  # its first scrape is still out
-            await asyncio.sleep(0.5)  # two timeouts: unhealthy (unhealthy_after = 2)
+            for _ in range(300):  # two timeouts (unhealthy_after = 2): ~0.6 s
+                if "hung" in registry.stats and not registry.stats["hung"].healthy:
+                    break
+                await asyncio.sleep(0.01)
             assert not registry.stats["hung"].healthy and registry.stats["fast"].healthy
         finally:
             task.cancel()
