@@ -172,6 +172,9 @@ def add_cli(subparsers: Any) -> None:
     length.add_argument("--seed", type=int, default=0)
     length.add_argument("--threads", type=int, default=1)
     length.set_defaults(func=_train)
+    from predictors import eldr_cli  # ELDR's decode centroids (issue 9)
+
+    eldr_cli.add_train(train)
     evaluate = subparsers.add_parser("evaluate", help="evaluate a predictor").add_subparsers(
         dest="evaluate_command", required=True)
     length_eval = evaluate.add_parser("length", help="held-out table + latency of an artifact")
