@@ -21,6 +21,9 @@ class Prediction:
     """
 
     output_tokens: float | None = None
+    # ELDR: the request's expert signature (unit vector, predictors/experts.py), known
+    # after a prefill leg on an MoE backend with the laneway_eldr plugin.
+    expert_signature: tuple[float, ...] | None = None
 
 
 NO_PREDICTION = Prediction()

@@ -1,0 +1,77 @@
+"""Expert-locality decode routing (ELDR, paper: eldr.txt, "Online: Locality-band routing").
+
+The offline fit (`laneway train eldr`) leaves one centroid per decode worker. For a
+request with an expert signature s (from its prefill leg), the similarity to worker
+k's centroid is s . c_k; the locality band is every worker within `tau` of the best
+one, and the request goes to the band's worker with the fewest in-flight requests
+(the proxy's exact count). tau = 0 is pure locality, tau >= 2 pure shortest queue.
+Requests without a signature, and backends without a centroid, fall back to the
+least in-flight backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies._load import LeastInflight, RotatingArgmin
+from policies.base import register
+from predictors.base import Prediction
+from predictors.eldr_fit import EldrModel, load
+from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
+
+
+class EldrParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    artifact: str = Field(description="directory (or eldr.json) of `laneway train eldr`")
+    tau: float = Field(0.1, ge=0.0, description="locality band width (cosine similarity)")
+
+
+@register
+class Eldr:
+    name: ClassVar[str] = "eldr"
+    Params: ClassVar[type[BaseModel]] = EldrParams
+
+    def __init__(self, params: EldrParams, model: EldrModel | None = None) -> None:
+        self._tau = params.tau
+        self._model = model or load(Path(params.artifact))
+        self._least = LeastInflight()
+        self._argmin = RotatingArgmin()
+        self._rows_for: tuple[Backend, ...] | None = None  # candidates `_rows` is for
+        self._rows: tuple[tuple[Backend, ...], list[int]] = ((), [])
+
+    def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
+        signature = pred.expert_signature
+        backends, rows = self._centroid_rows(view.candidates)
+        if signature is None or not backends:
+            backend, load_now = self._least.pick(view)
+            return Decision(backend, f"no expert signature; least in-flight {load_now}")
+        similarity = self._model.centroids[rows] @ np.asarray(signature)
+        band = np.flatnonzero(similarity >= similarity.max() - self._tau)
+        loads = [view.inflight_of(backends[i]) for i in band]
+        chosen = int(band[self._argmin(loads)])
+        return Decision(backends[chosen], f"locality band of {len(band)} (similarity "
+                        f"{similarity[chosen]:.3f}, best {similarity.max():.3f}), "
+                        f"in-flight {view.inflight_of(backends[chosen])}")
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+    def _centroid_rows(self, candidates: tuple[Backend, ...]
+                       ) -> tuple[tuple[Backend, ...], list[int]]:
+        """Candidates that own a centroid, and its row: by name when the artifact names
+        its workers, else the k-th candidate by sorted name owns centroid k."""
+        if candidates is self._rows_for:  # the registry reuses the tuple until it changes
+            return self._rows
+        workers = self._model.workers
+        if any(workers):
+            pairs = [(b, workers.index(b.name)) for b in candidates if b.name in workers]
+        else:
+            ordered = sorted(candidates, key=lambda b: b.name)[: len(workers)]
+            pairs = [(b, row) for row, b in enumerate(ordered)]
+        self._rows_for = candidates
+        self._rows = (tuple(b for b, _ in pairs), [row for _, row in pairs])
+        return self._rows
