@@ -6,6 +6,7 @@ import policies.least_request
 import policies.lowest_tpm
 import policies.power_of_two
 import policies.prefix_aware
+import policies.qos_drl
 import policies.random_pick
 import policies.round_robin
 import policies.session

@@ -175,6 +175,12 @@ def add_cli(subparsers: Any) -> None:
     from predictors import eldr_cli  # ELDR's decode centroids (issue 9)
 
     eldr_cli.add_train(train)
+    from predictors import buckets_cli  # qos_drl's bucket predictors (issue 8)
+
+    buckets_cli.add_train(train)
+    from bench import qos_cli  # qos_drl's SAC trainer (issue 8)
+
+    qos_cli.add_train(train)
     evaluate = subparsers.add_parser("evaluate", help="evaluate a predictor").add_subparsers(
         dest="evaluate_command", required=True)
     length_eval = evaluate.add_parser("length", help="held-out table + latency of an artifact")
@@ -185,3 +191,4 @@ def add_cli(subparsers: Any) -> None:
                              help="baselines' MLP epochs (default: the artifact's)")
     length_eval.add_argument("--latency-key", default="gpt-3.5-turbo-1106")
     length_eval.set_defaults(func=_evaluate)
+    buckets_cli.add_evaluate(evaluate)

@@ -101,6 +101,15 @@ class NoHealthyBackend(ProxyError):
         return [(b"retry-after", str(self.retry_after_s).encode())]
 
 
+class RequestDropped(ProxyError):
+    """The routing policy dropped the request (e.g. qos_drl: no expert can serve it
+    without breaking the latency requirement of others)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "request_dropped"
+
+
 class UpstreamError(ProxyError):
     """Every backend tried failed before the response started."""
 

@@ -25,6 +25,7 @@ from proxy.errors import (
     ModelNotFound,
     NoHealthyBackend,
     ProxyError,
+    RequestDropped,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -153,7 +154,11 @@ class Exchange:
             view = rt.registry.view(ctx.model, time.monotonic(), exclude=tried)
             if not view.candidates:
                 break
-            backend = rt.router.pick(ctx, pred, view).backend
+            decision = rt.router.pick(ctx, pred, view)
+            backend = decision.backend
+            if decision.drop is not None:
+                self._observe_attempt(backend.name, RequestDropped.status)
+                raise RequestDropped(f"request dropped by the routing policy: {decision.drop}")
             tried.append(backend.name)
             self.backend_name = backend.name
             guard = contextlib.ExitStack()

