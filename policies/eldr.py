@@ -11,6 +11,7 @@ least in-flight backend.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,6 +29,8 @@ class EldrParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     artifact: str = Field(description="directory (or eldr.json) of `laneway train eldr`")
     tau: float = Field(0.1, ge=0.0, description="locality band width (cosine similarity)")
+    pd: bool = Field(False, description="two-stage: a prefill leg on the backends labelled "
+                     "role=prefill yields the signature; decode goes to the others")
 
 
 @register
@@ -37,6 +40,7 @@ class Eldr:
 
     def __init__(self, params: EldrParams, model: EldrModel | None = None) -> None:
         self._tau = params.tau
+        self.pd = params.pd
         self._model = model or load(Path(params.artifact))
         self._least = LeastInflight()
         self._argmin = RotatingArgmin()
@@ -44,6 +48,9 @@ class Eldr:
         self._rows: tuple[tuple[Backend, ...], list[int]] = ((), [])
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
+        if self.pd:  # the prefill pool never decodes
+            decoders = tuple(b for b in view.candidates if b.labels.get("role") != "prefill")
+            view = dataclasses.replace(view, candidates=decoders or view.candidates)
         signature = pred.expert_signature
         backends, rows = self._centroid_rows(view.candidates)
         if signature is None or not backends:
@@ -59,6 +66,10 @@ class Eldr:
 
     def observe(self, outcome: Outcome) -> None:
         pass
+
+    def signature(self, counts: np.ndarray) -> tuple[float, ...]:
+        """A request's signature from its prefill counts [layers, experts]."""
+        return tuple(self._model.spec.embed(counts).tolist())
 
     def _centroid_rows(self, candidates: tuple[Backend, ...]
                        ) -> tuple[tuple[Backend, ...], list[int]]:

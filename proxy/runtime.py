@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -25,6 +26,9 @@ from proxy.state import build_store, new_replica_id
 from proxy.state.replicator import Replicator
 from proxy.types import Backend, Outcome, RequestContext
 
+if TYPE_CHECKING:
+    from proxy.eldr_stage import PrefillStage
+
 log = logging.getLogger("laneway")
 
 
@@ -40,6 +44,14 @@ def backends_from(settings: Settings) -> list[Backend]:
     ]
 
 
+def prefill_stage_for(policy: object) -> PrefillStage | None:
+    """ELDR in PD mode routes in two stages (proxy/eldr_stage.py)."""
+    from policies.eldr import Eldr
+    from proxy.eldr_stage import PrefillStage
+
+    return PrefillStage(policy) if isinstance(policy, Eldr) and policy.pd else None
+
+
 class Runtime:
     def __init__(self, settings: Settings, config_path: str | None = None) -> None:
         self.settings = settings
@@ -48,6 +60,7 @@ class Runtime:
         self.metrics = Metrics(self.registry)
         policy = build_policy(settings.policy.name, settings.policy.params)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)
+        self.prefill_stage = prefill_stage_for(policy)
         length = settings.predictors.length
         self.predictor = load_length_predictor(length.artifact, length.model_map,
                                                length.fallback_key)
@@ -91,6 +104,8 @@ class Runtime:
         await self.replicator.store.close()
         await self._relay_session.close()
         await self.poller.scraper.close()
+        if self.prefill_stage is not None:
+            await self.prefill_stage.close()
 
     def predict(self, ctx: RequestContext) -> Prediction:
         """The request's predicted cost, for `router.pick` (synchronous, ≤ 1 ms)."""

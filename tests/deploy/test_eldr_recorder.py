@@ -71,6 +71,9 @@ def test_decode_steps_count_the_union_of_experts_per_layer() -> None:
         rec.capture(layer, np.array([[0, 1], [1, 2]]))
     rec.end_step([("p", 3, 1), ("q", 3, 1)])
     assert (rec.decode_steps, rec.decode_tokens, rec.active_experts_sum) == (1, 2, 3.0)
-    assert "laneway_eldr_decode_active_experts_sum 3.0" in rec.metrics_text()
+    text = rec.metrics_text()
+    assert "laneway_eldr_decode_active_experts_sum 3.0" in text
+    assert 'laneway_eldr_decode_active_experts_by_batch_sum{batch="2"} 3.0' in text
+    assert 'laneway_eldr_decode_steps_by_batch{batch="2"} 1' in text
     found = rec.lookup("p")
     assert found is not None and found["decode"][0][:3] == [1, 1, 0]

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+MAX_BATCH_BUCKET = 64
+
 
 def block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Chained hashes of the prompt's full blocks (a prefix's hashes are a prefix)."""
@@ -74,6 +76,10 @@ class ExpertRecorder:
         self.decode_steps = 0
         self.decode_tokens = 0
         self.active_experts_sum = 0.0  # sum over steps of mean-per-layer distinct experts
+        # The same split by decode batch size (a union grows with the batch, so
+        # policies are compared at equal batch sizes); the last bucket is "or more".
+        self.steps_by_batch = np.zeros(MAX_BATCH_BUCKET + 1, np.int64)
+        self.active_by_batch = np.zeros(MAX_BATCH_BUCKET + 1)
 
     # -- feeding ---------------------------------------------------------------------
 
@@ -107,9 +113,13 @@ class ExpertRecorder:
             if state is not None:
                 decode_tokens += self._add(req_id, state, computed, rows, union)
         if decode_tokens:
+            active = float(union.sum(axis=1).mean())
             self.decode_steps += 1
             self.decode_tokens += decode_tokens
-            self.active_experts_sum += float(union.sum(axis=1).mean())
+            self.active_experts_sum += active
+            bucket = min(decode_tokens, MAX_BATCH_BUCKET)
+            self.steps_by_batch[bucket] += 1
+            self.active_by_batch[bucket] += active
 
     def finish(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -169,7 +179,12 @@ class ExpertRecorder:
         return None
 
     def metrics_text(self) -> str:
-        return (
+        by_batch = "".join(
+            f'laneway_eldr_decode_steps_by_batch{{batch="{b}"}} {self.steps_by_batch[b]}\n'
+            f'laneway_eldr_decode_active_experts_by_batch_sum{{batch="{b}"}} '
+            f"{self.active_by_batch[b]}\n"
+            for b in np.flatnonzero(self.steps_by_batch))
+        return by_batch + (
             "# TYPE laneway_eldr_decode_steps_total counter\n"
             f"laneway_eldr_decode_steps_total {self.decode_steps}\n"
             "# TYPE laneway_eldr_decode_tokens_total counter\n"
