@@ -68,7 +68,8 @@ class EvalResult:
 
 
 def evaluate(sim: QosSim, router: Router, arrivals: int) -> EvalResult:
-    sim.reset()
+    """`arrivals` requests from a fresh fleet (the same ones for every router), drained."""
+    sim.reset(sim.seed)
     for _ in range(arrivals):
         sim.arrive()
         sim.route(router(sim))

@@ -66,10 +66,15 @@ class QosSim:
     def __init__(self, experts: Sequence[ExpertSpec], pool: Sequence[PoolPrompt],
                  rate: float, limit_s: float, seed: int = 0) -> None:
         self.specs, self.pool, self.rate, self.limit = list(experts), list(pool), rate, limit_s
-        self.rng = random.Random(seed)
-        self.reset()
+        self.seed = seed
+        self.reset(seed)
 
-    def reset(self) -> None:
+    def reset(self, seed: int | None = None) -> None:
+        """Fresh engines; with `seed`, the same arrivals as every reset with that seed
+        (prompt ids come from their own generator, so actions never shift arrivals)."""
+        if seed is not None:
+            self.rng = random.Random(seed)
+            self.ids_rng = random.Random(seed + 1)
         self.experts = [Expert(s, Engine(s.profile, FakeStats(keep_bodies=False), manual=True))
                         for s in self.specs]
         self.now = 0.0
@@ -95,7 +100,7 @@ class QosSim:
         expert = self.experts[n]
         p, d = req.prompt.prompt_tokens, req.prompt.lengths[n]
         penalty = impact(expert.spec.k, self.running(n), p, d, self.limit)
-        ids = [self.rng.randrange(1, 30000) for _ in range(p)]  # no accidental prefix hits
+        ids = [self.ids_rng.randrange(1, 30000) for _ in range(p)]  # no accidental prefix hits
         req.expert, req.seq = n, Seq(ids, 0, d, self.now)
         expert.requests[id(req.seq)] = req
         expert.engine.now = max(expert.engine.now, self.now)

@@ -54,7 +54,7 @@ def train(args: argparse.Namespace) -> int:
     curve: dict[str, list[Any]] = {"step": [], "episode_reward": [], "eval_step": [],
                                    "eval_qos": []}
     best, episode_reward, in_episode = -1.0, 0.0, 0
-    meta = {"experts": experts, "fleet": {s.name: s.profile.name for s in specs},
+    meta = {"update_every": args.update_every, "batch": args.batch, "experts": experts, "fleet": {s.name: s.profile.name for s in specs},
             "k": {s.name: [s.k.k1, s.k.k2] for s in specs}, "rate": args.rate,
             "limit_ms": args.limit_ms, "predictions": source, "baseline": args.baseline}
     started = time.monotonic()
@@ -81,7 +81,7 @@ def train(args: argparse.Namespace) -> int:
             sim.reset()
             sim.arrive()
             state = sim.state()
-        if step > args.warmup:
+        if step > args.warmup and step % args.update_every == 0:
             agent.update(*replay.sample(args.batch))
         if step % args.eval_every == 0:
             result = evaluate(eval_sim, agent_router(agent), args.eval_arrivals)
@@ -89,6 +89,7 @@ def train(args: argparse.Namespace) -> int:
             curve["eval_qos"].append(result.avg_qos)
             meta.update(steps=step, train_s=round(time.monotonic() - started, 1))
             save_checkpoint(args.out / "last.pt", agent, meta)
+            (args.out / "curve.json").write_text(json.dumps({**curve, "meta": meta}) + "\n")
             if result.avg_qos > best:
                 best = result.avg_qos
                 save_checkpoint(args.out / "best.pt", agent, {**meta, "eval_qos": best})

@@ -52,9 +52,12 @@ class QosDrl:
 
     def __init__(self, params: QosDrlParams) -> None:
         # torch loads only when this policy is configured, not when policies/ is imported
+        import torch
+
         from policies.qos_online import InflightBook, OnlineLearner
         from policies.qos_sac import load_checkpoint
 
+        torch.set_num_threads(1)  # small graphs, one at a time: 2 threads are 15x slower
         self._p = params
         self.agent, self.meta = load_checkpoint(Path(params.checkpoint))
         self.experts: list[str] = list(self.meta["experts"])

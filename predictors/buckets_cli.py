@@ -62,7 +62,12 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     from predictors.buckets import load_artifact
     from predictors.buckets_data import Buckets, labels, load_rows, split
-    from predictors.buckets_train import encoder_scores, latency, tfidf_scores
+    from predictors.buckets_train import (
+        encoder_scores,
+        latency,
+        majority_scores,
+        tfidf_scores,
+    )
     from predictors.length_data import token_counter
 
     torch.set_num_threads(1)
@@ -74,9 +79,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     train, test = split(rows)
     score_b, length_b = Buckets(meta["score_top"]), Buckets(meta["length_top"])
     test_labels = labels(test, score_b, length_b)
+    train_labels = labels(train, score_b, length_b)
     methods = {"minilm": encoder_scores(predictor, test, *test_labels),
-               "tfidf_logreg": tfidf_scores(train, test, labels(train, score_b, length_b),
-                                            test_labels),
+               "tfidf_logreg": tfidf_scores(train, test, train_labels, test_labels),
+               "majority_bucket": majority_scores(train_labels, test_labels),
                "paper_distilbert": PAPER}
     timing = latency(predictor, [r.prompt for r in test], (1, 4, 8, 16))
     result = summary(meta, methods, timing, len(test))

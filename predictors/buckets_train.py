@@ -108,6 +108,18 @@ def tfidf_scores(train: Sequence[PromptRow], test: Sequence[PromptRow],
     return _scores(out[0], out[1], *test_labels)
 
 
+def majority_scores(train_labels: tuple[list[list[int]], list[list[int]]],
+                    test_labels: tuple[list[list[int]], list[list[int]]]) -> dict[str, float]:
+    """Per expert and head, the training split's bucket frequencies as the prediction."""
+    out = []
+    for train, test in zip(train_labels, test_labels, strict=True):
+        counts = np.zeros((len(train[0]), N_BUCKETS))
+        for row in train:
+            counts[np.arange(len(row)), row] += 1
+        out.append(np.broadcast_to(counts, (len(test), *counts.shape)))
+    return _scores(out[0], out[1], *test_labels)
+
+
 def _scores(score: np.ndarray, length: np.ndarray, score_labels: list[list[int]],
             length_labels: list[list[int]]) -> dict[str, float]:
     s_lab, l_lab = np.array(score_labels), np.array(length_labels)

@@ -5,11 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from policies.qos_replay import Replay
 from policies.qos_sac import SacAgent, SacConfig, batch_states, load_checkpoint, save_checkpoint
 from policies.qos_state import ExpertState, GraphState, RequestFeatures, build_state
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)  # as the policy and the trainer run it (2 threads: 15x slower)
 
 
 def state(load: int, seed: int = 0) -> GraphState:

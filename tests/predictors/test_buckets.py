@@ -63,3 +63,14 @@ def test_real_minilm_reads_one_expert_token_per_expert() -> None:
         score, length = model(batch["input_ids"], batch["attention_mask"])
     assert score.shape == (2, 3, 10) and length.shape == (2, 3, 10)
     assert not torch.allclose(score[0, 0], score[0, 1])  # each expert token its own output
+
+
+def test_majority_baseline_predicts_the_training_frequencies() -> None:
+    from predictors.buckets_train import majority_scores
+
+    train = ([[1, 0], [1, 0], [2, 3]], [[0, 0], [0, 0], [0, 0]])
+    test = ([[1, 3], [2, 0]], [[0, 0], [5, 0]])
+    scores = majority_scores(train, test)
+    assert scores["top1_score"] == 0.5  # expert 0 → bucket 1, expert 1 → 0: right once each
+    assert scores["top3_score"] == 1.0
+    assert scores["top1_length"] == 0.75

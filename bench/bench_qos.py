@@ -1,0 +1,211 @@
+"""`make bench-qos`: qos_drl vs the paper's baselines (issue 8, points 6-8).
+
+(a) Simulator (bench/qos_sim.py: emulator engines, held-out prompts): average QoS,
+drop rate and latency per token of qos_drl, Baseline RL, BERT router, round robin and
+shortest queue first at several λ, the same arrivals for every policy. Decision
+latency of the `qos_drl` policy object itself (bucket predictor + state + HAN + actor)
+on CPU. Writes docs/results/qos_drl.json, qos_drl.md and qos_drl/*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.qos_eval import (
+    EvalResult,
+    Router,
+    agent_router,
+    bert_router,
+    evaluate,
+    round_robin,
+    shortest_queue,
+)
+from bench.qos_setup import fleet, load_pools
+from bench.qos_sim import QosSim
+from bench.qos_train import default_dir
+from policies.qos_sac import load_checkpoint
+from predictors.buckets_cli import default_artifact
+from predictors.cli import DEFAULT_DATA, REPO
+
+RESULTS = REPO / "docs" / "results"
+
+
+def routers(args: argparse.Namespace) -> dict[str, Router]:
+    qos_agent, _ = load_checkpoint(args.checkpoint)
+    baseline_agent, _ = load_checkpoint(args.baseline_checkpoint)
+    return {"qos_drl": agent_router(qos_agent), "baseline_rl": agent_router(baseline_agent),
+            "bert_router": bert_router(args.seed), "round_robin": round_robin(),
+            "shortest_queue": shortest_queue}
+
+
+def run_simulator(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    experts, _, heldout, source = load_pools(args.data, args.buckets)
+    specs = fleet(experts)
+    table: dict[str, dict[str, Any]] = {}
+    for rate in args.rates:
+        sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed)
+        row: dict[str, Any] = {}
+        for name, router in routers(args).items():
+            result: EvalResult = evaluate(sim, router, args.arrivals)
+            row[name] = asdict(result)
+            print(f"λ={rate:g} {name:15s} QoS {result.avg_qos:.3f} drop "
+                  f"{result.drop_rate:.1%} lpt p50 {result.lpt_p50_ms:.1f} ms", flush=True)
+        table[f"{rate:g}"] = row
+    return {"predictions": {"source": source}, "table": table}
+
+
+def decision_latency(args: argparse.Namespace, prompts: list[str]) -> dict[str, float]:
+    """p50/p99 of QosDrl.pick on CPU (1 thread), predictor included, 6 expert backends."""
+    import torch
+
+    from policies.qos_drl import QosDrl, QosDrlParams
+    from predictors.base import NO_PREDICTION
+    from proxy.types import Backend, BackendStats, ClusterView, RequestContext
+
+    torch.set_num_threads(1)
+    policy = QosDrl(QosDrlParams(checkpoint=str(args.checkpoint), buckets=str(args.buckets)))
+    backends = tuple(Backend(f"b{i}", f"http://b{i}", e) for i, e in enumerate(policy.experts))
+    stats = {b.name: BackendStats(running=3, waiting=1, kv_usage=0.3, tpot_s=0.02,
+                                  healthy=True, updated_at=1.0) for b in backends}
+    total, agent_only = [], []
+    for i, prompt in enumerate(prompts):
+        ctx = RequestContext(f"r{i}", "chat", "qos", prompt, (), True, 256)
+        view = ClusterView(backends, stats, {}, time.monotonic())
+        started = time.perf_counter()
+        policy.pick(ctx, NO_PREDICTION, view)
+        total.append((time.perf_counter() - started) * 1000)
+        policy.book.finished(ctx.request_id)  # keep the in-flight book small
+    saved, policy.predictor = policy.predictor, None  # the state + HAN + actor alone
+    for i, prompt in enumerate(prompts):
+        ctx = RequestContext(f"a{i}", "chat", "qos", prompt, (), True, 256)
+        started = time.perf_counter()
+        policy.pick(ctx, NO_PREDICTION, ClusterView(backends, stats, {}, time.monotonic()))
+        agent_only.append((time.perf_counter() - started) * 1000)
+    policy.predictor = saved
+    return {"decision_p50_ms": statistics.median(total[5:]),
+            "decision_p99_ms": sorted(total[5:])[int(0.99 * (len(total) - 6))],
+            "agent_only_p50_ms": statistics.median(agent_only[5:])}
+
+
+def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, float]
+            ) -> dict[str, Any]:
+    table = sim["table"]
+    qos_at = {rate: {name: row[name]["avg_qos"] for name in row} for rate, row in table.items()}
+    beats = all(q["qos_drl"] > max(v for k, v in q.items() if k != "qos_drl")
+                for q in qos_at.values())
+    ref = f"{args.reference_rate:g}"
+    gain = qos_at[ref]["qos_drl"] / qos_at[ref]["baseline_rl"] - 1 \
+        if qos_at[ref]["baseline_rl"] > 0 else None
+    buckets = json.loads((RESULTS / "bucket_predictor.json").read_text())["methods"]["minilm"]
+    qos_meta = load_checkpoint(args.checkpoint)[1]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    return {
+        "qos_gain_vs_baseline_rl": None,
+        "qos_gain_vs_baseline_rl_note": "live run through the proxy not done; see "
+                                        "qos_gain_vs_baseline_rl_sim",
+        "qos_gain_vs_baseline_rl_sim": gain, "qos_gain_reference_lambda": args.reference_rate,
+        "beats_all_baselines_every_lambda": beats,
+        "bucket_top1_score": buckets["top1_score"], "bucket_top3_score": buckets["top3_score"],
+        "bucket_top1_length": buckets["top1_length"],
+        "bucket_top3_length": buckets["top3_length"],
+        **latency, "training_steps": qos_meta.get("steps"),
+        "baseline_rl_training_steps": load_checkpoint(args.baseline_checkpoint)[1].get("steps"),
+        "training": qos_meta, "limit_ms": args.limit_ms, "arrivals_per_run": args.arrivals,
+        "lambdas": args.rates, "avg_qos": qos_at, "simulator": sim,
+        "command": " ".join(["python -m bench.bench_qos", *sys.argv[1:]]), "commit": commit,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    names = ["qos_drl", "baseline_rl", "bert_router", "round_robin", "shortest_queue"]
+    lines = [f"Simulator, held-out prompts, L = {result['limit_ms']:g} ms/token, "
+             f"{result['arrivals_per_run']} arrivals per run; qos_drl trained "
+             f"{result['training_steps']} steps, Baseline RL "
+             f"{result['baseline_rl_training_steps']}.\n",
+             "| λ | policy | avg QoS | drop | lpt p50 ms | lpt p90 ms | within L |",
+             "|---|---|---|---|---|---|---|"]
+    for rate, row in result["simulator"]["table"].items():
+        for name in names:
+            r = row[name]
+            lines.append(f"| {rate} | {name} | {r['avg_qos']:.3f} | {r['drop_rate']:.1%} | "
+                         f"{r['lpt_p50_ms']:.1f} | {r['lpt_p90_ms']:.1f} | "
+                         f"{r['within_limit']:.1%} |")
+    gain = result["qos_gain_vs_baseline_rl_sim"]
+    lines.append(f"\nqos_drl vs Baseline RL at λ={result['qos_gain_reference_lambda']:g}: "
+                 f"{gain:+.1%}" if gain is not None else "\nBaseline RL QoS is 0")
+    lines.append(f"Beats every baseline at every λ: {result['beats_all_baselines_every_lambda']}")
+    lines.append(f"Decision (QosDrl.pick, predictor included, CPU 1 thread): p50 "
+                 f"{result['decision_p50_ms']:.1f} ms, p99 {result['decision_p99_ms']:.1f} ms; "
+                 f"without the predictor {result['agent_only_p50_ms']:.2f} ms")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    table = result["simulator"]["table"]
+    rates = list(table)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in table[rates[0]]:
+        left.plot([float(r) for r in rates], [table[r][name]["avg_qos"] for r in rates],
+                  marker="o", label=name)
+        right.plot([float(r) for r in rates], [table[r][name]["lpt_p50_ms"] for r in rates],
+                   marker="o", label=name)
+    left.set_xlabel("λ (requests/s)")
+    left.set_ylabel("average QoS")
+    right.set_xlabel("λ (requests/s)")
+    right.set_ylabel("latency per token p50 (ms)")
+    right.axhline(result["limit_ms"], color="grey", ls="--", lw=0.8)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "qos_vs_lambda.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--buckets", type=Path, default=default_artifact())
+    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
+    parser.add_argument("--baseline-checkpoint", type=Path,
+                        default=default_dir(True) / "best.pt")
+    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
+    parser.add_argument("--reference-rate", type=float, default=5.0)
+    parser.add_argument("--limit-ms", type=float, default=30.0)
+    parser.add_argument("--arrivals", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # one small graph per decision: more threads only contend
+    sim = run_simulator(args)
+    from predictors.buckets_data import load_rows
+    from predictors.length_data import token_counter
+
+    _, rows = load_rows(args.data, token_counter("words"))
+    prompts = [r.prompt for r in rows if r.id % 5 == 0][:120]
+    result = summary(args, sim, decision_latency(args, prompts))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    plot(result, args.out.with_suffix(""))
+    print(markdown(result), f"wrote {args.out}", sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
