@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity clean
+.PHONY: install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -104,6 +104,13 @@ bench-calibrate: install
 # → docs/results/emulator_capacity.json
 bench-emulator-capacity: install
 	$(VENV)/bin/laneway emulate capacity --n 512
+
+# ELDR (README, ELDR): two vLLM-CPU tiny-MoE servers with the laneway_eldr plugin, the
+# two-stage flow under each policy, then a 16-decoder expert-union emulator
+# → docs/results/eldr.{json,md}, docs/results/eldr_tpot.png
+bench-eldr: install
+	$(VENV)/bin/laneway backends build --variants moe --shared $(SHARED)
+	$(PY) -m bench.bench_eldr --shared $(SHARED)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

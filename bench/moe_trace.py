@@ -35,14 +35,16 @@ class RouterTrace:
 
 
 class MoeTracer:
-    """The tiny MoE loaded with transformers (bf16, like the vLLM servers)."""
+    """The tiny MoE loaded with transformers (bf16 like the vLLM servers; fp32 is faster
+    on a CPU without bf16 units, for studies that need no bit-level match)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, dtype: str = "bfloat16") -> None:
         torch: Any = importlib.import_module("torch")
         transformers: Any = importlib.import_module("transformers")
         self._torch = torch
+        torch.set_num_threads(1)  # tiny matmuls: more threads only contend on 2 cores
         self.model = transformers.Qwen3MoeForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16).eval()
+            model_dir, dtype=getattr(torch, dtype)).eval()
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.experts = int(self.model.config.num_experts)
         self._calls: list[list[tuple[Any, Any]]] = []

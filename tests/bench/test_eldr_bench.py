@@ -1,0 +1,35 @@
+"""ELDR bench helpers: the prompt set and the batch-matched active-expert metric."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from bench.eldr_prompts import domain_prompts
+from bench.eldr_real import PolicyRun
+from bench.eldr_report import batch_matched
+from bench.tiny_models import DEFAULT_SHARED
+
+
+def test_prompts_cover_the_task_domains_evenly() -> None:
+    pairs = domain_prompts(DEFAULT_SHARED, 5)
+    counts = Counter(domain for domain, _ in pairs)
+    assert {"prose", "code", "math"} <= set(counts) and set(counts.values()) == {5}
+    assert all(text.strip() for _, text in pairs)
+
+
+def run(steps: list[int], active_per_step: list[float]) -> PolicyRun:
+    steps_by_batch = np.array(steps, float)
+    return PolicyRun(0.0, 0.0, steps_by_batch, steps_by_batch * np.array(active_per_step),
+                     [], [], [])
+
+
+def test_batch_matched_compares_unions_at_equal_batch_sizes() -> None:
+    # Policy a runs mostly small batches, b mostly large: raw means would favour a,
+    # but at every batch size b's union is smaller.
+    a = run([0, 100, 20], [0.0, 2.0, 4.0])
+    b = run([0, 20, 100], [0.0, 1.5, 3.0])
+    matched = batch_matched({"a": a, "b": b})
+    assert matched["b"] < matched["a"]
+    assert matched["a"] == (120 * 2.0 + 120 * 4.0) / 240
