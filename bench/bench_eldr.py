@@ -77,13 +77,21 @@ def embedder(model: EldrModel) -> eldr_real.Embed:
 
 def real_runs(args: argparse.Namespace, servers: list[Any], model: EldrModel,
               evaluation: list[tuple[str, str]]) -> dict[str, eldr_real.PolicyRun]:
+    """Each policy once per round, the order rotated each round (the machine's speed
+    drifts, and batch sizes with it); counters and samples summed over rounds."""
     domains = [d for d, _ in evaluation]
-    runs = {}
-    for name, policy in policies(model, domains, args.tau).items():
-        runs[name] = asyncio.run(eldr_real.run_policy(
-            policy, servers, embedder(model), evaluation, args.max_tokens, args.concurrency))
-        print(f"real {name}: {runs[name].active_experts:.3f} active experts/step", flush=True)
-    return runs
+    runs: dict[str, eldr_real.PolicyRun] = {}
+    for round_index in range(args.rounds):
+        named = list(policies(model, domains, args.tau).items())
+        shift = round_index % len(named)
+        for name, policy in named[shift:] + named[:shift]:
+            run = asyncio.run(eldr_real.run_policy(policy, servers, embedder(model),
+                                                   evaluation, args.max_tokens,
+                                                   args.concurrency))
+            runs[name] = runs[name].merged(run) if name in runs else run
+            print(f"real round {round_index} {name}: {run.active_experts:.3f} active "
+                  f"experts/step, batch {run.batch:.2f}", flush=True)
+    return {name: runs[name] for name in policies(model, domains, args.tau)}
 
 
 def emulated_runs(args: argparse.Namespace, records: list[dict[str, Any]], model: EldrModel
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-domain", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2, help="real runs per policy")
     parser.add_argument("--tau", type=float, default=0.1)
     parser.add_argument("--decoders", type=int, default=16)
     parser.add_argument("--rates", type=float, nargs="+", default=[40.0, 80.0])

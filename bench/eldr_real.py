@@ -26,17 +26,39 @@ from predictors.base import Prediction
 from proxy.types import Backend, ClusterView, RequestContext
 
 Embed = Callable[[np.ndarray], Prediction]
+BATCHES = 65  # the plugin's batch-size buckets (0..64)
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyRun:
-    active_experts: float  # mean distinct experts per decode step (per layer)
-    batch: float  # mean decode tokens per decode step
-    steps_by_batch: np.ndarray  # decode steps per decode batch size (plugin buckets)
-    active_by_batch: np.ndarray  # summed active experts per decode batch size
+    counters: np.ndarray  # plugin counter deltas, summed over servers (_decode_counters)
     tpot_s: list[float]
     route_ms: list[float]  # signature embedding + pick, in this process
     fetch_ms: list[float]  # the signature's round trip to the side endpoint
+
+    @property
+    def active_experts(self) -> float:
+        """Mean distinct experts per decode step (per layer)."""
+        return float(self.counters[1] / self.counters[0]) if self.counters[0] else float("nan")
+
+    @property
+    def batch(self) -> float:
+        """Mean decode tokens per decode step."""
+        return float(self.counters[2] / self.counters[0]) if self.counters[0] else float("nan")
+
+    @property
+    def steps_by_batch(self) -> np.ndarray:
+        out: np.ndarray = self.counters[3:3 + BATCHES]
+        return out
+
+    @property
+    def active_by_batch(self) -> np.ndarray:
+        out: np.ndarray = self.counters[3 + BATCHES:]
+        return out
+
+    def merged(self, other: PolicyRun) -> PolicyRun:
+        return PolicyRun(self.counters + other.counters, self.tpot_s + other.tpot_s,
+                         self.route_ms + other.route_ms, self.fetch_ms + other.fetch_ms)
 
 
 async def _complete(client: httpx.AsyncClient, server: Running, prompt: str,
@@ -75,9 +97,6 @@ async def collect(servers: Sequence[Running], prompts: Sequence[tuple[str, str]]
                 request_id, _ = await _complete(client, server, prompt, max_tokens)
                 return {"domain": domain, **await _record(client, server, request_id)}
         return await asyncio.gather(*(one(i, d, p) for i, (d, p) in enumerate(prompts)))
-
-
-BATCHES = 65  # the plugin's batch-size buckets (0..64)
 
 
 async def _decode_counters(client: httpx.AsyncClient, servers: Sequence[Running]
@@ -134,6 +153,4 @@ async def run_policy(policy: Policy, servers: Sequence[Running], embed: Embed,
         before = await _decode_counters(client, servers)
         await asyncio.gather(*(one(i, d, p) for i, (d, p) in enumerate(prompts)))
         delta = await _decode_counters(client, servers) - before
-    steps = delta[0] or float("nan")
-    return PolicyRun(delta[1] / steps, delta[2] / steps, delta[3:3 + BATCHES],
-                     delta[3 + BATCHES:], tpot, route_ms, fetch_ms)
+    return PolicyRun(delta, tpot, route_ms, fetch_ms)

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 
 from bench.eldr_prompts import domain_prompts
-from bench.eldr_real import PolicyRun
+from bench.eldr_real import BATCHES, PolicyRun
 from bench.eldr_report import batch_matched
 from bench.tiny_models import DEFAULT_SHARED
 
@@ -20,9 +20,12 @@ def test_prompts_cover_the_task_domains_evenly() -> None:
 
 
 def run(steps: list[int], active_per_step: list[float]) -> PolicyRun:
-    steps_by_batch = np.array(steps, float)
-    return PolicyRun(0.0, 0.0, steps_by_batch, steps_by_batch * np.array(active_per_step),
-                     [], [], [])
+    steps_by_batch = np.zeros(BATCHES)
+    steps_by_batch[: len(steps)] = steps
+    active_by_batch = np.zeros(BATCHES)
+    active_by_batch[: len(steps)] = np.array(steps) * np.array(active_per_step)
+    totals = [steps_by_batch.sum(), active_by_batch.sum(), 0.0]
+    return PolicyRun(np.concatenate([totals, steps_by_batch, active_by_batch]), [], [], [])
 
 
 def test_batch_matched_compares_unions_at_equal_batch_sizes() -> None:
@@ -33,3 +36,8 @@ def test_batch_matched_compares_unions_at_equal_batch_sizes() -> None:
     matched = batch_matched({"a": a, "b": b})
     assert matched["b"] < matched["a"]
     assert matched["a"] == (120 * 2.0 + 120 * 4.0) / 240
+
+
+def test_runs_merge_by_summing_counters() -> None:
+    a, b = run([0, 10], [0.0, 2.0]), run([0, 30], [0.0, 4.0])
+    assert a.merged(b).active_experts == (20 + 120) / 40
