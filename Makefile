@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -114,3 +114,23 @@ bench-eldr: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# qos_drl (README, Policies: qos_drl): MiniLM score/length bucket predictors
+# → .laneway/predictors/buckets-minilm-v1, held-out table → docs/results/bucket_predictor.*
+train-buckets: install
+	$(VENV)/bin/laneway backends build --variants small --shared $(SHARED)
+	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+evaluate-buckets: install
+	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+# HAN + discrete SAC and the Baseline RL agent on the simulator (20 min each)
+# → .laneway/policies/qos-drl-v1, qos-baseline-rl-v1 (checkpoints, learning curve PNG)
+train-qos-drl: install
+	$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl --minutes 20
+	$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl --minutes 20
+
+# qos_drl vs Baseline RL, BERT router, round robin, shortest queue at λ = 2/5/8 on the
+# simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png
+bench-qos: install
+	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,9 +40,15 @@ RESULTS = REPO / "docs" / "results"
 
 
 def routers(args: argparse.Namespace) -> dict[str, Router]:
+    import torch
+
     qos_agent, _ = load_checkpoint(args.checkpoint)
     baseline_agent, _ = load_checkpoint(args.baseline_checkpoint)
-    return {"qos_drl": agent_router(qos_agent), "baseline_rl": agent_router(baseline_agent),
+    torch.manual_seed(args.seed)
+    # qos_drl_sampled: the same actor sampling its softmax (a diagnostic row; the policy
+    # and every comparison use the greedy action)
+    return {"qos_drl": agent_router(qos_agent), "qos_drl_sampled": agent_router(qos_agent, False),
+            "baseline_rl": agent_router(baseline_agent),
             "bert_router": bert_router(args.seed), "round_robin": round_robin(),
             "shortest_queue": shortest_queue}
 
@@ -99,7 +106,7 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
             ) -> dict[str, Any]:
     table = sim["table"]
     qos_at = {rate: {name: row[name]["avg_qos"] for name in row} for rate, row in table.items()}
-    beats = all(q["qos_drl"] > max(v for k, v in q.items() if k != "qos_drl")
+    beats = all(q["qos_drl"] > max(v for k, v in q.items() if not k.startswith("qos_drl"))
                 for q in qos_at.values())
     ref = f"{args.reference_rate:g}"
     gain = qos_at[ref]["qos_drl"] / qos_at[ref]["baseline_rl"] - 1 \
@@ -126,7 +133,8 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
 
 
 def markdown(result: dict[str, Any]) -> str:
-    names = ["qos_drl", "baseline_rl", "bert_router", "round_robin", "shortest_queue"]
+    names = ["qos_drl", "qos_drl_sampled", "baseline_rl", "bert_router", "round_robin",
+             "shortest_queue"]
     lines = [f"Simulator, held-out prompts, L = {result['limit_ms']:g} ms/token, "
              f"{result['arrivals_per_run']} arrivals per run; qos_drl trained "
              f"{result['training_steps']} steps, Baseline RL "
@@ -203,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
     plot(result, args.out.with_suffix(""))
+    for run in (args.checkpoint.parent, args.baseline_checkpoint.parent):
+        for name in ("learning_curve.png", "curve.json"):  # the trainer's, kept with results
+            if (run / name).exists():
+                shutil.copy(run / name, args.out.with_suffix("") / f"{run.name}-{name}")
     print(markdown(result), f"wrote {args.out}", sep="\n")
     return 0
 

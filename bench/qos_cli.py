@@ -28,6 +28,7 @@ def add_train(train_parsers: Any) -> None:
     p.add_argument("--buffer", type=int, default=100_000)
     p.add_argument("--eval-every", type=int, default=2000)
     p.add_argument("--eval-arrivals", type=int, default=300)
+    p.add_argument("--resume", action="store_true", help="continue from --out's last.pt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=_main)

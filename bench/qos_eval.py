@@ -47,9 +47,9 @@ def shortest_queue(sim: QosSim) -> int:
     return 1 + int(np.argmin(loads))
 
 
-def agent_router(agent: SacAgent) -> Router:
+def agent_router(agent: SacAgent, greedy: bool = True) -> Router:
     def route(sim: QosSim) -> int:
-        return agent.act(batch_states([sim.state()]), greedy=True)[0]
+        return agent.act(batch_states([sim.state()]), greedy=greedy)[0]
 
     return route
 

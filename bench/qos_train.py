@@ -54,14 +54,17 @@ def train(args: argparse.Namespace) -> int:
     curve: dict[str, list[Any]] = {"step": [], "episode_reward": [], "eval_step": [],
                                    "eval_qos": []}
     best, episode_reward, in_episode = -1.0, 0.0, 0
-    meta = {"update_every": args.update_every, "batch": args.batch, "experts": experts, "fleet": {s.name: s.profile.name for s in specs},
+    meta = {"update_every": args.update_every, "batch": args.batch, "experts": experts,
+            "fleet": {s.name: s.profile.name for s in specs},
             "k": {s.name: [s.k.k1, s.k.k2] for s in specs}, "rate": args.rate,
             "limit_ms": args.limit_ms, "predictions": source, "baseline": args.baseline}
-    started = time.monotonic()
-    step = 0
+    step = resume(args, agent, curve, meta)
+    if args.resume and (args.out / "best.pt").exists():
+        best = float(torch.load(args.out / "best.pt", weights_only=True)["meta"]["eval_qos"])
+    first, started = step, time.monotonic()
     while step < args.steps and time.monotonic() - started < args.minutes * 60:
         step += 1
-        if step <= args.warmup:
+        if step <= first + args.warmup and not args.resume:
             action = sim.rng.randrange(len(experts) + 1)
         else:
             action = agent.act(batch_states([state]), greedy=False)[0]
@@ -81,7 +84,7 @@ def train(args: argparse.Namespace) -> int:
             sim.reset()
             sim.arrive()
             state = sim.state()
-        if step > args.warmup and step % args.update_every == 0:
+        if step > first + args.warmup and step % args.update_every == 0:
             agent.update(*replay.sample(args.batch))
         if step % args.eval_every == 0:
             result = evaluate(eval_sim, agent_router(agent), args.eval_arrivals)
@@ -102,6 +105,24 @@ def train(args: argparse.Namespace) -> int:
     print(f"\ntrained {step} steps in {meta['train_s']} s; best held-out QoS {best:.3f}; "
           f"wrote {args.out}")
     return 0
+
+
+def resume(args: argparse.Namespace, agent: SacAgent, curve: dict[str, list[Any]],
+           meta: dict[str, Any]) -> int:
+    """Continue a run (`--resume`): weights, curve and step count of its last.pt (the
+    optimizer state and replay buffer start afresh; actions come from the agent)."""
+    if not args.resume:
+        return 0
+    import torch
+
+    blob = torch.load(args.out / "last.pt", weights_only=True)
+    agent.load_state_dict(blob["state"])
+    saved = json.loads((args.out / "curve.json").read_text())
+    for key in curve:
+        curve[key].extend(saved[key])
+    meta["resumed_at"] = int(blob["meta"]["steps"])
+    meta["train_s_before"] = blob["meta"].get("train_s")
+    return int(blob["meta"]["steps"])
 
 
 def plot_curve(curve: dict[str, list[Any]], path: Path, baseline: bool) -> None:
