@@ -67,6 +67,12 @@ class Eldr:
     def observe(self, outcome: Outcome) -> None:
         pass
 
+    @property
+    def counts_shape(self) -> tuple[int, int]:
+        """(MoE layers, experts) of the counts `signature` takes."""
+        layers, experts = self._model.spec.weights.shape
+        return int(layers), int(experts)
+
     def signature(self, counts: np.ndarray) -> tuple[float, ...]:
         """A request's signature from its prefill counts [layers, experts]."""
         return tuple(self._model.spec.embed(counts).tolist())

@@ -4,7 +4,9 @@ With `policy.params.pd: true`, before the decode pick the proxy sends the reques
 with `max_tokens=1` to a backend labelled `role: prefill` (prefix-aware pick among
 them, for KV reuse), reads the leg's expert counts from that backend's laneway_eldr
 side endpoint (label `eldr_url`), and hands the embedded signature to the policy,
-which then picks among the other backends (the decode pool). Without a KV-transfer
+which then picks among the other backends (the decode pool). A server started with
+vLLM's `--enable-return-routed-experts` (GPU) returns the leg's routing in the
+response itself; then no side endpoint is needed. Without a KV-transfer
 connector (CPU) the decode backend re-prefills; with vLLM's KV connectors on GPU the
 same two picks drive a real PD deployment. Any failure of this stage leaves the
 prediction without a signature: the policy then balances load.
@@ -12,7 +14,9 @@ prediction without a signature: the policy then balances load.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import logging
 from typing import Any
 
@@ -53,12 +57,29 @@ class PrefillStage:
                 backend.url + _PATHS[ctx.endpoint], json=leg,
                 headers={"X-Request-Id": ctx.request_id})
             response.raise_for_status()
-            record = await self._client.get(
-                f"{backend.labels['eldr_url']}/eldr/requests/{ctx.request_id}")
-            record.raise_for_status()
-        except (httpx.HTTPError, KeyError) as exc:
+            counts = routed_counts(response.json(), self._policy.counts_shape)
+            if counts is None:  # no routed_experts field: ask the plugin's side endpoint
+                record = await self._client.get(
+                    f"{backend.labels['eldr_url']}/eldr/requests/{ctx.request_id}")
+                record.raise_for_status()
+                counts = np.array(record.json()["prefill"], float)
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
             log.warning("request %s: ELDR prefill leg on %s failed (%s); no signature",
                         ctx.request_id, backend.name, exc)
             return pred
-        counts = np.array(record.json()["prefill"], float)
         return dataclasses.replace(pred, expert_signature=self._policy.signature(counts))
+
+
+def routed_counts(response: dict[str, Any], shape: tuple[int, int]) -> np.ndarray | None:
+    """Counts [layers, experts] from vLLM's `--enable-return-routed-experts` field (GPU):
+    base64 `.npy` of top-k ids [tokens - 1, layers, k]; with `max_tokens=1` the rows
+    are exactly the prompt's. None when the server does not return it."""
+    encoded = (response.get("choices") or [{}])[0].get("routed_experts")
+    if not encoded:
+        return None
+    ids = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    layers, experts = shape
+    counts = np.zeros(shape)
+    for layer in range(layers):
+        counts[layer] = np.bincount(ids[:, layer].ravel(), minlength=experts)[:experts]
+    return counts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from types import MappingProxyType
 
@@ -71,3 +73,23 @@ async def test_only_eldr_in_pd_mode_gets_a_prefill_stage() -> None:
     stage = prefill_stage_for(eldr())
     assert isinstance(stage, PrefillStage)
     await stage.close()
+
+
+async def test_routed_experts_in_the_response_need_no_side_endpoint() -> None:
+    ids = np.array([[[1, 0]], [[1, 1]], [[1, 0]]], np.uint8)  # 3 tokens, 1 layer, top-2
+    buffer = io.BytesIO()
+    np.save(buffer, ids, allow_pickle=False)
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"choices": [{"text": "x", "routed_experts": encoded}]})
+
+    gpu_prefill = Backend("p0", "http://p0", "m", MappingProxyType({"role": "prefill"}))
+    stage = PrefillStage(eldr(), transport=httpx.MockTransport(handle))
+    view = ClusterView((gpu_prefill, *DECODERS), {}, {}, 0.0)
+    pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION, view)
+    await stage.close()
+    assert len(seen) == 1 and pred.expert_signature is not None
+    assert np.allclose(pred.expert_signature, normalize(np.array([2.0, 4.0])))
