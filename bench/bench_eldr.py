@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         decode = np.array([r["decode"] for r in records], float)
         model_real, fit_real = fit(prefill, decode, 2)
         real = real_runs(args, servers, model_real, evaluation)
+        probe = asyncio.run(eldr_real.fetch_probe(servers[0]))
     finally:
         stop(servers)
     model_emulated, fit_emulated = fit(prefill, decode, args.decoders)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     rhos = signature_rhos(records, [p for _, p in calibration], args.shared)
     write(real, emulated, rhos, premise(records, args.shared, calibration),
           {"real_k2": fit_real, "emulated_k16": fit_emulated, "resampled_1000": fit_1000},
-          {**vars(args), "pick_overhead_ms": overhead})
+          {**vars(args), "pick_overhead_ms": overhead, "fetch_probe_ms": probe})
     return 0
 
 

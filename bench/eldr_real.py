@@ -154,3 +154,22 @@ async def run_policy(policy: Policy, servers: Sequence[Running], embed: Embed,
         await asyncio.gather(*(one(i, d, p) for i, (d, p) in enumerate(prompts)))
         delta = await _decode_counters(client, servers) - before
     return PolicyRun(delta, tpot, route_ms, fetch_ms)
+
+
+async def fetch_probe(server: Running, streams: int = 8, samples: int = 40
+                      ) -> dict[str, float]:
+    """The side endpoint's latency alone: a quiet client, the server decoding `streams`
+    requests (the in-run figure also holds the bench client's busy event loop)."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        request_id, _ = await _complete(client, server, "hello there", 1)
+        load = [asyncio.create_task(_complete(client, server, "x " * 50, 300))
+                for _ in range(streams)]
+        await asyncio.sleep(2.0)  # all decoding
+        latencies = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            await _record(client, server, request_id)
+            latencies.append((time.perf_counter() - started) * 1e3)
+        await asyncio.gather(*load)
+    return {"p50": float(np.percentile(latencies, 50)),
+            "p90": float(np.percentile(latencies, 90)), "decoding_streams": streams}
