@@ -45,3 +45,18 @@ def test_train_artifact_round_trip(tmp_path: Path) -> None:
     assert loaded.workers == ("d0", "d1")
     assert np.allclose(loaded.similarities(prefill[0]), model.similarities(prefill[0]))
     assert np.all(loaded.similarities(prefill[0]) <= 1.0 + 1e-9)
+
+
+def test_laneway_train_eldr_writes_an_artifact_the_policy_loads(tmp_path: Path) -> None:
+    from policies import build_policy
+    from proxy.cli import main
+
+    rng = np.random.default_rng(1)
+    calibration = tmp_path / "records.jsonl"
+    calibration.write_text("".join(
+        json.dumps({"prefill": rng.poisson(2.0, (2, 4)).tolist(),
+                    "decode": rng.poisson(1.0, (2, 4)).tolist()}) + "\n" for _ in range(12)))
+    assert main(["train", "eldr", "--calibration", str(calibration), "--workers", "a,b,c",
+                 "--out", str(tmp_path / "art")]) == 0
+    assert load(tmp_path / "art").workers == ("a", "b", "c")
+    assert build_policy("eldr", {"artifact": str(tmp_path / "art")}).name == "eldr"
