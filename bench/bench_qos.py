@@ -113,6 +113,8 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
         if qos_at[ref]["baseline_rl"] > 0 else None
     buckets = json.loads((RESULTS / "bucket_predictor.json").read_text())["methods"]["minilm"]
     qos_meta = load_checkpoint(args.checkpoint)[1]
+    last = args.checkpoint.parent / "last.pt"  # the run's total, not the best checkpoint's
+    total_steps = load_checkpoint(last)[1].get("steps") if last.exists() else None
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     return {
@@ -124,7 +126,7 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
         "bucket_top1_score": buckets["top1_score"], "bucket_top3_score": buckets["top3_score"],
         "bucket_top1_length": buckets["top1_length"],
         "bucket_top3_length": buckets["top3_length"],
-        **latency, "training_steps": qos_meta.get("steps"),
+        **latency, "training_steps": total_steps, "checkpoint_steps": qos_meta.get("steps"),
         "baseline_rl_training_steps": load_checkpoint(args.baseline_checkpoint)[1].get("steps"),
         "training": qos_meta, "limit_ms": args.limit_ms, "arrivals_per_run": args.arrivals,
         "lambdas": args.rates, "avg_qos": qos_at, "simulator": sim,
@@ -137,7 +139,8 @@ def markdown(result: dict[str, Any]) -> str:
              "shortest_queue"]
     lines = [f"Simulator, held-out prompts, L = {result['limit_ms']:g} ms/token, "
              f"{result['arrivals_per_run']} arrivals per run; qos_drl trained "
-             f"{result['training_steps']} steps, Baseline RL "
+             f"{result['training_steps']} steps (best checkpoint at "
+             f"{result['checkpoint_steps']}), Baseline RL "
              f"{result['baseline_rl_training_steps']}.\n",
              "| λ | policy | avg QoS | drop | lpt p50 ms | lpt p90 ms | within L |",
              "|---|---|---|---|---|---|---|"]
