@@ -63,7 +63,18 @@ class PolicyRun:
 
 async def _complete(client: httpx.AsyncClient, server: Running, prompt: str,
                     max_tokens: int) -> tuple[str, float | None]:
-    """Stream one completion; (request id, seconds per output token after the first)."""
+    """Stream one completion; (request id, seconds per output token after the first).
+
+    One retry when the server closed a pooled keep-alive connection as we reused it
+    (uvicorn drops idle connections after 5 s; the request never started)."""
+    try:
+        return await _stream(client, server, prompt, max_tokens)
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        return await _stream(client, server, prompt, max_tokens)
+
+
+async def _stream(client: httpx.AsyncClient, server: Running, prompt: str,
+                  max_tokens: int) -> tuple[str, float | None]:
     request_id = uuid.uuid4().hex
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}

@@ -77,3 +77,17 @@ def test_decode_steps_count_the_union_of_experts_per_layer() -> None:
     assert 'laneway_eldr_decode_steps_by_batch{batch="2"} 1' in text
     found = rec.lookup("p")
     assert found is not None and found["decode"][0][:3] == [1, 1, 0]
+
+
+def test_a_resumed_request_is_counted_once() -> None:
+    rec = ExpertRecorder(LAYERS, EXPERTS, BLOCK)
+    prompt = [3, 1, 4, 1, 5, 9]
+    run_prefill(rec, "r", prompt, computed=0)
+    rec.restart("r")  # preempted, then recomputed from scratch
+    rec.begin_step()
+    ids = routed(range(len(prompt)), prompt)
+    for layer in range(LAYERS):
+        rec.capture(layer, ids[layer])
+    rec.end_step([("r", 0, len(prompt))])
+    found = rec.lookup("r")
+    assert found is not None and np.array_equal(found["prefill"], direct(prompt))

@@ -9,6 +9,7 @@ serves most of the prompt from its prefix cache.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
@@ -103,6 +104,26 @@ def test_signatures_match_a_direct_count_also_under_prefix_caching(
     assert active / steps == pytest.approx(2.0)  # one token per step, top-2
 
 
+def test_concurrent_requests_each_get_their_own_rows(moe_backend: Running) -> None:
+    """Batched steps: every request's counts still match its own direct count."""
+    tracer = MoeTracer(ensure_model("moe", DEFAULT_SHARED))
+    texts = list(islice(instructions(DEFAULT_SHARED), 100, 104))
+    prompts = [tracer.encode(text * 3)[:200] for text in texts]
+
+    async def send_all() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(client.post(
+                f"{moe_backend.url}/v1/completions", headers={"X-Request-Id": f"batch-{i}"},
+                json={"model": moe_backend.model, "prompt": prompt, "max_tokens": 8})
+                for i, prompt in enumerate(prompts)))
+
+    asyncio.run(send_all())
+    for i, prompt in enumerate(prompts):
+        expected = tracer.trace(prompt).counts(16)
+        assert agreement(np.array(record(moe_backend, f"batch-{i}")["prefill"]),
+                         expected) >= 0.97
+
+
 def test_proxy_pd_mode_gets_the_signature_from_a_prefill_leg(
         moe_backend: Running, tmp_path: Path) -> None:
     """laneway with `eldr` in PD mode over one server listed twice: as the prefill
@@ -117,7 +138,9 @@ def test_proxy_pd_mode_gets_the_signature_from_a_prefill_leg(
     save(model, report, tmp_path / "eldr")
     config = {
         "backends": [
-            {"name": "p0", "url": moe_backend.url, "model": moe_backend.model,
+            # Another spelling of the same URL: the poller keeps one connection per URL.
+            {"name": "p0", "url": moe_backend.url.replace("127.0.0.1", "localhost"),
+             "model": moe_backend.model,
              "labels": {"role": "prefill", "eldr_url": moe_backend.eldr_url}},
             {"name": "d0", "url": moe_backend.url, "model": moe_backend.model}],
         "policy": {"name": "eldr", "params": {"artifact": str(tmp_path / "eldr"), "pd": True}},
@@ -132,4 +155,4 @@ def test_proxy_pd_mode_gets_the_signature_from_a_prefill_leg(
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     assert record(moe_backend, "pd-1")["prompt_tokens"] > 0  # the prefill leg's record
     decision = next(line for line in log.splitlines() if "request pd-1" in line)
-    assert "-> d0" in decision and "locality band of 1" in decision
+    assert "-> d0" in decision and "locality band of 1" in decision, log[-3000:]

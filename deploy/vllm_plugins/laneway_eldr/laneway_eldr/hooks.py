@@ -90,6 +90,8 @@ def _bracket_step(execute: Callable[..., Any]) -> Callable[..., Any]:
         for new in scheduler_output.scheduled_new_reqs:
             recorder.new_request(new.req_id, new.prompt_token_ids or [])
         cached = scheduler_output.scheduled_cached_reqs
+        for req_id in cached.resumed_req_ids:
+            recorder.restart(req_id)
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         recorder.begin_step()
         result = execute(self, scheduler_output, *args, **kwargs)

@@ -90,6 +90,13 @@ class ExpertRecorder:
             np.zeros((blocks, self.layers, self.experts), np.int32),
             np.zeros((self.layers, self.experts), np.int32))
 
+    def restart(self, req_id: str) -> None:
+        """A preempted request resumes: vLLM recomputes its prompt, count it afresh."""
+        state = self._live.get(req_id)
+        if state is not None:
+            state.own[:] = 0
+            state.first_computed = -1
+
     def begin_step(self) -> None:
         self._step = {}
 
