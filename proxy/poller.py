@@ -59,7 +59,7 @@ class Poller:
             while True:
                 started = time.monotonic()
                 self.scraper.expire(asyncio.get_running_loop().time())
-                self.scraper.forget(b.url for b in self._registry.all())
+                self.scraper.forget((b.name, b.url) for b in self._registry.all())
                 self._start_due(started)
                 # A backend still unanswered at the next tick is skipped then.
                 await self._answers(interval)
@@ -90,7 +90,8 @@ class Poller:
             if backend.name in self._scraping or self._state(backend.name).next_probe_at > now:
                 continue
             self._scraping.add(backend.name)
-            self.scraper.get(backend.url, functools.partial(self._answered, backend))
+            self.scraper.get((backend.name, backend.url), backend.url,
+                             functools.partial(self._answered, backend))
 
     async def _answers(self, timeout_s: float) -> None:
         """Until every scrape started has answered, or `timeout_s`."""

@@ -36,6 +36,7 @@ log = logging.getLogger("laneway.poller")
 
 
 Answer = Callable[[bytes | None], None]  # the body of a 200 answer, or None
+Key = tuple[str, str]  # (backend name, URL)
 
 
 class _Connection(asyncio.Protocol):
@@ -104,26 +105,28 @@ class _Connection(asyncio.Protocol):
 
 
 class Scraper:
-    """`get(url, answer)`: `answer(body)` once with the body of a 200 answer from
-    `url`'s metrics page, or with None (error, other status, timeout)."""
+    """`get(key, url, answer)`: `answer(body)` once with the body of a 200 answer from
+    `url`'s metrics page, or with None (error, other status, timeout). One connection
+    per `key` (the poller's backend name and URL): two backends configured at one URL
+    are scraped side by side, not over one connection."""
 
     def __init__(self, timeout_s: float, names: Iterable[str] = ()) -> None:
         self._timeout_s = timeout_s
         query = "&".join(f"name%5B%5D={quote(name, safe='')}" for name in names)
         self._filtered_path = f"/metrics/?{query}" if query else ""
-        self._connections: dict[str, _Connection] = {}
-        self._requests: dict[str, tuple[bytes, ...]] = {}  # filtered (if any), plain
+        self._connections: dict[Key, _Connection] = {}
+        self._requests: dict[Key, tuple[bytes, ...]] = {}  # filtered (if any), plain
         self._connecting: set[asyncio.Task[None]] = set()
         self._tls: ssl.SSLContext | None = None
 
-    def get(self, url: str, answer: Answer) -> None:
-        connection = self._connections.get(url)
+    def get(self, key: Key, url: str, answer: Answer) -> None:
+        connection = self._connections.get(key)
         if connection is not None and connection.idle:
-            self._ask(url, connection, answer)
+            self._ask(key, connection, answer)
             return
         if connection is not None:
             connection.give_up()  # still busy: a scrape overran; start clean
-        task = asyncio.ensure_future(self._connect_and_get(url, answer))
+        task = asyncio.ensure_future(self._connect_and_get(key, url, answer))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
@@ -141,33 +144,33 @@ class Scraper:
         self._connections.clear()
         await asyncio.sleep(0)  # let the transports finish closing
 
-    def forget(self, keep: Iterable[str]) -> None:
+    def forget(self, keep: Iterable[Key]) -> None:
         """Close the connections of backends no longer configured."""
         kept = set(keep)
-        for url in [u for u in self._connections if u not in kept]:
-            self._connections.pop(url).give_up()
-            self._requests.pop(url, None)
+        for key in [k for k in self._connections if k not in kept]:
+            self._connections.pop(key).give_up()
+            self._requests.pop(key, None)
 
-    def _ask(self, url: str, connection: _Connection, answer: Answer) -> None:
+    def _ask(self, key: Key, connection: _Connection, answer: Answer) -> None:
         deadline = asyncio.get_running_loop().time() + self._timeout_s
-        connection.get(self._requests[url][0], deadline,
-                       lambda status, body: self._answered(url, connection, answer, status, body))
+        connection.get(self._requests[key][0], deadline,
+                       lambda status, body: self._answered(key, connection, answer, status, body))
 
-    def _answered(self, url: str, connection: _Connection, answer: Answer, status: int,
+    def _answered(self, key: Key, connection: _Connection, answer: Answer, status: int,
                   body: bytes) -> None:
         if status == 200:
             answer(body)
-        elif status and len(self._requests[url]) > 1:
-            log.info("%s: no filtered metrics page (HTTP %d); reading /metrics", url, status)
-            self._requests[url] = self._requests[url][1:]
+        elif status and len(self._requests[key]) > 1:
+            log.info("%s: no filtered metrics page (HTTP %d); reading /metrics", key[1], status)
+            self._requests[key] = self._requests[key][1:]
             if connection.idle:
-                self._ask(url, connection, answer)
+                self._ask(key, connection, answer)
             else:
-                self.get(url, answer)  # the server closed the connection: a new one
+                self.get(key, key[1], answer)  # the server closed the connection: a new one
         else:
             answer(None)
 
-    async def _connect_and_get(self, url: str, answer: Answer) -> None:
+    async def _connect_and_get(self, key: Key, url: str, answer: Answer) -> None:
         parts = urlsplit(url)
         tls = parts.scheme == "https"
         if tls and self._tls is None:
@@ -183,11 +186,11 @@ class Scraper:
         except asyncio.CancelledError:
             answer(None)
             raise
-        self._connections[url] = connection
-        if url not in self._requests:
-            self._requests[url] = self._build_requests(parts.path.rstrip("/"),
+        self._connections[key] = connection
+        if key not in self._requests:
+            self._requests[key] = self._build_requests(parts.path.rstrip("/"),
                                                        parts.netloc.rsplit("@", 1)[-1])
-        self._ask(url, connection, answer)
+        self._ask(key, connection, answer)
 
     def _build_requests(self, prefix: str, host: str) -> tuple[bytes, ...]:
         paths = ([f"{prefix}{self._filtered_path}"] if self._filtered_path else []) \

@@ -228,3 +228,17 @@ async def test_server_closing_the_connection_and_timeouts_are_survived(
         await poller.poll_once()  # a new connection
         assert registry.stats["a"].running == 7 and poller._health["a"].failures == 0
         assert len(state.peers) == 4  # 2 closed by the server, 1 dropped on timeout, 1 new
+
+
+async def test_two_backends_at_one_url_are_scraped_side_by_side(
+    server: tuple[MetricsServer, str], make_poller: Make
+) -> None:
+    """E.g. one vLLM server registered twice (prefill and decode roles)."""
+    state, url = server
+    registry = Registry([Backend("prefill", url, "m"), Backend("decode", url, "m")])
+    poller = make_poller(registry)
+    for _ in range(3):
+        await poller.poll_once()
+        assert registry.stats["prefill"].healthy and registry.stats["decode"].healthy
+    assert poller._health["prefill"].failures == poller._health["decode"].failures == 0
+    assert len(state.peers) == 2  # a connection each, kept
