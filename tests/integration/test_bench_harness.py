@@ -49,7 +49,9 @@ def check_run(path: Path, planned: dict[int, workloads.WorkloadRequest],
         assert list(r.chunk_times_s) == sorted(r.chunk_times_s)
         assert 1 <= len(r.chunk_times_s) <= r.output_tokens
         if run.header["mode"] == "load":
-            assert abs(r.sent_s - r.arrival_s) < 0.5  # open loop: sent on schedule
+            # open loop: sent on schedule, not after earlier answers (a starved event
+            # loop can still be late by a fraction of a second)
+            assert abs(r.sent_s - r.arrival_s) < 1.5
     assert {r.backend for r in run.results} == names  # both backends served
 
 
