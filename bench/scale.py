@@ -43,7 +43,6 @@ from bench.emulator.capacity import emulator_fleet, free_port_range, offer
 from bench.overhead_procs import child
 from bench.proxy_process import running_proxy
 from bench.tiny_models import REPO
-from policies import POLICIES
 from proxy.config import PollerConfig
 from proxy.poller import Poller
 from proxy.registry import Registry
@@ -224,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "docs/results/scale.json"))
     args = parser.parse_args(argv)
     decisions = [policy_latency.measure(name, n, args.picks, "cpu")
-                 for name in sorted(POLICIES) for n in args.backends]
+                 for name in policy_latency.without_params() for n in args.backends]
     for row in decisions:
         print(json.dumps(asdict(row)), flush=True)
     rows: list[LoadRow] = []

@@ -49,3 +49,12 @@ def test_results_json_keys() -> None:
     assert out["poller_staleness_p99_ms_512_by_interval_ms"] == {"100": 160.0, "50": 90.0}
     assert out["poller_staleness_p99_ms_512_emulator_by_interval_ms"] == {"100": 700.0}
     assert out["command"] == "cmd" and out["commit"] == "abc"
+
+
+def test_latency_runs_cover_every_policy_that_needs_no_artifact() -> None:
+    from bench.policy_latency import without_params
+    from policies import POLICIES
+
+    names = without_params()
+    assert {"round_robin", "goodput", "prefix_aware"} <= set(names)
+    assert "eldr" in POLICIES and "eldr" not in names  # needs its trained centroids
