@@ -29,7 +29,8 @@ async def test_harness_measures_direct_against_direct() -> None:
         assert run["target_failed_streams"] == run["direct_failed_streams"] == 0
         assert run["direct_tokens_per_s"] > 0 and 0.3 < run["ratio"] < 3
         assert run["target_cpu_us_per_token"] >= 0  # /proc counts 10 ms ticks: may be 0
-        assert 0.2 < run["direct_vs_ideal"] <= 1.05
+        # The first token comes without a TPOT wait: at most tokens / (tokens - 1) x ideal.
+        assert 0.2 < run["direct_vs_ideal"] <= plan.tokens / (plan.tokens - 1) * 1.02
     assert served == 2 * (1 + 4)  # direct and target leg at each concurrency
     assert result["floor_relay_cpu_us_per_token"] is None  # no floor relay given
     assert set(verdict(result)) == {"added_p50_ms", "added_p99_ms", "throughput_ratio_256"}
