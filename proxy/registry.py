@@ -31,6 +31,7 @@ class Registry:
         self.stats: Mapping[str, BackendStats] = MappingProxyType({})
         self._draining: set[str] = set()
         self._healthy_by_model: dict[str, tuple[Backend, ...]] = {}
+        self._membership_changed = False  # since the last `update`
         for backend in backends:
             self.add(backend)
 
@@ -46,7 +47,7 @@ class Registry:
     def remove(self, name: str) -> Backend:
         backend = self._backends.pop(name)
         self._draining.discard(name)
-        self.stats = MappingProxyType({k: v for k, v in self.stats.items() if k != name})
+        self._membership_changed = True
         self._rederive()
         return backend
 
@@ -90,8 +91,13 @@ class Registry:
         poller publishes every few ms at 512 backends."""
         old = self.stats
         fresh = {k: v for k, v in changed.items() if k in self._backends}
-        self.stats = MappingProxyType({**old, **fresh})
-        if any(k not in old or old[k].healthy != v.healthy for k, v in fresh.items()):
+        merged = {**old, **fresh}
+        if self._membership_changed:  # drop removed backends (a re-added name keeps its)
+            merged = {k: v for k, v in merged.items() if k in self._backends}
+        self.stats = MappingProxyType(merged)
+        if self._membership_changed or any(
+                k not in old or old[k].healthy != v.healthy for k, v in fresh.items()):
+            self._membership_changed = False
             self._rederive()
 
     def is_healthy(self, name: str) -> bool:

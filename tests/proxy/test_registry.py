@@ -66,4 +66,7 @@ def test_update_merges_and_rederives_only_on_health_changes() -> None:
     reg.update({"a": BackendStats(healthy=False)})
     assert [b.name for b in reg.view("m1", 0.0).candidates] == ["b"]
     reg.remove("b")
-    assert "b" not in reg.stats
+    reg.add(Backend("a2", "http://a", "m1"))
+    reg.update({"a2": UP})  # the next scrape's publish drops what was removed
+    assert "b" not in reg.stats and reg.stats["a2"] == UP
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["a2"]
