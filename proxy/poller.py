@@ -90,7 +90,7 @@ class Poller:
             if backend.name in self._scraping or self._state(backend.name).next_probe_at > now:
                 continue
             self._scraping.add(backend.name)
-            self.scraper.get((backend.name, backend.url), backend.url,
+            self.scraper.get((backend.name, backend.url),
                              functools.partial(self._answered, backend))
 
     async def _answers(self, timeout_s: float) -> None:

@@ -105,10 +105,10 @@ class _Connection(asyncio.Protocol):
 
 
 class Scraper:
-    """`get(key, url, answer)`: `answer(body)` once with the body of a 200 answer from
-    `url`'s metrics page, or with None (error, other status, timeout). One connection
-    per `key` (the poller's backend name and URL): two backends configured at one URL
-    are scraped side by side, not over one connection."""
+    """`get((name, url), answer)`: `answer(body)` once with the body of a 200 answer
+    from `url`'s metrics page, or with None (error, other status, timeout). One
+    connection per (backend name, URL): two backends configured at one URL are scraped
+    side by side, not over one connection."""
 
     def __init__(self, timeout_s: float, names: Iterable[str] = ()) -> None:
         self._timeout_s = timeout_s
@@ -119,14 +119,14 @@ class Scraper:
         self._connecting: set[asyncio.Task[None]] = set()
         self._tls: ssl.SSLContext | None = None
 
-    def get(self, key: Key, url: str, answer: Answer) -> None:
+    def get(self, key: Key, answer: Answer) -> None:
         connection = self._connections.get(key)
         if connection is not None and connection.idle:
             self._ask(key, connection, answer)
             return
         if connection is not None:
             connection.give_up()  # still busy: a scrape overran; start clean
-        task = asyncio.ensure_future(self._connect_and_get(key, url, answer))
+        task = asyncio.ensure_future(self._connect_and_get(key, answer))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
@@ -166,12 +166,12 @@ class Scraper:
             if connection.idle:
                 self._ask(key, connection, answer)
             else:
-                self.get(key, key[1], answer)  # the server closed the connection: a new one
+                self.get(key, answer)  # the server closed the connection: a new one
         else:
             answer(None)
 
-    async def _connect_and_get(self, key: Key, url: str, answer: Answer) -> None:
-        parts = urlsplit(url)
+    async def _connect_and_get(self, key: Key, answer: Answer) -> None:
+        parts = urlsplit(key[1])
         tls = parts.scheme == "https"
         if tls and self._tls is None:
             self._tls = ssl.create_default_context()

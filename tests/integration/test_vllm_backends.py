@@ -119,7 +119,7 @@ def test_vllm_metrics_filtered_by_name_read_the_same(vllm_fleet: list[Running]) 
         scraper = Scraper(timeout_s=5.0, names=WANTED)
         answer: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
         try:
-            scraper.get(("a", server.url), server.url, answer.set_result)
+            scraper.get(("a", server.url), answer.set_result)
             return await asyncio.wait_for(answer, 10)
         finally:
             await scraper.close()
