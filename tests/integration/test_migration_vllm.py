@@ -76,6 +76,22 @@ def ask(url: str, chat: bool, payload: dict[str, Any], headers: dict[str, str] |
     return answer
 
 
+def ask_until_moved(url: str, payload: dict[str, Any], after: int,
+                    reference: Answer | None = None, source: str | None = None,
+                    tries: int = ATTEMPTS) -> Answer:
+    """A chat request with a forced move after `after` tokens, asked until the answer
+    shows a move (a source that ends first moves nothing). Every answer must equal
+    `reference` when given; with `source`, only answers that started there count."""
+    for _ in range(tries):
+        moved = ask(url, True, payload, {"x-laneway-migrate-after": str(after),
+                                         "x-laneway-events": "1"})
+        if reference is not None:
+            assert moved.token_ids == reference.token_ids and moved.text == reference.text
+        if moved.moves and source in (None, moved.backend):
+            break
+    return moved
+
+
 def two_same(fleet: list[Running]) -> list[Running]:
     same = [b for b in fleet if b.model == MODEL]
     assert len(same) >= 2
@@ -190,12 +206,8 @@ def test_warm_handoff_in_the_middle_is_exact(vllm_fleet: list[Running]) -> None:
     with running_proxy(config(two_same(vllm_fleet), pace_slowdown=0)) as proxy:
         reference = ask(two_same(vllm_fleet)[0].url, True, body(True, True, ignore_eos=True,
                                                                max_tokens=400))
-        for _ in range(ATTEMPTS):
-            moved = ask(proxy.url, True, body(True, True, ignore_eos=True, max_tokens=400),
-                        {"x-laneway-migrate-after": "20", "x-laneway-events": "1"})
-            assert moved.token_ids == reference.token_ids and moved.text == reference.text
-            if moved.moves:
-                break
+        moved = ask_until_moved(proxy.url, body(True, True, ignore_eos=True, max_tokens=400),
+                                20, reference)
         stalls = metric(proxy.url, "laneway_handoff_stall_seconds_count")
         assert len(moved.moves) == 1 and moved.moves[0]["at_token"] >= 20
         assert stalls >= 1
@@ -208,12 +220,8 @@ def test_paced_handoff_of_a_greedy_stream_is_exact(vllm_fleet: list[Running]) ->
     with running_proxy(config(two_same(vllm_fleet), pace_slowdown=1.0)) as proxy:
         reference = ask(two_same(vllm_fleet)[0].url, True, body(True, True, ignore_eos=True,
                                                                max_tokens=900))
-        for _ in range(ATTEMPTS):
-            moved = ask(proxy.url, True, body(True, True, ignore_eos=True, max_tokens=900),
-                        {"x-laneway-migrate-after": "20", "x-laneway-events": "1"})
-            assert moved.token_ids == reference.token_ids and moved.text == reference.text
-            if moved.moves:
-                break
+        moved = ask_until_moved(proxy.url, body(True, True, ignore_eos=True, max_tokens=900),
+                                20, reference)
         (move,) = moved.moves  # inside the block: a failure shows the proxy's log
     # vLLM may pack tokens in one event, so the trigger can see 21 or 22 at once.
     assert 20 <= move["continued_from"] <= 22 and move["at_token"] >= move["continued_from"]
@@ -289,12 +297,10 @@ def test_move_to_a_backend_with_another_tokenizer(
     cfg = config([source, other_tokenizer_backend], warm_prefill=False, pace_slowdown=0)
     cfg["backends"][1]["labels"] = {"tokenizer": "small-alt"}
     with running_proxy(cfg) as proxy:
-        for _ in range(2 * ATTEMPTS):  # round robin: every other try starts on `source`
-            moved = ask(proxy.url, True, body(True, True, ignore_eos=True,
-                                              stream_options={"include_usage": True}),
-                        {"x-laneway-migrate-after": "10", "x-laneway-events": "1"})
-            if moved.backend == source.name and moved.moves:
-                break
+        # round robin: every other try starts on `source`
+        moved = ask_until_moved(proxy.url, body(True, True, ignore_eos=True,
+                                                stream_options={"include_usage": True}),
+                                10, source=source.name, tries=2 * ATTEMPTS)
     assert [(m["from"], m["to"]) for m in moved.moves] == [
         (source.name, other_tokenizer_backend.name)]
     at = moved.moves[0]["at_token"]
