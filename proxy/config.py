@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -176,6 +184,10 @@ class Settings(BaseSettings):
 
     server: ServerConfig = ServerConfig()
     backends: list[BackendConfig] = Field(default_factory=list)
+    model_groups: dict[str, list[str]] = Field(
+        default_factory=dict, description="a request model naming several served models: "
+        "the policy picks among all their backends and the upstream body names the "
+        "picked backend's model (README, Model groups)")
     policy: PolicyConfig = PolicyConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     poller: PollerConfig = PollerConfig()
@@ -194,6 +206,19 @@ class Settings(BaseSettings):
         if dupes:
             raise ValueError(f"duplicate backend names: {', '.join(dupes)}")
         return backends
+
+    @model_validator(mode="after")
+    def _groups_name_models(self) -> Settings:
+        served = {b.model for b in self.backends}
+        for group, members in self.model_groups.items():
+            if not members:
+                raise ValueError(f"model group {group!r} names no model")
+            if group in served:
+                raise ValueError(f"model group {group!r} is also a served model name")
+            nested = sorted(set(members) & set(self.model_groups))
+            if nested:
+                raise ValueError(f"model group {group!r} lists groups: {', '.join(nested)}")
+        return self
 
     @classmethod
     def settings_customise_sources(

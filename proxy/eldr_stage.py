@@ -49,7 +49,7 @@ class PrefillStage:
         if not pool:
             return pred
         backend = self._prefix.pick(ctx, pred, dataclasses.replace(view, candidates=pool)).backend
-        leg = {**data, "max_tokens": 1, "stream": False}
+        leg = {**data, "model": backend.model, "max_tokens": 1, "stream": False}
         leg.pop("max_completion_tokens", None)
         leg.pop("stream_options", None)
         try:

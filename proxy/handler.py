@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 
 from predictors.base import Prediction
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, send_error
@@ -168,7 +169,8 @@ class Exchange:
             guard.enter_context(rt.registry.guard(backend.name))
             try:
                 opened = await rt.upstream.open(
-                    backend, _PATHS[ctx.endpoint], body, self.headers, stream)
+                    backend, _PATHS[ctx.endpoint], self._for_model(body, backend.model),
+                    self.headers, stream)
                 if self.tracking is not None and not opened.complete:
                     await self._relay_tracked(opened, guard, pred)
                     return
@@ -191,6 +193,12 @@ class Exchange:
                     self._account(opened)
             return
         raise _exhausted(ctx, failures, rt.settings.server.retry_after_s)
+
+    def _for_model(self, body: bytes, model: str) -> bytes:
+        """`body` naming `model`: a model group's request goes to a member model."""
+        if model == self.ctx.model:
+            return body
+        return orjson.dumps(orjson.loads(body) | {"model": model})
 
     def _predict(self) -> Prediction:
         started = time.perf_counter()

@@ -25,7 +25,7 @@ from proxy.runtime import Runtime, backends_from
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.admin")
-HOT_SECTIONS = ("backends", "policy", "auth", "admin", "debug", "migration")
+HOT_SECTIONS = ("backends", "model_groups", "policy", "auth", "admin", "debug", "migration")
 
 
 def switch_policy(rt: Runtime, name: str, params: dict[str, Any]) -> None:
@@ -59,6 +59,9 @@ def apply_settings(rt: Runtime, new: Settings) -> dict[str, Any]:
     """Apply what can change at runtime; returns what changed and what needs a restart."""
     old = rt.settings
     changes: dict[str, Any] = _apply_backends(rt, backends_from(new))
+    if new.model_groups != old.model_groups:
+        rt.registry.set_groups(new.model_groups)
+        changes["model_groups"] = sorted(new.model_groups)
     if new.policy != old.policy:
         switch_policy(rt, new.policy.name, dict(new.policy.params))
         changes["policy"] = new.policy.name

@@ -12,13 +12,17 @@ from proxy.types import Backend, BackendStats, ClusterView
 class Registry:
     """Backends by name and model.
 
+    A model group (`model_groups` in the config) is a request model whose candidates
+    are the healthy backends of every member model, in member order.
     `stats` is replaced wholesale by `publish` (the poller's snapshot), so readers
     may hold on to it. The healthy candidates per model are derived once per
     snapshot, not once per request.
     """
 
-    def __init__(self, backends: Iterable[Backend]) -> None:
+    def __init__(self, backends: Iterable[Backend],
+                 groups: Mapping[str, Iterable[str]] | None = None) -> None:
         self._backends: dict[str, Backend] = {}
+        self._groups: dict[str, tuple[str, ...]] = {}
         # Open requests per backend: via this proxy (`local_inflight`), and via every
         # replica (`inflight`, what policies see: local + the others' counts from the
         # shared state's last sync). Both are plain dicts updated in place, so a
@@ -34,6 +38,7 @@ class Registry:
         self._membership_changed = False  # since the last `update`
         for backend in backends:
             self.add(backend)
+        self.set_groups(groups or {})
 
     # -- membership -------------------------------------------------------------
     def add(self, backend: Backend) -> None:
@@ -50,6 +55,10 @@ class Registry:
         self._membership_changed = True
         self._rederive()
         return backend
+
+    def set_groups(self, groups: Mapping[str, Iterable[str]]) -> None:
+        self._groups = {g: tuple(members) for g, members in groups.items()}
+        self._rederive()
 
     def drain(self, name: str) -> None:
         """Stop routing new requests to `name`; open ones finish where they are."""
@@ -74,8 +83,10 @@ class Registry:
         return self._backends.get(name)
 
     def serves(self, model: str) -> bool:
-        """Whether any configured backend (healthy or not) serves `model`."""
-        return any(b.model == model for b in self._backends.values())
+        """Whether any configured backend (healthy or not) serves `model`, or a member
+        of the group `model`."""
+        models = self._groups.get(model, (model,))
+        return any(b.model in models for b in self._backends.values())
 
     def healthy_models(self) -> list[str]:
         return sorted(m for m, backends in self._healthy_by_model.items() if backends)
@@ -135,4 +146,6 @@ class Registry:
             bucket = by_model.setdefault(backend.model, [])
             if usable:
                 bucket.append(backend)
+        for group, members in self._groups.items():
+            by_model[group] = [b for m in members for b in by_model.get(m, ())]
         self._healthy_by_model = {m: tuple(bs) for m, bs in by_model.items()}

@@ -90,6 +90,7 @@ async def test_reload_applies_backends_policy_and_auth(tmp_path: Path) -> None:
         rt.config_path = str(path)
         config = {"server": {"port": 0}, "policy": {"name": "least_request"},
                   "backends": [{"name": "f1", "url": fakes[1].url, "model": "fake"}],
+                  "model_groups": {"team": ["fake"]},
                   "auth": {"enabled": True, "keys": [
                       {"name": "k", "sha256": "a" * 64}]},
                   "upstream": {"max_attempts": 2}}
@@ -100,9 +101,11 @@ async def test_reload_applies_backends_policy_and_auth(tmp_path: Path) -> None:
         rejected = await admin(proxy, "POST", "reload", headers={})
         policy = rt.router.policy_name
     assert reloaded.json() == {"added": [], "removed": ["f0"], "replaced": [],
+                               "model_groups": ["team"],
                                "policy": "least_request", "auth": True,
                                "needs_restart": ["upstream"]}
     assert unauthorized.status_code == 401
     assert rejected.status_code == 400 and "server.prot" in rejected.json()["error"]["message"]
     assert policy == "least_request"
     assert [b.name for b in rt.registry.all()] == ["f1"]
+    assert rt.registry.serves("team")

@@ -88,3 +88,19 @@ def test_example_config_documents_every_option() -> None:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             missing = set(annotation.model_fields) - set(written[section])
             assert not missing, f"{section}: undocumented options {sorted(missing)}"
+
+
+
+@pytest.mark.parametrize(("groups", "message"), [
+    ("{team: []}", "names no model"),
+    ("{llama: [llama]}", "also a served model name"),
+    ("{team: [llama], all: [team, llama]}", "lists groups: team"),
+])
+def test_bad_model_groups_are_rejected(tmp_path: Path, groups: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(write(tmp_path, GOOD + f"model_groups: {groups}\n"))
+
+
+def test_a_model_group_loads(tmp_path: Path) -> None:
+    settings = load_settings(write(tmp_path, GOOD + "model_groups: {any: [llama, qwen]}\n"))
+    assert settings.model_groups == {"any": ["llama", "qwen"]}

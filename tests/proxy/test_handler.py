@@ -223,3 +223,19 @@ async def test_backend_that_always_drops_gives_502() -> None:
             response = await post(proxy, CHAT)
     assert response.status_code == 502
     assert "only: broken" in response.json()["error"]["message"]
+
+
+async def test_a_model_group_routes_over_its_models_and_names_each_backends() -> None:
+    groups = {"model_groups": {"team": ["a", "b"]}}
+    async with fleet(FakeConfig(model="a"), FakeConfig(model="b"), **groups) as (proxy, fakes):
+        chat = {**CHAT, "model": "team", "max_tokens": 3}
+        responses = [await post(proxy, chat), await post(proxy, {**chat, "stream": True})]
+        responses += [await post(proxy, {"model": "team", "prompt": "x", "max_tokens": 2},
+                                 "/v1/completions")]
+        listed = (await httpx.AsyncClient().get(f"{proxy.url}/v1/models")).json()
+    assert [r.status_code for r in responses] == [200] * 3
+    assert [r.headers["x-laneway-backend"] for r in responses] == ["f0", "f1", "f0"]
+    assert responses[0].json()["model"] == "a"  # the answer names the model that served it
+    assert [b["model"] for b in fakes[0].app.stats.bodies] == ["a", "a"]
+    assert [b["model"] for b in fakes[1].app.stats.bodies] == ["b"]
+    assert {m["id"] for m in listed["data"]} == {"a", "b", "team"}

@@ -310,3 +310,22 @@ async def test_paced_handoff_hides_the_targets_startup(greedy: bool) -> None:
         assert max(gaps) < 0.15, max(gaps)
     else:  # frozen: the client waits for the target's whole start-up
         assert max(gaps) >= 0.3
+
+
+async def test_a_stream_moves_between_the_models_of_a_group() -> None:
+    """Members of a model group are other models: the move re-tokenizes on the target
+    and asks it for its own model name."""
+    source, target = FakeConfig(model="a", tpot_s=0.01), FakeConfig(model="b")
+    async with fleet(source, target, model_groups={"team": ["a", "b"]},
+                     **FORCED) as (proxy, fakes):
+        response = await post(proxy, {**CHAT, "model": "team", "stream": True,
+                                      "max_tokens": 12},
+                              headers={"x-laneway-migrate-after": "5",
+                                       "x-laneway-events": "1"})
+    assert stream_text(response) == expected_text(12)
+    (moved,) = migrated_comments(response)
+    assert fakes[1].app.stats.tokenized[-1]["model"] == "b"
+    (cont,) = continuation_bodies(fakes[1])
+    assert cont["model"] == "b" and cont["max_tokens"] == 12 - moved["at_token"]
+    data = [orjson.loads(e) for e in events(response.text)[:-1]]
+    assert {d["model"] for d in data} == {"a"}  # one response, as the first backend named it

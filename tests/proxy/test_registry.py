@@ -70,3 +70,14 @@ def test_update_merges_and_rederives_only_on_health_changes() -> None:
     reg.update({"a2": UP})  # the next scrape's publish drops what was removed
     assert "b" not in reg.stats and reg.stats["a2"] == UP
     assert [b.name for b in reg.view("m1", 0.0).candidates] == ["a2"]
+
+
+def test_a_model_group_spans_its_members_healthy_backends() -> None:
+    reg = Registry([Backend("a", "http://a", "m1"), Backend("b", "http://b", "m1"),
+                    Backend("c", "http://c", "m2")], {"team": ["m2", "m1", "m3"]})
+    reg.publish({"a": UP, "b": BackendStats(healthy=False), "c": UP})
+    assert [b.name for b in reg.view("team", 0.0).candidates] == ["c", "a"]  # member order
+    assert reg.serves("team") and reg.healthy_models() == ["m1", "m2", "team"]
+    reg.drain("c")
+    assert [b.name for b in reg.view("team", 0.0).candidates] == ["a"]
+    assert not Registry([], {"empty": ["m9"]}).serves("empty")
