@@ -35,6 +35,18 @@ SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
 RESULTS = REPO / "docs/results"
 
 
+def default_workload(spec: str, shared: str) -> list[str]:
+    """Poisson over the alpaca_eval prompts; a real vLLM-CPU fleet (three tiny-model
+    servers sharing this machine's cores, ~1,500 tokens/s together) gets a quarter of
+    the emulated fleet's rate and shorter answers, about half its capacity."""
+    if spec.startswith("real:"):
+        rate, requests, max_output = "4", "120", "256"
+    else:
+        rate, requests, max_output = "16", "240", "512"
+    return ["--workload", "poisson", "--rate", rate, "--requests", requests,
+            "--max-output", max_output, "--shared", shared]
+
+
 def variants(with_predictor: bool) -> list[Variant]:
     goodput = [Variant("goodput", "goodput", {}, True, with_predictor),
                Variant("goodput-no-migration", "goodput", {"migrate": False}, True,
@@ -137,6 +149,15 @@ def open_fleet(spec: str, shared: Path) -> Iterator[Fleet]:
             yield fleet
 
 
+def merged_fleets(path: Path, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fleets of an earlier results file with the ones just run replaced (a run of
+    one fleet keeps the others' figures; each entry names its command and commit)."""
+    old = json.loads(path.read_text()).get("fleets", []) if path.exists() else []
+    by_name = {f["fleet"]: f for f in fresh}
+    kept = [by_name.pop(f["fleet"], f) for f in old]
+    return kept + list(by_name.values())
+
+
 def side_figures() -> dict[str, Any]:
     predictor = json.loads((RESULTS / "length_predictor.json").read_text())
     scale_file = RESULTS / "scale.json"
@@ -152,27 +173,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="emulated:N or real:small,small,large (first = fastest); "
                         "repeatable; default emulated:64")
     parser.add_argument("--workload", nargs=argparse.REMAINDER, default=None,
-                        help="workload options (last); default: poisson, see below")
+                        help="workload options (last); default: default_workload()")
     parser.add_argument("--solo-requests", type=int, default=40)
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--shared", default=str(DEFAULT_SHARED))
     parser.add_argument("--out", default=str(RESULTS / "goodput.json"))
     args = parser.parse_args(argv)
-    workload = args.workload or ["--workload", "poisson", "--rate", "16", "--requests",
-                                 "240", "--max-output", "512", "--shared", args.shared]
     artifact = laneway_home() / "predictors/length-moe-v1"
     have_artifact = (artifact / "meta.json").exists()
-    plan = Plan(workload, variants(have_artifact), list(SCALES), RESULTS / "goodput",
-                args.solo_requests, args.time_limit, artifact if have_artifact else None)
     fleets = []
     for spec in args.fleet or ["emulated:64"]:
         name = spec.replace(":", "-").replace(",", "-")
+        workload = args.workload or default_workload(spec, args.shared)
+        plan = Plan(workload, variants(have_artifact), list(SCALES), RESULTS / "goodput",
+                    args.solo_requests, args.time_limit, artifact if have_artifact else None)
         with tempfile.TemporaryDirectory() as tmp, open_fleet(spec, Path(args.shared)) as f:
             fleets.append(evaluate(name, f, plan, Path(tmp)))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     command = "python -m bench.bench_goodput " + " ".join(sys.argv[1:] if argv is None else argv)
-    primary = fleets[0]
+    for entry in fleets:
+        entry.update(command=command.strip(), commit=commit)
+    fleets = merged_fleets(Path(args.out), fleets)
+    primary = fleets[0]  # the first fleet ever written (the make target's: emulated-64)
     out = {"goodput_ratio_vs_best_baseline": primary["goodput_ratio_vs_best_baseline"],
            "best_baseline": primary["best_baseline"], "primary_fleet": primary["fleet"],
            **side_figures(), "length_predictor_loaded": have_artifact,

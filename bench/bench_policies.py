@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from bench import compare
-from bench.bench_goodput import RESULTS, SCALES, open_fleet
+from bench.bench_goodput import RESULTS, SCALES, default_workload, open_fleet
 from bench.compare import Plan, Variant
 from bench.tiny_models import DEFAULT_SHARED
 
@@ -31,17 +31,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="emulated:N or real:small,small,large (first = fastest); "
                         "repeatable; default emulated:64")
     parser.add_argument("--workload", nargs=argparse.REMAINDER, default=None,
-                        help="workload options (last); default: poisson, see below")
+                        help="workload options (last); default: default_workload()")
     parser.add_argument("--solo-requests", type=int, default=40)
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--shared", default=str(DEFAULT_SHARED))
     args = parser.parse_args(argv)
-    workload = args.workload or ["--workload", "poisson", "--rate", "16", "--requests",
-                                 "240", "--max-output", "512", "--shared", args.shared]
-    plan = Plan(workload, [Variant(p, p) for p in POLICIES], list(SCALES),
-                RESULTS / "policies", args.solo_requests, args.time_limit, None)
     for spec in args.fleet or ["emulated:64"]:
         name = spec.replace(":", "-").replace(",", "-")
+        plan = Plan(args.workload or default_workload(spec, args.shared),
+                    [Variant(p, p) for p in POLICIES], list(SCALES), RESULTS / "policies",
+                    args.solo_requests, args.time_limit, None)
         with tempfile.TemporaryDirectory() as tmp, open_fleet(spec, Path(args.shared)) as f:
             files = compare.run_all(plan, f, Path(tmp))
             compare.report(files, Path(tmp) / "solo.jsonl", plan.out_dir / name)

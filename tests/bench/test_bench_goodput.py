@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from bench import bench_goodput
 from bench.bench_goodput import per_scale_goodput, ratios, table, variants
 from bench.report import SloPoint, Summary
 
@@ -53,3 +57,21 @@ def test_table_has_one_row_per_policy() -> None:
     summaries = {"rr": [_summary("rr", {1.0: 0.2, 2.0: 0.5}, migrations=0)]}
     text = table({"rr": {"1": 0.2, "2": 0.5}}, summaries, SCALES)
     assert text.splitlines()[2] == "| rr | 0.20 | 0.50 | 3.00 | 0 | 0 |"
+
+
+def test_a_run_of_one_fleet_keeps_the_other_fleets_figures(tmp_path: Path) -> None:
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps({"fleets": [{"fleet": "emulated-64", "v": 1},
+                                           {"fleet": "real-a", "v": 1}]}))
+    merged = bench_goodput.merged_fleets(path, [{"fleet": "real-a", "v": 2},
+                                                {"fleet": "real-b", "v": 2}])
+    assert merged == [{"fleet": "emulated-64", "v": 1}, {"fleet": "real-a", "v": 2},
+                      {"fleet": "real-b", "v": 2}]
+    assert bench_goodput.merged_fleets(tmp_path / "none.json", merged) == merged
+
+
+def test_a_real_fleet_gets_a_lighter_default_workload() -> None:
+    real = bench_goodput.default_workload("real:small,large", "/s")
+    emulated = bench_goodput.default_workload("emulated:64", "/s")
+    rate = real.index("--rate") + 1
+    assert float(real[rate]) < float(emulated[rate]) and real[-1] == "/s"
