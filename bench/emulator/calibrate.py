@@ -62,6 +62,7 @@ class CheckLoad:
     output_tokens: int = 64
     requests_per_worker: int = 4  # per pass; the first request of each worker is warm-up
     passes: int = 6
+    min_requests: int = 16  # per level and pass: 1 stream x 4 requests was too few
 
 
 @contextlib.contextmanager
@@ -106,8 +107,8 @@ def check_pass(url: str, model: str, load: CheckLoad, seed: int) -> dict[int, Su
     """One pass of the check load on one server: every level, closed loop."""
     summaries = {}
     for concurrency in LEVELS:
-        level = Load(concurrency, concurrency * load.requests_per_worker,
-                     load.prompt_tokens, load.output_tokens)
+        requests = max(concurrency * load.requests_per_worker, load.min_requests)
+        level = Load(concurrency, requests, load.prompt_tokens, load.output_tokens)
         timings = asyncio.run(run_load(url, model, level, seed + concurrency))
         summaries[concurrency] = summarize(timings, skip=concurrency)
     return summaries
@@ -227,7 +228,8 @@ def run(variants: Sequence[str], refit: bool, url: str | None, model: str, out: 
                 "rel_error = |emulated - real| / real",
         "load": {"levels": list(LEVELS), "prompt_tokens": load.prompt_tokens,
                  "output_tokens": load.output_tokens, "passes": load.passes,
-                 "requests_per_worker_per_pass": load.requests_per_worker},
+                 "requests_per_worker_per_pass": load.requests_per_worker,
+                 "min_requests_per_level_per_pass": load.min_requests},
         "fit_and_check_share_data": False,
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "load_average": [round(x, 2) for x in os.getloadavg()],
