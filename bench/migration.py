@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import statistics
 import sys
 from collections.abc import Iterator
@@ -170,9 +171,10 @@ def table(result: dict[str, Any], plan: Plan) -> str:
 
 
 @contextlib.contextmanager
-def backends(urls: list[str] | None, fake: tuple[float, float] | None = None
-             ) -> Iterator[list[str]]:
-    """Two backends of MODEL: given URLs, two fakes (ttft_ms, tpot_ms), or vLLM-CPU."""
+def backends(urls: list[str] | None, fake: tuple[float, float] | None = None,
+             pin: bool = False) -> Iterator[list[str]]:
+    """Two backends of MODEL: given URLs, two fakes (ttft_ms, tpot_ms), or vLLM-CPU
+    (with `pin`, each alone on one core, as on two machines)."""
     if urls:
         yield urls
         return
@@ -181,8 +183,10 @@ def backends(urls: list[str] | None, fake: tuple[float, float] | None = None
                                                                       fake[0]) as b:
             yield [a, b]
         return
-    servers: list[Running] = start([Spec(f"mig-{i}", "small", MODEL, free_port())
-                                    for i in range(2)], timeout_s=300)
+    cores = os.cpu_count() or 1
+    servers: list[Running] = start([
+        Spec(f"mig-{i}", "small", MODEL, free_port(), cpus=str(i % cores) if pin else None)
+        for i in range(2)], timeout_s=300)
     try:
         yield [s.url for s in servers]
     finally:
@@ -206,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fake", metavar="TTFT_MS,TPOT_MS", help="two fake vLLM servers "
                         "with this start-up and TPOT instead of vLLM-CPU: isolates the "
                         "handoff from the backends competing for this machine's 2 cores")
+    parser.add_argument("--pin", action="store_true", help="vLLM-CPU servers each on one "
+                        "core (taskset), as on two machines: the target's prefill no "
+                        "longer takes the source's CPU (the proxy and client float)")
     parser.add_argument("--positions", default=",".join(map(str, DEFAULT.positions)))
     parser.add_argument("--max-tokens", type=int, default=DEFAULT.max_tokens)
     parser.add_argument("--repeat", type=int, default=DEFAULT.repeat)
@@ -216,12 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.fake:
         ttft_ms, tpot_ms = (float(x) for x in args.fake.split(","))
         fake = (ttft_ms, tpot_ms)
-    with backends(args.backend_url, fake) as urls, contextlib.ExitStack() as stack:
+    with backends(args.backend_url, fake, args.pin) as urls, contextlib.ExitStack() as stack:
         proxies = {mode: stack.enter_context(running_proxy(proxy_config(urls, cfg))).url
                    for mode, cfg in MODES.items()}
         result = asyncio.run(measure(proxies, plan))
     result["backends"] = f"fake vLLM (ttft, tpot ms) = {fake}" if fake else (
-        "given URLs" if args.backend_url else "2 vLLM-CPU tiny-llama")
+        "given URLs" if args.backend_url else
+        "2 vLLM-CPU tiny-llama" + (", one core each (taskset)" if args.pin else ""))
     result["plan"] = {"positions": plan.positions, "max_tokens": plan.max_tokens,
                       "repeat": plan.repeat, "prompt_chars": len(PROMPT)}
     print(table(result, plan))

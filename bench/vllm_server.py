@@ -50,6 +50,7 @@ class Spec:
     model: str  # served model name
     port: int
     eldr_port: int | None = None  # the ELDR plugin's side endpoint (MoE variants)
+    cpus: str | None = None  # taskset CPU list ("0"): the server alone on its own core(s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +108,9 @@ def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
 
 
 def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
+    pin = [] if spec.cpus is None else ["taskset", "-c", spec.cpus]
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        *pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", spec.model,
         "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "bfloat16",
         "--enforce-eager", "--max-model-len", str(max_model_len),
