@@ -82,6 +82,12 @@ class PollerConfig(_Section):
     filter_families: bool = Field(True, description="ask /metrics for only the samples "
                                   "the router reads (`?name[]=`, honoured by vLLM's "
                                   "prometheus_client); off: fetch the whole page")
+    route_when_all_unhealthy: bool = Field(
+        True, description="when every scraped, non-draining backend of a model is "
+        "unhealthy, route among them anyway (Envoy's panic mode) instead of answering "
+        "503 at once: scrapes that time out on a starved machine must not reject "
+        "requests the backends could serve; dead ones still fail over, and a request "
+        "no backend accepted gets 503")
 
 
 class MigrationConfig(_Section):

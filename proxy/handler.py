@@ -315,6 +315,11 @@ def _exhausted(
         return NoHealthyBackend(
             f"No healthy backend serves model `{ctx.model}` right now.",
             retry_after_s=retry_after_s)
+    if all(f.kind == "connect" for f in failures):  # e.g. panic mode over dead backends
+        tried = ", ".join(f.backend.name for f in failures)
+        return NoHealthyBackend(
+            f"No backend serving model `{ctx.model}` accepts connections right now "
+            f"(tried {tried}).", retry_after_s=retry_after_s)
     tried = "; ".join(f"{f.backend.name}: {f.kind} {f.detail[:200]}" for f in failures)
     if all(f.kind == "timeout" for f in failures):
         return UpstreamTimeout(f"Every backend tried timed out ({tried}).")

@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
 
 from proxy.types import Backend, BackendStats, ClusterView
 
+log = logging.getLogger("laneway")
+
 
 class Registry:
     """Backends by name and model.
 
     A model group (`model_groups` in the config) is a request model whose candidates
-    are the healthy backends of every member model, in member order.
+    are the healthy backends of every member model, in member order. With `panic`,
+    a model none of whose scraped, non-draining backends is healthy has those as
+    candidates (`poller.route_when_all_unhealthy`).
     `stats` is replaced wholesale by `publish` (the poller's snapshot), so readers
     may hold on to it. The healthy candidates per model are derived once per
     snapshot, not once per request.
     """
 
     def __init__(self, backends: Iterable[Backend],
-                 groups: Mapping[str, Iterable[str]] | None = None) -> None:
+                 groups: Mapping[str, Iterable[str]] | None = None, *,
+                 panic: bool = False) -> None:
         self._backends: dict[str, Backend] = {}
+        self._panic = panic
+        self.panicking: frozenset[str] = frozenset()  # models and groups in panic mode
+        self._panicking_models: frozenset[str] = frozenset()
         self._groups: dict[str, tuple[str, ...]] = {}
         # Open requests per backend: via this proxy (`local_inflight`), and via every
         # replica (`inflight`, what policies see: local + the others' counts from the
@@ -89,7 +98,9 @@ class Registry:
         return any(b.model in models for b in self._backends.values())
 
     def healthy_models(self) -> list[str]:
-        return sorted(m for m, backends in self._healthy_by_model.items() if backends)
+        """Models (and groups) with a healthy backend: panic mode does not count."""
+        return sorted(m for m, backends in self._healthy_by_model.items()
+                      if backends and m not in self.panicking)
 
     # -- load signals ----------------------------------------------------------
     def publish(self, stats: Mapping[str, BackendStats]) -> None:
@@ -141,11 +152,29 @@ class Registry:
 
     def _rederive(self) -> None:
         by_model: dict[str, list[Backend]] = {}
+        scraped: dict[str, list[Backend]] = {}  # not draining, health known
         for backend in self._backends.values():
-            usable = self.is_healthy(backend.name) and backend.name not in self._draining
             bucket = by_model.setdefault(backend.model, [])
-            if usable:
+            if backend.name in self._draining or backend.name not in self.stats:
+                continue
+            scraped.setdefault(backend.model, []).append(backend)
+            if self.stats[backend.name].healthy:
                 bucket.append(backend)
+        panicking = {m for m, bs in by_model.items() if self._panic and not bs and scraped.get(m)}
+        for model in panicking:
+            by_model[model] = scraped[model]
+        for model in sorted(panicking ^ self._panicking_models):
+            if model in panicking:
+                log.warning("every backend of model %s is unhealthy: routing among all %d "
+                            "anyway (panic mode) until one is healthy", model,
+                            len(scraped[model]))
+            else:
+                log.info("model %s has a healthy backend again: panic mode off", model)
+        self._panicking_models = frozenset(panicking)
         for group, members in self._groups.items():
-            by_model[group] = [b for m in members for b in by_model.get(m, ())]
+            with_candidates = [m for m in members if by_model.get(m)]
+            by_model[group] = [b for m in with_candidates for b in by_model[m]]
+            if with_candidates and all(m in panicking for m in with_candidates):
+                panicking.add(group)
+        self.panicking = frozenset(panicking)
         self._healthy_by_model = {m: tuple(bs) for m, bs in by_model.items()}

@@ -56,7 +56,8 @@ class Runtime:
     def __init__(self, settings: Settings, config_path: str | None = None) -> None:
         self.settings = settings
         self.config_path = config_path  # re-read by SIGHUP and POST /admin/reload
-        self.registry = Registry(backends_from(settings), settings.model_groups)
+        self.registry = Registry(backends_from(settings), settings.model_groups,
+                                 panic=settings.poller.route_when_all_unhealthy)
         self.metrics = Metrics(self.registry)
         policy = build_policy(settings.policy.name, settings.policy.params)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import httpx
@@ -239,3 +240,16 @@ async def test_a_model_group_routes_over_its_models_and_names_each_backends() ->
     assert [b["model"] for b in fakes[0].app.stats.bodies] == ["a", "a"]
     assert [b["model"] for b in fakes[1].app.stats.bodies] == ["b"]
     assert {m["id"] for m in listed["data"]} == {"a", "b", "team"}
+
+
+@pytest.mark.parametrize("panic", [True, False])
+async def test_a_fleet_whose_scrapes_all_fail_still_serves_in_panic_mode(panic: bool) -> None:
+    """Every backend marked unhealthy by its scrapes (a starved machine) but serving:
+    panic mode routes anyway; without it the proxy answers 503 at once."""
+    poller = {"interval_s": 30, "route_when_all_unhealthy": panic}
+    async with fleet(FakeConfig(), FakeConfig(), poller=poller) as (proxy, _):
+        registry = proxy.app.runtime.registry  # type: ignore[union-attr]
+        registry.publish({name: dataclasses.replace(stats, healthy=False)
+                          for name, stats in registry.stats.items()})
+        response = await post(proxy, CHAT)
+    assert response.status_code == (200 if panic else 503)

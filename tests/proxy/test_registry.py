@@ -81,3 +81,24 @@ def test_a_model_group_spans_its_members_healthy_backends() -> None:
     reg.drain("c")
     assert [b.name for b in reg.view("team", 0.0).candidates] == ["a"]
     assert not Registry([], {"empty": ["m9"]}).serves("empty")
+
+
+def test_panic_mode_routes_among_unhealthy_backends_only_when_none_is_healthy() -> None:
+    down = BackendStats(healthy=False)
+    reg = Registry([Backend("a", "http://a", "m1"), Backend("b", "http://b", "m1"),
+                    Backend("c", "http://c", "m1"), Backend("d", "http://d", "m2")],
+                   {"team": ["m1", "m2"]}, panic=True)
+    reg.publish({"a": down, "b": UP, "d": UP})
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["b"]
+    reg.publish({"a": down, "b": down, "d": UP})  # c never scraped: stays out
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["a", "b"]
+    assert reg.panicking == {"m1"} and reg.healthy_models() == ["m2", "team"]
+    reg.drain("a")
+    assert [b.name for b in reg.view("m1", 0.0).candidates] == ["b"]
+    reg.publish({"b": down, "d": down})
+    assert reg.panicking == {"m1", "m2", "team"} and reg.healthy_models() == []
+    reg.publish({"b": UP, "d": down})
+    assert reg.panicking == {"m2"} and [b.name for b in reg.view("m1", 0.0).candidates] == ["b"]
+    strict = Registry([Backend("a", "http://a", "m1")])
+    strict.publish({"a": down})
+    assert strict.view("m1", 0.0).candidates == () and strict.panicking == frozenset()
