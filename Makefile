@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -134,3 +134,9 @@ train-qos-drl: install
 # simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png
 bench-qos: install
 	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+# the same comparison live: Poisson arrivals through `laneway serve` (model group
+# "experts") to an emulated fleet with one instance per expert; QoS as the client sees
+# it → docs/results/qos_live.{json,md}, merged into qos_drl.json (~1 h; a quiet machine)
+bench-qos-live: install
+	$(PY) -m bench.qos_live --data $(SHARED)/data/alpaca_eval_experts.jsonl

@@ -13,12 +13,19 @@ Online learning (`learn_online`, off by default): each outcome's QoS is estimate
 the predicted score * 1[e2e / tokens ≤ L] (the true score is not observable live),
 rewards follow Eq. 16 with the checkpoint's k1, k2, and one SAC update runs per
 decision once `online_warmup` transitions are stored.
+
+`mode: bert_router` is the paper's BERT-router baseline on the same machinery: the
+expert with the highest predicted score among those with a backend (ties at random,
+seeded, as in the simulator's), never a drop. A Baseline RL checkpoint
+(`laneway train qos-drl --baseline`) loads as is: its MLP reads the expert-level
+features of the same state.
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,6 +50,9 @@ class QosDrlParams(BaseModel):
     learn_online: bool = Field(False, description="keep training on observed outcomes")
     online_warmup: int = Field(256, gt=0, description="transitions before updates")
     online_batch: int = Field(32, gt=0)
+    mode: Literal["agent", "bert_router"] = Field(
+        "agent", description="agent: the checkpoint's actor; bert_router: the paper's "
+        "BERT-router baseline, argmax of the predicted score (needs `buckets`; no drops)")
 
 
 @register
@@ -68,6 +78,9 @@ class QosDrl:
             self.predictor = load_artifact(Path(params.buckets))
             if list(self.predictor.experts) != self.experts:
                 raise ValueError("bucket predictor and checkpoint name different experts")
+        elif params.mode == "bert_router":
+            raise ValueError("mode bert_router needs a bucket predictor (`buckets`)")
+        self._ties = random.Random(0)
         self.k = [Coefficients(*self.meta["k"][e]) for e in self.experts]
         self.book = InflightBook(params.limit_ms / 1000, params.default_tpot_s)
         self.learner = OnlineLearner(self.agent, params.online_warmup, params.online_batch) \
@@ -87,6 +100,8 @@ class QosDrl:
         scores, lengths = self.predict(ctx.prompt_text)
         prompt_tokens = max(1, int(len(ctx.prompt_text) / self._p.chars_per_token))
         backends = self._backends(view)
+        if self._p.mode == "bert_router":
+            return self._best_predicted(scores, backends, view)
         states = [self._expert_state(b, view) for b in backends]
         graph = build_state(prompt_tokens, scores, lengths, states, self._p.limit_ms / 1000)
         mask = torch.tensor([[self._p.allow_drop, *(b is not None for b in backends)]])
@@ -106,6 +121,18 @@ class QosDrl:
                          lengths[action - 1], view.now)
         return Decision(backend, f"qos_drl: expert {self.experts[action - 1]} "
                                  f"(predicted score {scores[action - 1]:.2f})")
+
+    def _best_predicted(self, scores: list[float], backends: list[Backend | None],
+                        view: ClusterView) -> Decision:
+        served = [n for n, b in enumerate(backends) if b is not None]
+        if not served:
+            return Decision(view.candidates[0], "bert_router: no candidate serves an expert")
+        best = max(scores[n] for n in served)
+        n = self._ties.choice([n for n in served if scores[n] == best])
+        backend = backends[n]
+        assert backend is not None
+        return Decision(backend, f"bert_router: expert {self.experts[n]} "
+                                 f"(predicted score {best:.2f})")
 
     def _backends(self, view: ClusterView) -> list[Backend | None]:
         """Per expert (checkpoint order), the least-loaded candidate serving it."""

@@ -4,6 +4,8 @@ the proxy: 503 request_dropped, the backend never contacted)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from bench.fake_vllm import FakeConfig
 from policies.base import build_policy
 from policies.qos_drl import QosDrl
 from policies.qos_sac import SacAgent, SacConfig, save_checkpoint
+from predictors import buckets
 from predictors.base import NO_PREDICTION
 from proxy.types import Backend, BackendStats
 from tests.policies.helpers import ctx, view
@@ -102,3 +105,46 @@ async def test_drop_becomes_an_openai_503_and_the_backend_is_not_called(
     assert error["code"] == "request_dropped" and error["type"] == "service_unavailable"
     assert "dropped by the routing policy" in error["message"]
     assert fakes[0].app.stats.requests == 0
+
+
+def test_a_baseline_rl_checkpoint_routes_on_expert_level_features(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    agent = SacAgent(SacConfig(n_experts=2, graph=False))
+    with torch.no_grad():
+        agent.actor[-1].bias.zero_()
+        agent.actor[-1].bias[1] = 100.0
+    path = tmp_path / "baseline.pt"
+    save_checkpoint(path, agent, {"experts": EXPERTS, "k": {e: [1e-4, 1e-7] for e in EXPERTS}})
+    policy = build_policy("qos_drl", {"checkpoint": str(path)})
+    backends, stats = fleet_view("big", "small")
+    assert policy.pick(ctx(), NO_PREDICTION, view(backends, stats=stats)).backend.model == "big"
+
+
+class _Buckets:
+    """A stand-in bucket predictor: fixed predicted scores per expert."""
+
+    experts = ("a", "b", "c")
+
+    def __init__(self, scores: tuple[float, ...]) -> None:
+        self.scores = scores
+
+    def predict_batch(self, prompts: list[str]) -> list[Any]:
+        return [SimpleNamespace(score=self.scores, length=(100.0,) * 3) for _ in prompts]
+
+
+def test_bert_router_mode_picks_the_best_predicted_expert_with_a_backend(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    experts = list(_Buckets.experts)
+    path = str(checkpoint(tmp_path, 0, experts=experts))  # the actor would drop: unused
+    monkeypatch.setattr(buckets, "load_artifact", lambda _: _Buckets((0.2, 0.9, 0.9)))
+    with pytest.raises(ValueError, match="needs a bucket predictor"):
+        build_policy("qos_drl", {"checkpoint": path, "mode": "bert_router"})
+    policy = build_policy("qos_drl", {"checkpoint": path, "buckets": "x",
+                                      "mode": "bert_router"})
+    backends, stats = fleet_view("a", "b", "c")
+    picked = {policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION,
+                          view(backends, stats=stats)).backend.model for i in range(20)}
+    assert picked == {"b", "c"}  # the tie is broken at random, never towards "a"
+    only_a, stats_a = fleet_view("a")
+    decision = policy.pick(ctx(), NO_PREDICTION, view(only_a, stats=stats_a))
+    assert decision.backend.model == "a" and decision.drop is None

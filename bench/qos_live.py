@@ -1,0 +1,249 @@
+"""`make bench-qos-live`: qos_drl vs the paper's baselines LIVE, through the proxy
+(issue 8, point 7 b/c).
+
+One backend per alpaca_eval expert, serving the expert's name: emulated instances on
+the training fleet's GPU profiles (`bench.qos_setup.DEFAULT_FLEET`; a fresh fleet per
+run, as the simulator resets its engines), or with `--fleet real` vLLM-CPU tiny models
+(one fleet for all runs, prefix caches reset between runs). A `laneway serve` per run
+groups them as model `experts` (`model_groups`) under the policy: qos_drl (best
+checkpoint + bucket predictor), Baseline RL (the same policy on the baseline
+checkpoint, no predictor: its MLP reads expert-level features), BERT router (the same
+policy, `mode: bert_router`), round robin, shortest queue. The simulator's held-out
+arrivals (same seed, same prompts and offsets as `bench.bench_qos`) are replayed
+open loop by `bench.qos_live_client`, which measures QoS as the client sees it.
+Writes docs/results/qos_live.{json,md} and merges `qos_gain_vs_baseline_rl_live` and
+`live` into docs/results/qos_drl.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.emulator.capacity import free_port_range
+from bench.emulator.fleet import Planned, serve_slice
+from bench.overhead_procs import wait_ok
+from bench.proxy_process import running_proxy
+from bench.qos_live_client import GROUP, LiveRecord, LiveRequest, replay, schedule
+from bench.qos_live_report import markdown, merge, report, summarize
+from bench.qos_setup import DEFAULT_FLEET, load_pools
+from bench.qos_train import default_dir
+from bench.tiny_models import DEFAULT_SHARED
+from predictors.buckets_cli import default_artifact
+from predictors.cli import DEFAULT_DATA, REPO
+
+RESULTS = REPO / "docs" / "results"
+POLICIES = ("qos_drl", "baseline_rl", "bert_router", "round_robin", "shortest_queue")
+REAL_MAX_MODEL_LEN = 2048  # the tiny models' context
+REAL_ANSWER_CAP = 1792  # room for the longest held-out prompt (211 tokens)
+Backends = list[dict[str, Any]]  # laneway config entries
+FreshFleet = Callable[[], AbstractContextManager[Backends]]
+
+
+def policy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    buckets = str(args.buckets) if (args.buckets / "meta.json").exists() else None
+    agent = {"checkpoint": str(args.checkpoint), "buckets": buckets, "limit_ms": args.limit_ms}
+    params = {"qos_drl": agent, "bert_router": {**agent, "mode": "bert_router"},
+              "baseline_rl": {"checkpoint": str(args.baseline_checkpoint),
+                              "limit_ms": args.limit_ms}}
+    if name not in params:
+        return {"name": name, "params": {}}
+    if not Path(params[name]["checkpoint"]).exists():  # fail before starting any fleet
+        raise SystemExit(f"{name}: no checkpoint {params[name]['checkpoint']} "
+                         "(make train-qos-drl)")
+    if name == "bert_router" and buckets is None:
+        raise SystemExit(f"bert_router: no bucket predictor at {args.buckets} "
+                         "(make train-buckets)")
+    return {"name": "qos_drl", "params": params[name]}
+
+
+def proxy_config(backends: Backends, experts: Sequence[str], policy: dict[str, Any]
+                 ) -> dict[str, Any]:
+    # No migration: a request stays on the expert it was routed to (the paper's setting).
+    return {"backends": backends, "model_groups": {GROUP: list(experts)}, "policy": policy,
+            "migration": {"enabled": False}, "server": {"log_level": "warning"}}
+
+
+@contextlib.contextmanager
+def emulated_fleet(experts: Sequence[str], profiles: Mapping[str, str]) -> Iterator[Backends]:
+    """One emulated instance per expert, serving the expert's name, in one child process."""
+    base = free_port_range(len(experts))
+    specs = [Planned(e, profiles[e], e, base + i) for i, e in enumerate(experts)]
+    child = multiprocessing.get_context("spawn").Process(
+        target=serve_slice, args=(specs, "127.0.0.1", False), daemon=True)
+    child.start()
+    try:
+        for spec in specs:
+            wait_ok(f"http://127.0.0.1:{spec.port}/health")
+        yield [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "model": s.name,
+                "labels": {"profile": s.profile}} for s in specs]
+    finally:
+        child.terminate()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+@contextlib.contextmanager
+def real_fleet(experts: Sequence[str], variants: Sequence[str], shared: Path
+               ) -> Iterator[Backends]:
+    """vLLM-CPU tiny models (variants cycled), each serving one expert's name."""
+    from bench.vllm_server import Spec, start, stop
+
+    base = free_port_range(len(experts))
+    specs = [Spec(e, variants[i % len(variants)], e, base + i) for i, e in enumerate(experts)]
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between runs
+    try:
+        servers = start(specs, shared, max_model_len=REAL_MAX_MODEL_LEN)
+    finally:
+        os.environ.pop("VLLM_SERVER_DEV_MODE")
+    try:
+        yield [{"name": s.name, "url": s.url, "model": s.model,
+                "labels": {"variant": s.variant}} for s in servers]
+    finally:
+        stop(servers)
+
+
+@contextlib.contextmanager
+def fleets(args: argparse.Namespace, experts: Sequence[str]) -> Iterator[FreshFleet]:
+    """A factory of the fleet in a fresh state, one call per run."""
+    if args.fleet == "emulated":
+        yield lambda: emulated_fleet(experts, DEFAULT_FLEET)
+        return
+    with real_fleet(experts, args.variants.split(","), args.shared) as backends:
+
+        @contextlib.contextmanager
+        def fresh() -> Iterator[Backends]:
+            for backend in backends:  # repeated prompts must not hit the last run's cache
+                response = httpx.post(f"{backend['url']}/reset_prefix_cache", timeout=10)
+                if response.status_code != 200 or not response.json().get("success"):
+                    print(f"warning: {backend['name']}: prefix cache not reset", flush=True)
+            yield backends
+
+        yield fresh
+
+
+def emulator_stats(backends: Backends) -> dict[str, float] | None:
+    """The emulated fleet's totals (`/emulator/stats`); None on real vLLM."""
+    with contextlib.suppress(httpx.HTTPError):
+        response = httpx.get(f"{backends[0]['url']}/emulator/stats", timeout=5)
+        if response.status_code == 200:
+            stats: dict[str, float] = response.json()
+            return stats
+    return None
+
+
+def run_one(backends: Backends, experts: Sequence[str], policy: dict[str, Any],
+            requests: Sequence[LiveRequest], limit_s: float, cap: int | None
+            ) -> tuple[dict[str, Any], list[LiveRecord]]:
+    by_backend = {b["name"]: experts.index(b["model"]) for b in backends}
+    with running_proxy(proxy_config(backends, experts, policy), ready_timeout_s=180) as proxy:
+        wait_ok(f"{proxy.url}/health")  # 200 once the poller has seen the backends
+        started = time.monotonic()
+        records = asyncio.run(replay(proxy.url, requests, by_backend, cap, limit_s))
+        wall = time.monotonic() - started
+    stats, needed = emulator_stats(backends), sum(r.needed for r in records)
+    # generated / needed ≈ 1: the proxy cancelled each upstream at the client's close;
+    # lag: how late the emulator's steps ran (the machine not keeping up inflates lpt)
+    return summarize(records, len(experts), limit_s) | {
+        "wall_s": wall,
+        "backend_tokens_over_needed": stats["generation_tokens"] / needed
+        if stats and needed else None,
+        "emulator_lag_ms_per_step": 1000 * stats["lag_s"] / stats["steps"]
+        if stats and stats["steps"] else None}, records
+
+
+def evaluate_live(fresh: FreshFleet, experts: Sequence[str],
+                  policies: Mapping[str, dict[str, Any]],
+                  requests: Mapping[float, Sequence[LiveRequest]], limit_s: float,
+                  cap: int | None, records_dir: Path | None = None
+                  ) -> dict[str, dict[str, Any]]:
+    """{λ: {policy: summary}}: every policy on the same arrivals, a fresh fleet each."""
+    table: dict[str, dict[str, Any]] = {}
+    for rate, batch in requests.items():
+        row: dict[str, Any] = {}
+        for name, policy in policies.items():
+            with fresh() as backends:
+                row[name], records = run_one(backends, experts, policy, batch, limit_s, cap)
+            r = row[name]
+            print(f"λ={rate:g} {name:15s} QoS {r['avg_qos']:.3f} drop {r['drop_rate']:.1%} "
+                  f"errors {r['error_rate']:.1%} lpt p50 {r['lpt_p50_ms']:.1f} ms "
+                  f"({r['wall_s']:.0f} s)", flush=True)
+            if records_dir is not None:
+                records_dir.mkdir(parents=True, exist_ok=True)
+                (records_dir / f"{name}-{rate:g}.jsonl").write_text(
+                    "".join(json.dumps(asdict(rec)) + "\n" for rec in records))
+        table[f"{rate:g}"] = row
+    return table
+
+
+def prompt_texts(data: Path) -> dict[int, str]:
+    from predictors.buckets_data import load_rows
+    from predictors.length_data import token_counter
+
+    return {r.id: r.prompt for r in load_rows(data, token_counter("words"))[1]}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fleet", choices=("emulated", "real"), default="emulated")
+    parser.add_argument("--variants", default="small,large", help="real: tiny-model variants "
+                        "cycled over the experts")
+    parser.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--buckets", type=Path, default=default_artifact())
+    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
+    parser.add_argument("--baseline-checkpoint", type=Path,
+                        default=default_dir(True) / "best.pt")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
+    parser.add_argument("--reference-rate", type=float, help="default: the middle λ")
+    parser.add_argument("--arrivals", type=int, default=600)
+    parser.add_argument("--limit-ms", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=7, help="bench_qos's: same arrivals")
+    parser.add_argument("--max-answer-tokens", type=int, help="cap answers (default: none; "
+                        f"real fleet {REAL_ANSWER_CAP})")
+    parser.add_argument("--out", type=Path, default=RESULTS / "qos_live.json")
+    parser.add_argument("--merge-into", type=Path, default=RESULTS / "qos_drl.json")
+    parser.add_argument("--no-merge", action="store_true")
+    parser.add_argument("--records", type=Path, help="write per-request records here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    experts, _, heldout, _ = load_pools(args.data, None)  # the split; predictions unused
+    texts = prompt_texts(args.data)
+    cap = args.max_answer_tokens or (REAL_ANSWER_CAP if args.fleet == "real" else None)
+    policies = {name: policy_config(name, args) for name in args.policies.split(",")}
+    requests = {rate: schedule(heldout, texts, rate, args.arrivals, args.seed, cap)
+                for rate in args.rates}
+    with fleets(args, experts) as fresh:
+        table = evaluate_live(fresh, experts, policies, requests, args.limit_ms / 1000, cap,
+                              args.records)
+    result = report(args, experts, table, cap)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    if not args.no_merge:
+        merge(args.merge_into, result)
+    print(markdown(result), f"wrote {args.out}", sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The live qos_drl evaluation's figures (`bench.qos_live`): per-run summary in the
+simulator's `EvalResult` shape, the JSON result, its markdown table, and the merge into
+the simulator's docs/results/qos_drl.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.qos_eval import EvalResult
+from bench.qos_live_client import LiveRecord
+from bench.qos_setup import DEFAULT_FLEET
+from predictors.cli import REPO
+
+GAIN_NOTE = ("simulator: qos_gain_vs_baseline_rl_sim; live through the proxy (make "
+             "bench-qos-live): qos_gain_vs_baseline_rl_live")
+
+
+def summarize(records: Sequence[LiveRecord], n_experts: int, limit_s: float
+              ) -> dict[str, Any]:
+    """The simulator's EvalResult fields (drops and failures count QoS 0) + error rate."""
+    n = len(records)
+    lpt = np.array([r.lpt_s for r in records if r.lpt_s is not None])
+    lpt_ms = lpt * 1000 if len(lpt) else np.zeros(1)
+    result = EvalResult(
+        float(np.mean([r.qos for r in records])), sum(r.dropped for r in records) / n,
+        float(lpt_ms.mean()), float(np.percentile(lpt_ms, 50)),
+        float(np.percentile(lpt_ms, 90)), float(np.percentile(lpt_ms, 99)),
+        float((lpt <= limit_s).mean()) if len(lpt) else 0.0, n,
+        [sum(r.expert == e for r in records) / n for e in range(n_experts)])
+    return asdict(result) | {"error_rate": sum(r.error is not None for r in records) / n}
+
+
+def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, Any],
+           cap: int | None) -> dict[str, Any]:
+    rates = sorted(table, key=float)
+    ref = f"{args.reference_rate:g}" if args.reference_rate else rates[len(rates) // 2]
+    row = table[ref]
+    gain = row["qos_drl"]["avg_qos"] / row["baseline_rl"]["avg_qos"] - 1 \
+        if "qos_drl" in row and "baseline_rl" in row and row["baseline_rl"]["avg_qos"] > 0 \
+        else None
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    variants = args.variants.split(",")
+    fleet = {"kind": args.fleet, "backends": dict(DEFAULT_FLEET) if args.fleet == "emulated"
+             else {e: variants[i % len(variants)] for i, e in enumerate(experts)}}
+    return {"qos_gain_vs_baseline_rl_live": gain, "reference_lambda": float(ref),
+            "experts": list(experts), "fleet": fleet, "limit_ms": args.limit_ms,
+            "arrivals_per_run": args.arrivals, "lambdas": [float(r) for r in rates],
+            "seed": args.seed, "answer_cap_tokens": cap, "policies": list(table[rates[0]]),
+            "avg_qos": {r: {p: v["avg_qos"] for p, v in table[r].items()} for r in rates},
+            "table": table,
+            "command": " ".join(["python -m bench.qos_live", *sys.argv[1:]]),
+            "commit": commit}
+
+
+def merge(path: Path, result: dict[str, Any]) -> None:
+    """Add the live keys to the simulator's results, keeping every existing key."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data["qos_gain_vs_baseline_rl_live"] = result["qos_gain_vs_baseline_rl_live"]
+    if "qos_gain_vs_baseline_rl_note" in data:  # it said the live run was not done
+        data["qos_gain_vs_baseline_rl_note"] = GAIN_NOTE
+    data["live"] = {k: result[k] for k in ("reference_lambda", "fleet", "limit_ms",
+                                           "arrivals_per_run", "lambdas", "table",
+                                           "command", "commit")}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    short = " / ".join(result["experts"])
+    lines = [f"Live through `laneway serve` ({result['fleet']['kind']} fleet, one backend "
+             f"per expert), held-out prompts, L = {result['limit_ms']:g} ms/token, "
+             f"{result['arrivals_per_run']} Poisson arrivals per run (seed "
+             f"{result['seed']}). Expert share in the order {short}.\n",
+             "| λ | policy | avg QoS | drop | errors | lpt p50 ms | lpt p90 ms | within L "
+             "| expert share |", "|---|---|---|---|---|---|---|---|---|"]
+    for rate, row in result["table"].items():
+        for name, r in row.items():
+            share = " / ".join(f"{s:.0%}" for s in r["expert_share"])
+            lines.append(f"| {rate} | {name} | {r['avg_qos']:.3f} | {r['drop_rate']:.1%} | "
+                         f"{r['error_rate']:.1%} | {r['lpt_p50_ms']:.1f} | "
+                         f"{r['lpt_p90_ms']:.1f} | {r['within_limit']:.1%} | {share} |")
+    gain = result["qos_gain_vs_baseline_rl_live"]
+    lines.append(f"\nqos_drl vs Baseline RL at λ={result['reference_lambda']:g}: "
+                 + (f"{gain:+.1%}" if gain is not None else "n/a"))
+    return "\n".join(lines) + "\n"
