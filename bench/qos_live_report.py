@@ -20,8 +20,8 @@ from bench.qos_live_client import LiveRecord
 from bench.qos_setup import DEFAULT_FLEET
 from predictors.cli import REPO
 
-GAIN_NOTE = ("simulator: qos_gain_vs_baseline_rl_sim; live through the proxy (make "
-             "bench-qos-live): qos_gain_vs_baseline_rl_live")
+GAIN_NOTE = ("qos_gain_vs_baseline_rl is the live run's (make bench-qos-live, "
+             "= qos_gain_vs_baseline_rl_live); the simulator's: qos_gain_vs_baseline_rl_sim")
 
 
 def summarize(records: Sequence[LiveRecord], n_experts: int, limit_s: float
@@ -62,10 +62,22 @@ def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, An
             "commit": commit}
 
 
+def beats_all(table: dict[str, dict[str, dict[str, Any]]], policy: str = "qos_drl"
+              ) -> bool | None:
+    """Whether `policy` has the highest average QoS of its row at every λ."""
+    rows = [row for row in table.values() if policy in row and len(row) > 1]
+    if not rows:
+        return None
+    return all(row[policy]["avg_qos"] > max(r["avg_qos"] for n, r in row.items() if n != policy)
+               for row in rows)
+
+
 def merge(path: Path, result: dict[str, Any]) -> None:
     """Add the live keys to the simulator's results, keeping every existing key."""
     data = json.loads(path.read_text()) if path.exists() else {}
     data["qos_gain_vs_baseline_rl_live"] = result["qos_gain_vs_baseline_rl_live"]
+    data["qos_gain_vs_baseline_rl"] = result["qos_gain_vs_baseline_rl_live"]  # the issue's key
+    data["beats_all_baselines_every_lambda_live"] = beats_all(result["table"])
     if "qos_gain_vs_baseline_rl_note" in data:  # it said the live run was not done
         data["qos_gain_vs_baseline_rl_note"] = GAIN_NOTE
     data["live"] = {k: result[k] for k in ("reference_lambda", "fleet", "limit_ms",

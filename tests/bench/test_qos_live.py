@@ -21,7 +21,7 @@ from bench.qos_live_client import (
     schedule,
     token_count,
 )
-from bench.qos_live_report import GAIN_NOTE, markdown, merge, report, summarize
+from bench.qos_live_report import GAIN_NOTE, beats_all, markdown, merge, report, summarize
 from bench.qos_setup import fit_coefficients
 from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim
 
@@ -136,6 +136,10 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
     assert merged["qos_gain_vs_baseline_rl_sim"] == -0.33 and merged["commit"] == "abc"
     assert merged["qos_gain_vs_baseline_rl_note"] == GAIN_NOTE
     assert merged["qos_gain_vs_baseline_rl_live"] == pytest.approx(-0.25)
+    assert merged["qos_gain_vs_baseline_rl"] == merged["qos_gain_vs_baseline_rl_live"]
+    assert merged["beats_all_baselines_every_lambda_live"] is False  # 0.3 < 0.4 at λ=5
+    assert beats_all({"2": row(0.3, 0.2), "8": row(0.2, 0.1)}) is True
+    assert beats_all({"2": row(0.3, 0.3)}) is False and beats_all({}) is None
     assert merged["live"]["table"]["5"]["baseline_rl"]["avg_qos"] == 0.4
     text = markdown(result)
     assert "| 5 | qos_drl | 0.300 | 25.0% | 25.0% |" in text and "-25.0%" in text
