@@ -249,6 +249,10 @@ async def test_a_fleet_whose_scrapes_all_fail_still_serves_in_panic_mode(panic: 
     poller = {"interval_s": 30, "route_when_all_unhealthy": panic}
     async with fleet(FakeConfig(), FakeConfig(), poller=poller) as (proxy, _):
         registry = proxy.app.runtime.registry  # type: ignore[union-attr]
+        for _ in range(500):  # the first scrape's answers, or they would undo the publish
+            if all(registry.is_healthy(name) for name in ("f0", "f1")):
+                break
+            await asyncio.sleep(0.01)
         registry.publish({name: dataclasses.replace(stats, healthy=False)
                           for name, stats in registry.stats.items()})
         response = await post(proxy, CHAT)
