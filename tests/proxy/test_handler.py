@@ -248,11 +248,17 @@ async def test_a_fleet_whose_scrapes_all_fail_still_serves_in_panic_mode(panic: 
     panic mode routes anyway; without it the proxy answers 503 at once."""
     poller = {"interval_s": 30, "route_when_all_unhealthy": panic}
     async with fleet(FakeConfig(), FakeConfig(), poller=poller) as (proxy, _):
-        registry = proxy.app.runtime.registry  # type: ignore[union-attr]
-        for _ in range(500):  # the first scrape's answers, or they would undo the publish
-            if all(registry.is_healthy(name) for name in ("f0", "f1")):
+        runtime = proxy.app.runtime
+        assert runtime is not None
+        registry = runtime.registry
+        # Start-up polls once, then the poller's first tick polls again at once: wait for
+        # both rounds' answers (2 backends each) and their publication, or a late answer
+        # would undo the publish below. The next round is 30 s away.
+        for _ in range(500):
+            if runtime.poller.scrapes >= 4:
                 break
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
         registry.publish({name: dataclasses.replace(stats, healthy=False)
                           for name, stats in registry.stats.items()})
         response = await post(proxy, CHAT)
