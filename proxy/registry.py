@@ -17,8 +17,9 @@ class Registry:
 
     A model group (`model_groups` in the config) is a request model whose candidates
     are the healthy backends of every member model, in member order. With `panic`,
-    a model none of whose scraped, non-draining backends is healthy has those as
-    candidates (`poller.route_when_all_unhealthy`).
+    a model (or group) none of whose scraped, non-draining backends is healthy has
+    those as candidates (`poller.route_when_all_unhealthy`): a group with a healthy
+    member never routes to an unhealthy one.
     `stats` is replaced wholesale by `publish` (the poller's snapshot), so readers
     may hold on to it. The healthy candidates per model are derived once per
     snapshot, not once per request.
@@ -30,7 +31,6 @@ class Registry:
         self._backends: dict[str, Backend] = {}
         self._panic = panic
         self.panicking: frozenset[str] = frozenset()  # models and groups in panic mode
-        self._panicking_models: frozenset[str] = frozenset()
         self._groups: dict[str, tuple[str, ...]] = {}
         # Open requests per backend: via this proxy (`local_inflight`), and via every
         # replica (`inflight`, what policies see: local + the others' counts from the
@@ -151,30 +151,26 @@ class Registry:
             self._inflight[name] = self._local.get(name, 0) + self._remote.get(name, 0)
 
     def _rederive(self) -> None:
-        by_model: dict[str, list[Backend]] = {}
+        healthy: dict[str, list[Backend]] = {}
         scraped: dict[str, list[Backend]] = {}  # not draining, health known
         for backend in self._backends.values():
-            bucket = by_model.setdefault(backend.model, [])
+            bucket = healthy.setdefault(backend.model, [])
             if backend.name in self._draining or backend.name not in self.stats:
                 continue
             scraped.setdefault(backend.model, []).append(backend)
             if self.stats[backend.name].healthy:
                 bucket.append(backend)
-        panicking = {m for m, bs in by_model.items() if self._panic and not bs and scraped.get(m)}
-        for model in panicking:
-            by_model[model] = scraped[model]
-        for model in sorted(panicking ^ self._panicking_models):
-            if model in panicking:
-                log.warning("every backend of model %s is unhealthy: routing among all %d "
-                            "anyway (panic mode) until one is healthy", model,
-                            len(scraped[model]))
-            else:
-                log.info("model %s has a healthy backend again: panic mode off", model)
-        self._panicking_models = frozenset(panicking)
         for group, members in self._groups.items():
-            with_candidates = [m for m in members if by_model.get(m)]
-            by_model[group] = [b for m in with_candidates for b in by_model[m]]
-            if with_candidates and all(m in panicking for m in with_candidates):
-                panicking.add(group)
+            healthy[group] = [b for m in members for b in healthy.get(m, ())]
+            scraped[group] = [b for m in members for b in scraped.get(m, ())]
+        panicking = {k for k, bs in healthy.items() if self._panic and not bs and scraped.get(k)}
+        for key in sorted((panicking ^ self.panicking) & healthy.keys()):
+            if key in panicking:
+                log.warning("every backend of model %s is unhealthy: routing among all %d "
+                            "anyway (panic mode) until one is healthy", key,
+                            len(scraped[key]))
+            else:
+                log.info("model %s has a healthy backend again: panic mode off", key)
         self.panicking = frozenset(panicking)
-        self._healthy_by_model = {m: tuple(bs) for m, bs in by_model.items()}
+        self._healthy_by_model = {k: tuple(scraped[k] if k in panicking else bs)
+                                  for k, bs in healthy.items()}

@@ -93,6 +93,7 @@ def test_panic_mode_routes_among_unhealthy_backends_only_when_none_is_healthy() 
     reg.publish({"a": down, "b": down, "d": UP})  # c never scraped: stays out
     assert [b.name for b in reg.view("m1", 0.0).candidates] == ["a", "b"]
     assert reg.panicking == {"m1"} and reg.healthy_models() == ["m2", "team"]
+    assert [b.name for b in reg.view("team", 0.0).candidates] == ["d"]  # m2 is healthy
     reg.drain("a")
     assert [b.name for b in reg.view("m1", 0.0).candidates] == ["b"]
     reg.publish({"b": down, "d": down})
