@@ -24,12 +24,13 @@ from bench.qos_eval import (
     EvalResult,
     Router,
     agent_router,
+    beats_every_baseline,
     bert_router,
     evaluate,
     round_robin,
     shortest_queue,
 )
-from bench.qos_live_report import GAIN_NOTE
+from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS
 from bench.qos_setup import fleet, load_pools
 from bench.qos_sim import QosSim
 from bench.qos_train import default_dir
@@ -107,8 +108,7 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
             ) -> dict[str, Any]:
     table = sim["table"]
     qos_at = {rate: {name: row[name]["avg_qos"] for name in row} for rate, row in table.items()}
-    beats = all(q["qos_drl"] > max(v for k, v in q.items() if not k.startswith("qos_drl"))
-                for q in qos_at.values())
+    beats = beats_every_baseline(qos_at)
     ref = f"{args.reference_rate:g}"
     gain = qos_at[ref]["qos_drl"] / qos_at[ref]["baseline_rl"] - 1 \
         if qos_at[ref]["baseline_rl"] > 0 else None
@@ -212,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     result = summary(args, sim, decision_latency(args, prompts))
     if args.out.exists():  # the live run's keys (bench.qos_live) survive a simulator re-run
         previous = json.loads(args.out.read_text())
-        result |= {k: previous[k] for k in ("qos_gain_vs_baseline_rl_live", "live",
-                                            "beats_all_baselines_every_lambda_live")
-                   if k in previous}
+        result |= {k: previous[k] for k in LIVE_KEYS if k in previous}
         result["qos_gain_vs_baseline_rl"] = result.get("qos_gain_vs_baseline_rl_live")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

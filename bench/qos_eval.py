@@ -9,7 +9,7 @@ first; the RL agents (qos_drl, Baseline RL) act greedily on their state.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +52,13 @@ def agent_router(agent: SacAgent, greedy: bool = True) -> Router:
         return agent.act(batch_states([sim.state()]), greedy=greedy)[0]
 
     return route
+
+
+def beats_every_baseline(qos_at: Mapping[str, Mapping[str, float]]) -> bool:
+    """{λ: {policy: avg QoS}}: whether qos_drl is above every other policy (its own
+    variants, qos_drl_*, aside) at every λ."""
+    return all(q["qos_drl"] > max(v for k, v in q.items() if not k.startswith("qos_drl"))
+               for q in qos_at.values())
 
 
 @dataclass(frozen=True, slots=True)

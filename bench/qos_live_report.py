@@ -15,11 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.qos_eval import EvalResult
+from bench.qos_eval import EvalResult, beats_every_baseline
 from bench.qos_live_client import LiveRecord
 from bench.qos_setup import DEFAULT_FLEET
 from predictors.cli import REPO
 
+# what the live run adds to qos_drl.json (and a simulator re-run keeps)
+LIVE_KEYS = ("qos_gain_vs_baseline_rl_live", "beats_all_baselines_every_lambda_live", "live")
 GAIN_NOTE = ("qos_gain_vs_baseline_rl is the live run's (make bench-qos-live, "
              "= qos_gain_vs_baseline_rl_live); the simulator's: qos_gain_vs_baseline_rl_sim")
 
@@ -62,14 +64,12 @@ def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, An
             "commit": commit}
 
 
-def beats_all(table: dict[str, dict[str, dict[str, Any]]], policy: str = "qos_drl"
-              ) -> bool | None:
-    """Whether `policy` has the highest average QoS of its row at every λ."""
-    rows = [row for row in table.values() if policy in row and len(row) > 1]
-    if not rows:
-        return None
-    return all(row[policy]["avg_qos"] > max(r["avg_qos"] for n, r in row.items() if n != policy)
-               for row in rows)
+def beats_all(table: dict[str, dict[str, dict[str, Any]]]) -> bool | None:
+    """Whether qos_drl has the highest average QoS of its row at every λ (None: no row
+    to compare)."""
+    rows = {rate: {p: r["avg_qos"] for p, r in row.items()}
+            for rate, row in table.items() if "qos_drl" in row and len(row) > 1}
+    return beats_every_baseline(rows) if rows else None
 
 
 def merge(path: Path, result: dict[str, Any]) -> None:
