@@ -34,13 +34,13 @@ DEFAULT_FLEET = {
 def fit_coefficients(profile: Profile) -> Coefficients:
     step = profile.step
     prompts = [16, 64, 128, 256, 512, 768, 1024]
-    prefill = [step.seconds(p, 1, p, p * (p + 1) // 2) for p in prompts]
+    prefill = [step.seconds(p, 1, step.read_context(p), p * (p + 1) // 2) for p in prompts]
     xs, ys = [], []
     for seqs in (1, 4, 8, 16, 32, 64):
         for per_seq in (128, 256, 512, 1024):
             context = seqs * per_seq
             xs.append(float(context))
-            ys.append(step.seconds(seqs, seqs, context, context))
+            ys.append(step.seconds(seqs, seqs, seqs * step.read_context(per_seq), context))
     return Coefficients(max(0.0, fit_slope(prompts, prefill)), max(0.0, fit_slope(xs, ys)))
 
 

@@ -51,8 +51,9 @@ def _gpu_profiles(args: argparse.Namespace) -> int:
         profile = derive(gpu)
         dump_profile(profile, profile_path(gpu.name))
         step = profile.step
-        print(f"{gpu.name:10} decode 1 seq {step.seconds(1, 1, 1024, 1024) * 1e3:6.2f} ms, "
-              f"prefill 1024 {step.seconds(1024, 1, 1024, 1024 * 1025 // 2) * 1e3:6.1f} ms, "
+        context = step.read_context(1024)
+        print(f"{gpu.name:10} decode 1 seq {step.seconds(1, 1, context, 1024) * 1e3:6.2f} ms, "
+              f"prefill 1024 {step.seconds(1024, 1, context, 1024 * 1025 // 2) * 1e3:6.1f} ms, "
               f"KV {profile.kv_tokens:,} tokens")
     return 0
 

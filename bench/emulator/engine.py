@@ -173,12 +173,13 @@ class Engine:
         return True
 
     def step_seconds(self, batch: list[tuple[Sequence, int]]) -> float:
+        step = self.profile.step
         tokens = context = pairs = 0
         for seq, count in batch:
             tokens += count
-            context += seq.computed + count
+            context += step.read_context(seq.computed + count)
             pairs += count * seq.computed + count * (count + 1) // 2
-        return self.profile.step.seconds(tokens, len(batch), context, pairs)
+        return step.seconds(tokens, len(batch), context, pairs)
 
     def _on_step_end(self) -> None:
         now = self._now()

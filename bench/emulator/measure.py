@@ -6,7 +6,9 @@ hits; seeds fresh per run), `ignore_eos` so every answer has exactly `output_tok
 tokens. TTFT is the time to the first token; TPOT is (last token - first token) /
 (tokens - 1), with the token count taken from `usage`, since vLLM may pack several
 tokens into one chunk. Waves (`run_waves`) send `concurrency` requests at once and
-wait for all of them: the fit's probes.
+wait for all of them: the fit's probes. A decode probe counts TPOT only after the
+wave's last first token (`decode_only`): a wave whose prompts exceed one step's token
+budget prefills in chunks, and until then the others' steps carry prefill work.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -38,6 +40,7 @@ class Timing:
     ttft_s: float
     tpot_s: float
     tokens: int
+    events: tuple[float, ...] = ()  # perf_counter() of each streamed chunk with a choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +67,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str,
     body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
-    first = last = 0.0
+    events: list[float] = []
     tokens = 0
     async with session.post(f"{url}/v1/completions", data=orjson.dumps(body),
                             headers={"content-type": "application/json"}) as response:
@@ -76,11 +79,11 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str,
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             if event.get("choices"):
-                last = time.perf_counter()
-                first = first or last
-    if tokens < 2 or not first:
+                events.append(time.perf_counter())
+    if tokens < 2 or not events:
         raise RuntimeError(f"{url}: expected a streamed answer of several tokens")
-    return Timing(first - started, (last - first) / (tokens - 1), tokens)
+    return Timing(events[0] - started, (events[-1] - events[0]) / (tokens - 1), tokens,
+                  tuple(events))
 
 
 def _session() -> aiohttp.ClientSession:
@@ -121,16 +124,33 @@ def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
     return statistics.fmean(ordered[drop:len(ordered) - drop])
 
 
-async def run_waves(url: str, model: str, load: Load, seed: int = 0) -> list[Timing]:
-    """Waves of `concurrency` simultaneous requests, each wave after the last ends."""
+async def run_waves(url: str, model: str, load: Load, seed: int = 0,
+                    decode_only: bool = False) -> list[Timing]:
+    """Waves of `concurrency` simultaneous requests, each wave after the last ends;
+    `decode_only`: TPOT counted after each wave's last first token."""
     queue = prompts(load, seed)
     timings: list[Timing] = []
     async with _session() as session:
         for start in range(0, len(queue), load.concurrency):
-            timings += await asyncio.gather(*(
+            wave = await asyncio.gather(*(
                 stream_one(session, url, model, prompt_ids, load.output_tokens)
                 for prompt_ids in queue[start:start + load.concurrency]))
+            timings += after_prefills(wave) if decode_only else wave
     return timings
+
+
+def after_prefills(wave: Sequence[Timing]) -> list[Timing]:
+    """The wave's timings with TPOT over the chunks after its last first token (one
+    token per chunk; a request whose chunks carried several keeps its overall TPOT)."""
+    start = max(t.events[0] for t in wave)
+    out = []
+    for timing in wave:
+        after = [e for e in timing.events if e >= start]
+        if len(timing.events) != timing.tokens or len(after) < 3:
+            out.append(timing)
+        else:
+            out.append(replace(timing, tpot_s=(after[-1] - after[0]) / (len(after) - 1)))
+    return out
 
 
 def cpu_times() -> tuple[int, int]:

@@ -11,9 +11,9 @@ causal attention pairs it computes (n·p + n(n+1)/2; a decode token: its context
 `a` is the fixed cost (weights read once per step on a GPU, Python and launch
 overhead on CPU), `b` the per-token compute, `c` per-request work (sampling, output
 processing), `d` the KV read (what makes GPU decode slower with long contexts; on CPU
-the first `cached_context` entries a step reads come from the caches and cost
-nothing measurable), `e` the attention compute (what makes long prefills
-superlinear). `request_overhead_s` is
+the first `free_context_per_seq` entries of each request stay in the caches and cost
+nothing measurable, so `context` counts only what a request reads beyond them), `e`
+the attention compute (what makes long prefills superlinear). `request_overhead_s` is
 the API server's own work per request (parse, tokenize, hand to the engine, stream
 back), done before the request reaches the scheduler and one request at a time, as
 vLLM's single API-server process does it.
@@ -40,13 +40,18 @@ class StepModel(BaseModel):
     per_seq_s: float = Field(0.0, ge=0, description="c: per request in the batch")
     per_context_s: float = Field(0.0, ge=0, description="d: per KV entry read")
     per_pair_s: float = Field(0.0, ge=0, description="e: per attention pair computed")
-    cached_context: int = Field(0, ge=0, description="KV entries a step reads for free "
-                                "(on CPU they stay in the caches)")
+    free_context_per_seq: int = Field(
+        0, ge=0, description="KV entries per request a step reads at no measurable cost "
+        "(on CPU they stay in the caches)")
+
+    def read_context(self, kv_len: int) -> int:
+        """What a request whose step reads `kv_len` KV entries adds to `context`."""
+        return max(0, kv_len - self.free_context_per_seq)
 
     def seconds(self, tokens: int, seqs: int, context: int, pairs: int) -> float:
+        """`context`: the sum of `read_context` over the batch's requests."""
         return (self.base_s + self.per_token_s * tokens + self.per_seq_s * seqs
-                + self.per_context_s * max(0, context - self.cached_context)
-                + self.per_pair_s * pairs)
+                + self.per_context_s * context + self.per_pair_s * pairs)
 
 
 class Profile(BaseModel):

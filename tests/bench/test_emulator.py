@@ -164,10 +164,15 @@ def test_abort_frees_slot_and_blocks_at_once() -> None:
     assert not eng.advance() or not eng.running  # the in-flight step drops it
 
 
-def test_cached_context_is_read_for_free() -> None:
-    step = StepModel(base_s=0.0, per_token_s=0.0, per_context_s=1e-3, cached_context=100)
-    assert step.seconds(1, 1, 60, 60) == 0.0
-    assert step.seconds(1, 1, 160, 160) == pytest.approx(0.060)
+def test_each_request_reads_its_first_entries_for_free() -> None:
+    step = StepModel(base_s=0.0, per_token_s=0.0, per_context_s=1e-3, free_context_per_seq=100)
+    assert step.read_context(60) == 0 and step.read_context(160) == 60
+    eng = engine(step=step)
+    short, long = seq(59, 2), seq(159, 2, first=3000)
+    # one step of two requests reading 60 and 160 entries: only 60 beyond the free part
+    assert eng.step_seconds([(short, 60), (long, 160)]) == pytest.approx(0.060)
+    # the same 220 entries from one request: 120 beyond it
+    assert eng.step_seconds([(seq(219, 2, first=6000), 220)]) == pytest.approx(0.120)
 
 
 def test_fit_recovers_the_step_model_from_probe_values() -> None:
@@ -176,8 +181,8 @@ def test_fit_recovers_the_step_model_from_probe_values() -> None:
     plan = probes()
     values = [sum(f * truth[t] for f, t in zip(p.features(512), TERMS, strict=True))
               for p in plan]
-    terms, cached = best_fit(plan, values)
-    assert cached == 512
+    terms, free = best_fit(plan, values)
+    assert free == 512
     assert terms == pytest.approx(truth, rel=1e-6)
 
 
@@ -339,3 +344,16 @@ def test_calibration_against_real_vllm_at_reduced_size(tmp_path: Path) -> None:
     assert [level["concurrency"] for level in result["levels"]] == [1, 4, 16]
     assert result["max_rel_error_ttft"] <= 0.5, result
     assert result["max_rel_error_tpot"] <= 0.5, result
+
+
+def test_a_decode_probe_counts_only_steps_after_the_waves_prefills() -> None:
+    from bench.emulator.measure import Timing, after_prefills
+
+    # the first request decodes through the second's prefill (a 1 s chunk), then both
+    # decode at 10 ms a token
+    early = Timing(0.1, 0.0, 5, (0.1, 1.1, 1.11, 1.12, 1.13))
+    late = Timing(1.1, 0.0, 4, (1.1, 1.11, 1.12, 1.13))
+    packed = Timing(0.1, 0.7, 6, (0.1, 1.1, 1.12, 1.13))  # a chunk of several tokens
+    kept = after_prefills([early, late, packed])
+    assert [t.tpot_s for t in kept[:2]] == pytest.approx([0.01, 0.01])
+    assert kept[2] == packed
