@@ -3,8 +3,8 @@
 (a) Simulator (bench/qos_sim.py: emulator engines, held-out prompts): average QoS,
 drop rate and latency per token of qos_drl, Baseline RL, BERT router, round robin and
 shortest queue first at several λ, the same arrivals for every policy. Decision
-latency of the `qos_drl` policy object itself (bucket predictor + state + HAN + actor)
-on CPU. Writes docs/results/qos_drl.json, qos_drl.md and qos_drl/*.png.
+latency of `qos_drl` as the proxy runs it (bench/qos_latency.py). Writes
+docs/results/qos_drl.json, qos_drl.md and qos_drl/*.png.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench import qos_latency
 from bench.qos_eval import (
     EvalResult,
     Router,
@@ -69,39 +68,6 @@ def run_simulator(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                   f"{result.drop_rate:.1%} lpt p50 {result.lpt_p50_ms:.1f} ms", flush=True)
         table[f"{rate:g}"] = row
     return {"predictions": {"source": source}, "table": table}
-
-
-def decision_latency(args: argparse.Namespace, prompts: list[str]) -> dict[str, float]:
-    """p50/p99 of QosDrl.pick on CPU (1 thread), predictor included, 6 expert backends."""
-    import torch
-
-    from policies.qos_drl import QosDrl, QosDrlParams
-    from predictors.base import NO_PREDICTION
-    from proxy.types import Backend, BackendStats, ClusterView, RequestContext
-
-    torch.set_num_threads(1)
-    policy = QosDrl(QosDrlParams(checkpoint=str(args.checkpoint), buckets=str(args.buckets)))
-    backends = tuple(Backend(f"b{i}", f"http://b{i}", e) for i, e in enumerate(policy.experts))
-    stats = {b.name: BackendStats(running=3, waiting=1, kv_usage=0.3, tpot_s=0.02,
-                                  healthy=True, updated_at=1.0) for b in backends}
-    total, agent_only = [], []
-    for i, prompt in enumerate(prompts):
-        ctx = RequestContext(f"r{i}", "chat", "qos", prompt, (), True, 256)
-        view = ClusterView(backends, stats, {}, time.monotonic())
-        started = time.perf_counter()
-        policy.pick(ctx, NO_PREDICTION, view)
-        total.append((time.perf_counter() - started) * 1000)
-        policy.book.finished(ctx.request_id)  # keep the in-flight book small
-    saved, policy.predictor = policy.predictor, None  # the state + HAN + actor alone
-    for i, prompt in enumerate(prompts):
-        ctx = RequestContext(f"a{i}", "chat", "qos", prompt, (), True, 256)
-        started = time.perf_counter()
-        policy.pick(ctx, NO_PREDICTION, ClusterView(backends, stats, {}, time.monotonic()))
-        agent_only.append((time.perf_counter() - started) * 1000)
-    policy.predictor = saved
-    return {"decision_p50_ms": statistics.median(total[5:]),
-            "decision_p99_ms": sorted(total[5:])[int(0.99 * (len(total) - 6))],
-            "agent_only_p50_ms": statistics.median(agent_only[5:])}
 
 
 def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, float]
@@ -154,9 +120,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"\nqos_drl vs Baseline RL at λ={result['qos_gain_reference_lambda']:g}: "
                  f"{gain:+.1%}" if gain is not None else "\nBaseline RL QoS is 0")
     lines.append(f"Beats every baseline at every λ: {result['beats_all_baselines_every_lambda']}")
-    lines.append(f"Decision (QosDrl.pick, predictor included, CPU 1 thread): p50 "
-                 f"{result['decision_p50_ms']:.1f} ms, p99 {result['decision_p99_ms']:.1f} ms; "
-                 f"without the predictor {result['agent_only_p50_ms']:.2f} ms")
+    lines.append(qos_latency.markdown(result))
     return "\n".join(lines) + "\n"
 
 
@@ -198,18 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-ms", type=float, default=30.0)
     parser.add_argument("--arrivals", type=int, default=600)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="decision latency with the int8 encoder (qos_drl's default)")
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # one small graph per decision: more threads only contend
     sim = run_simulator(args)
-    from predictors.buckets_data import load_rows
-    from predictors.length_data import token_counter
-
-    _, rows = load_rows(args.data, token_counter("words"))
-    prompts = [r.prompt for r in rows if r.id % 5 == 0][:120]
-    result = summary(args, sim, decision_latency(args, prompts))
+    latency = qos_latency.measure(
+        qos_latency.heldout_prompts(args.data, 160), args.checkpoint, args.buckets,
+        args.int8, qos_latency.RATES, args.reference_rate)
+    result = summary(args, sim, latency)
     if args.out.exists():  # the live run's keys (bench.qos_live) survive a simulator re-run
         previous = json.loads(args.out.read_text())
         result |= {k: previous[k] for k in LIVE_KEYS if k in previous}

@@ -2,11 +2,13 @@
 a HAN state encoder and a discrete SAC actor; the action set is the N experts + drop.
 
 At start the policy loads the trained agent (`laneway train qos-drl`) and the bucket
-predictor (`laneway train buckets`). Per request it predicts score and length buckets
-on every expert, builds the state graph from live `BackendStats` (KV use, running,
-waiting) and the requests it routed itself and has not yet seen finish (their
-generated tokens estimated from elapsed time and the backend's TPOT), masks experts
-with no candidate backend, and acts greedily. Drop → `Decision.drop` → 503
+predictor (`laneway train buckets`). Per request it takes the predicted score and length
+buckets on every expert (in the proxy from its bucket stage, `proxy/stages.py`: the
+encoder runs in a worker thread, batched across concurrent arrivals), builds the
+state graph from live `BackendStats` (KV use, running, waiting) and the requests it
+routed itself and has not yet seen finish (their generated tokens estimated from
+elapsed time and the backend's TPOT), masks experts with no candidate backend, and
+acts greedily. Drop → `Decision.drop` → 503
 `request_dropped` with the reason.
 
 Online learning (`learn_online`, off by default): each outcome's QoS is estimated as
@@ -41,6 +43,9 @@ class QosDrlParams(BaseModel):
     checkpoint: str = Field(description="agent checkpoint of `laneway train qos-drl`")
     buckets: str | None = Field(None, description="bucket predictor artifact (None: "
                                 "no predictions, the paper's ablation)")
+    buckets_int8: bool = Field(True, description="the predictor's encoder quantized to "
+                               "int8: half the CPU time, same held-out accuracy (`laneway "
+                               "evaluate buckets --int8`); false: float")
     experts: dict[str, str] = Field(default_factory=dict, description="backend model or "
                                     "name -> expert name of the checkpoint (default: same)")
     limit_ms: float = Field(30.0, gt=0, description="L: latency per token requirement")
@@ -50,6 +55,10 @@ class QosDrlParams(BaseModel):
     learn_online: bool = Field(False, description="keep training on observed outcomes")
     online_warmup: int = Field(256, gt=0, description="transitions before updates")
     online_batch: int = Field(32, gt=0)
+    predict_max_batch: int = Field(16, gt=0, description="prompts per encoder batch "
+                                   "(arrivals during a batch go together in the next)")
+    predict_timeout_s: float = Field(2.0, gt=0, description="longer: decide without "
+                                     "predictions")
     mode: Literal["agent", "bert_router"] = Field(
         "agent", description="agent: the checkpoint's actor; bert_router: the paper's "
         "BERT-router baseline, argmax of the predicted score (needs `buckets`; no drops)")
@@ -75,7 +84,7 @@ class QosDrl:
         if params.buckets is not None:
             from predictors.buckets import load_artifact
 
-            self.predictor = load_artifact(Path(params.buckets))
+            self.predictor = load_artifact(Path(params.buckets), int8=params.buckets_int8)
             if list(self.predictor.experts) != self.experts:
                 raise ValueError("bucket predictor and checkpoint name different experts")
         elif params.mode == "bert_router":
@@ -86,18 +95,29 @@ class QosDrl:
         self.learner = OnlineLearner(self.agent, params.online_warmup, params.online_batch) \
             if params.learn_online else None
 
-    def predict(self, prompt: str) -> tuple[list[float], list[float]]:
+    @property
+    def params(self) -> QosDrlParams:
+        return self._p
+
+    def predict(self, prompt: str, pred: Prediction) -> tuple[list[float], list[float]]:
+        """Per expert (score, length): from the proxy's bucket stage when it ran (off
+        the event loop, batched), else computed here; zeros without a predictor."""
+        none = [0.0] * len(self.experts)
+        if pred.expert_scores is not None and pred.expert_lengths is not None:
+            if not pred.expert_scores:  # the stage's predictor failed or timed out
+                return none, list(none)
+            return list(pred.expert_scores), list(pred.expert_lengths)
         if self.predictor is None:
-            return [0.0] * len(self.experts), [0.0] * len(self.experts)
-        pred = self.predictor.predict_batch([prompt])[0]
-        return list(pred.score), list(pred.length)
+            return none, list(none)
+        got = self.predictor.predict_batch([prompt])[0]
+        return list(got.score), list(got.length)
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         import torch
 
         from policies.qos_sac import batch_states
 
-        scores, lengths = self.predict(ctx.prompt_text)
+        scores, lengths = self.predict(ctx.prompt_text, pred)
         prompt_tokens = max(1, int(len(ctx.prompt_text) / self._p.chars_per_token))
         backends = self._backends(view)
         if self._p.mode == "bert_router":

@@ -24,6 +24,11 @@ class Prediction:
     # ELDR: the request's expert signature (unit vector, predictors/experts.py), known
     # after a prefill leg on an MoE backend with the laneway_eldr plugin.
     expert_signature: tuple[float, ...] | None = None
+    # qos_drl: per expert of the bucket predictor, the predicted generation score and
+    # output length (bucket midpoints), computed off the event loop (proxy/stages.py);
+    # () when the predictor failed or timed out.
+    expert_scores: tuple[float, ...] | None = None
+    expert_lengths: tuple[float, ...] | None = None
 
 
 NO_PREDICTION = Prediction()

@@ -80,11 +80,16 @@ def _evaluate(args: argparse.Namespace) -> int:
     score_b, length_b = Buckets(meta["score_top"]), Buckets(meta["length_top"])
     test_labels = labels(test, score_b, length_b)
     train_labels = labels(train, score_b, length_b)
-    methods = {"minilm": encoder_scores(predictor, test, *test_labels),
-               "tfidf_logreg": tfidf_scores(train, test, train_labels, test_labels),
-               "majority_bucket": majority_scores(train_labels, test_labels),
-               "paper_distilbert": PAPER}
-    timing = latency(predictor, [r.prompt for r in test], (1, 4, 8, 16))
+    prompts = [r.prompt for r in test]
+    methods = {"minilm": encoder_scores(predictor, test, *test_labels)}
+    timing = {"minilm": latency(predictor, prompts, (1, 4, 8, 16))}
+    if args.int8:
+        quantized = load_artifact(args.artifact, int8=True)
+        methods["minilm_int8"] = encoder_scores(quantized, test, *test_labels)
+        timing["minilm_int8"] = latency(quantized, prompts, (1, 4, 8, 16))
+    methods |= {"tfidf_logreg": tfidf_scores(train, test, train_labels, test_labels),
+                "majority_bucket": majority_scores(train_labels, test_labels),
+                "paper_distilbert": PAPER}
     result = summary(meta, methods, timing, len(test))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -94,7 +99,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def summary(meta: dict[str, Any], methods: dict[str, dict[str, float]],
-            timing: dict[str, float], n_prompts: int) -> dict[str, Any]:
+            timing: dict[str, dict[str, float]], n_prompts: int) -> dict[str, Any]:
     return {"predictor": "buckets_minilm", "artifact_version": meta["version"],
             "experts": meta["experts"], "score": meta["score"], "unit": meta["unit"],
             "heldout": meta["heldout"], "heldout_prompts": n_prompts,
@@ -113,8 +118,9 @@ def markdown(result: dict[str, Any]) -> str:
     for name, m in result["methods"].items():
         lines.append(f"| {name} | {m['top1_score']:.1%} | {m['top3_score']:.1%} | "
                      f"{m['top1_length']:.1%} | {m['top3_length']:.1%} |")
-    lines.append("\nCPU latency (1 thread), ms per request: " + ", ".join(
-        f"{k} {v:.1f}" for k, v in result["latency_cpu_1_thread"].items()))
+    for name, timing in result["latency_cpu_1_thread"].items():
+        lines.append(f"\nCPU latency of {name} (1 thread), ms per request: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in timing.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -135,4 +141,7 @@ def add_evaluate(evaluate: Any) -> None:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--artifact", type=Path, default=default_artifact())
     p.add_argument("--out", type=Path, default=DEFAULT_RESULTS)
+    p.add_argument("--int8", action="store_true",
+                   help="also the encoder with its linear layers quantized to int8 "
+                   "(qos_drl's `buckets_int8`)")
     p.set_defaults(func=_evaluate)

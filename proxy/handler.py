@@ -148,10 +148,9 @@ class Exchange:
         rt, ctx = self.rt, self.ctx
         tried: list[str] = []
         failures: list[UpstreamFailure] = []
-        pred = self._predict()
-        if rt.prefill_stage is not None:  # ELDR, PD mode: the signature from a prefill leg
-            pred = await rt.prefill_stage.predict(
-                ctx, self.data, pred, rt.registry.view(ctx.model, time.monotonic()))
+        pred = await rt.router.prepare(  # e.g. ELDR's prefill leg, qos_drl's encoder
+            ctx, self.data, self._predict(),
+            lambda: rt.registry.view(ctx.model, time.monotonic()))
         body = self.body if self.tracking is None else tracked_body(self.data, self.tracking)
         stream = ctx.stream or self.tracking is not None
         for _ in range(rt.settings.upstream.max_attempts):

@@ -33,7 +33,8 @@ def switch_policy(rt: Runtime, name: str, params: dict[str, Any]) -> None:
 
     Raises `UnknownPolicyError` or pydantic's `ValidationError`."""
     policy = build_policy(name, params)
-    rt.router = Router(policy, rt.metrics, log_decisions=rt.settings.debug.log_decisions)
+    rt.replace_router(Router(policy, rt.metrics,
+                             log_decisions=rt.settings.debug.log_decisions))
     policy_cfg = rt.settings.policy.model_copy(update={"name": name, "params": params})
     rt.settings = rt.settings.model_copy(update={"policy": policy_cfg})
     log.info("policy switched to %s %s", name, params)

@@ -1,13 +1,17 @@
-"""Run the configured policy: time every decision and explain it in the log."""
+"""Run the configured policy: its stages (proxy/stages.py), then the pick; time every
+decision and explain it in the log."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from policies.base import Policy, Rerouting
 from predictors.base import Prediction
 from proxy.metrics import Metrics
+from proxy.stages import Stage, stages_for
 from proxy.types import ClusterView, Decision, Outcome, Progress, RequestContext
 
 log = logging.getLogger("laneway.routing")
@@ -21,11 +25,23 @@ class Router:
         self._log_level = logging.INFO if log_decisions else logging.DEBUG
         reroute = getattr(policy, "reroute", None)
         self._rerouting: Rerouting | None = policy if callable(reroute) else None  # type: ignore[assignment]
+        self.stages: list[Stage] = stages_for(policy)
 
     @property
     def reroutes(self) -> bool:
         """Whether the policy checks running streams (then they are tracked)."""
         return self._rerouting is not None
+
+    async def prepare(self, ctx: RequestContext, data: dict[str, Any], pred: Prediction,
+                      view: Callable[[], ClusterView]) -> Prediction:
+        """`pred` completed by the policy's stages, in order (none for most policies)."""
+        for stage in self.stages:
+            pred = await stage.predict(ctx, data, pred, view())
+        return pred
+
+    async def close(self) -> None:
+        for stage in self.stages:
+            await stage.close()
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         started = time.perf_counter()

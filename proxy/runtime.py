@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -26,9 +25,6 @@ from proxy.state import build_store, new_replica_id
 from proxy.state.replicator import Replicator
 from proxy.types import Backend, Outcome, RequestContext
 
-if TYPE_CHECKING:
-    from proxy.eldr_stage import PrefillStage
-
 log = logging.getLogger("laneway")
 
 
@@ -44,14 +40,6 @@ def backends_from(settings: Settings) -> list[Backend]:
     ]
 
 
-def prefill_stage_for(policy: object) -> PrefillStage | None:
-    """ELDR in PD mode routes in two stages (proxy/eldr_stage.py)."""
-    from policies.eldr import Eldr
-    from proxy.eldr_stage import PrefillStage
-
-    return PrefillStage(policy) if isinstance(policy, Eldr) and policy.pd else None
-
-
 class Runtime:
     def __init__(self, settings: Settings, config_path: str | None = None) -> None:
         self.settings = settings
@@ -61,7 +49,7 @@ class Runtime:
         self.metrics = Metrics(self.registry)
         policy = build_policy(settings.policy.name, settings.policy.params)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)
-        self.prefill_stage = prefill_stage_for(policy)
+        self._retired: set[asyncio.Task[None]] = set()  # routers of earlier policies
         length = settings.predictors.length
         self.predictor = load_length_predictor(length.artifact, length.model_map,
                                                length.fallback_key)
@@ -105,8 +93,25 @@ class Runtime:
         await self.replicator.store.close()
         await self._relay_session.close()
         await self.poller.scraper.close()
-        if self.prefill_stage is not None:
-            await self.prefill_stage.close()
+        for task in self._retired:
+            task.cancel()  # each closes its router's stages as it ends
+        await asyncio.gather(*self._retired, return_exceptions=True)
+        await self.router.close()
+
+    def replace_router(self, router: Router, grace_s: float = 60.0) -> None:
+        """Route with `router` from now on; the old one's stages close after `grace_s`
+        (requests it already prepared may still be using them)."""
+        old, self.router = self.router, router
+
+        async def retire() -> None:
+            try:
+                await asyncio.sleep(grace_s)
+            finally:
+                await old.close()
+
+        task = asyncio.get_running_loop().create_task(retire())
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
 
     def predict(self, ctx: RequestContext) -> Prediction:
         """The request's predicted cost, for `router.pick` (synchronous, ≤ 1 ms)."""

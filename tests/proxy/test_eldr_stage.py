@@ -15,7 +15,7 @@ from predictors.base import NO_PREDICTION
 from predictors.eldr_fit import EldrModel
 from predictors.experts import SignatureSpec, normalize
 from proxy.eldr_stage import PrefillStage
-from proxy.runtime import prefill_stage_for
+from proxy.stages import stages_for
 from proxy.types import Backend, ClusterView
 from tests.policies.helpers import ctx
 
@@ -69,8 +69,8 @@ async def test_a_failed_lookup_leaves_the_prediction_without_a_signature() -> No
 
 
 async def test_only_eldr_in_pd_mode_gets_a_prefill_stage() -> None:
-    assert prefill_stage_for(Eldr(EldrParams(artifact="-"), MODEL)) is None
-    stage = prefill_stage_for(eldr())
+    assert stages_for(Eldr(EldrParams(artifact="-"), MODEL)) == []
+    [stage] = stages_for(eldr())
     assert isinstance(stage, PrefillStage)
     await stage.close()
 

@@ -1,0 +1,187 @@
+"""Decision latency of `qos_drl` as the proxy runs it (issue 8: ≤ 5 ms with predictors;
+the bucket predictor ≤ 10 ms p50 with batching across concurrent arrivals).
+
+    python -m bench.qos_latency [--no-int8] [--rates 5 20 50]   # merges into qos_drl.json
+
+On one CPU thread for the agent and one for the encoder, 6 expert backends, held-out
+prompts:
+
+* `agent_only`: `QosDrl.pick` with the predictions given (state + HAN + actor);
+* `inline`: `pick` computing the predictions itself, one request at a time (what a
+  caller without the proxy's stage gets);
+* `arrivals`: the proxy's path, per Poisson rate λ: the bucket stage
+  (`proxy/stages.py`: encoder in a worker thread, arrivals during a batch go together
+  in the next one) then `pick`; per request the stage's wait and the whole decision.
+
+`decision_p50_ms` in qos_drl.json is the whole decision at the reference λ (5 req/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.qos_train import default_dir
+from predictors.buckets_cli import default_artifact
+from predictors.cli import DEFAULT_DATA, REPO
+
+RESULTS = REPO / "docs" / "results"
+RATES = (5.0, 20.0, 50.0)
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 3)
+
+
+class Bench:
+    def __init__(self, checkpoint: Path, buckets: Path, int8: bool) -> None:
+        from policies.qos_drl import QosDrl, QosDrlParams
+        from proxy.types import Backend, BackendStats
+
+        self.policy = QosDrl(QosDrlParams(checkpoint=str(checkpoint), buckets=str(buckets),
+                                          buckets_int8=int8))
+        self.backends = tuple(Backend(f"b{i}", f"http://b{i}", e)
+                              for i, e in enumerate(self.policy.experts))
+        self.stats = {b.name: BackendStats(running=3, waiting=1, kv_usage=0.3, tpot_s=0.02,
+                                           healthy=True, updated_at=1.0)
+                      for b in self.backends}
+        self._n = 0
+
+    def context(self, prompt: str) -> Any:
+        from proxy.types import RequestContext
+
+        self._n += 1
+        return RequestContext(f"r{self._n}", "chat", "qos", prompt, (), True, 256)
+
+    def pick(self, ctx: Any, pred: Any) -> None:
+        from proxy.types import ClusterView
+
+        self.policy.pick(ctx, pred, ClusterView(self.backends, self.stats, {},
+                                                time.monotonic()))
+        self.policy.book.finished(ctx.request_id)  # keep the in-flight book small
+
+    def timed(self, prompts: Sequence[str], given: bool) -> list[float]:
+        from predictors.base import NO_PREDICTION, Prediction
+
+        out = []
+        staged = Prediction(expert_scores=(0.5,) * 6, expert_lengths=(200.0,) * 6)
+        for prompt in prompts:
+            ctx = self.context(prompt)
+            started = time.perf_counter()
+            self.pick(ctx, staged if given else NO_PREDICTION)
+            out.append((time.perf_counter() - started) * 1000)
+        return out[5:]
+
+    async def arrivals(self, prompts: Sequence[str], rate: float, seed: int
+                       ) -> dict[str, float]:
+        from predictors.base import NO_PREDICTION
+        from proxy.stages import stages_for
+        from proxy.types import ClusterView
+
+        [stage] = stages_for(self.policy)
+        view = ClusterView(self.backends, self.stats, {}, 0.0)
+        waits: list[float] = []
+        totals: list[float] = []
+
+        async def one(prompt: str) -> None:
+            ctx = self.context(prompt)
+            started = time.perf_counter()
+            pred = await stage.predict(ctx, {}, NO_PREDICTION, view)
+            waits.append((time.perf_counter() - started) * 1000)
+            self.pick(ctx, pred)
+            totals.append((time.perf_counter() - started) * 1000)
+
+        rng = random.Random(seed)
+        await one(prompts[0])  # warm-up: the worker thread starts
+        waits.clear()
+        totals.clear()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one(prompt)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+        batcher = stage.batcher  # type: ignore[attr-defined]
+        await stage.close()
+        return {"rate": rate, "requests": len(totals),
+                "stage_p50_ms": pct(waits, 50), "stage_p99_ms": pct(waits, 99),
+                "decision_p50_ms": pct(totals, 50), "decision_p99_ms": pct(totals, 99),
+                "mean_batch": round(batcher.items / max(1, batcher.batches), 2)}
+
+
+def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, int8: bool,
+            rates: Sequence[float], reference: float) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    bench = Bench(checkpoint, buckets, int8)
+    bench.timed(prompts[:10], given=False)  # warm-up
+    agent = bench.timed(prompts, given=True)
+    inline = bench.timed(prompts, given=False)
+    under = [asyncio.run(bench.arrivals(prompts, rate, seed=int(rate)))
+             for rate in rates]
+    ref = next(row for row in under if row["rate"] == reference)
+    return {"decision_p50_ms": ref["decision_p50_ms"], "decision_p99_ms": ref["decision_p99_ms"],
+            "agent_only_p50_ms": round(statistics.median(agent), 3),
+            "decision_latency": {
+                "predictor_int8": int8, "reference_rate": reference,
+                "agent_only_p50_ms": round(statistics.median(agent), 3),
+                "agent_only_p99_ms": pct(agent, 99),
+                "inline_p50_ms": round(statistics.median(inline), 3),
+                "inline_p99_ms": pct(inline, 99), "arrivals": under}}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    d = result["decision_latency"]
+    rows = "; ".join(f"λ={r['rate']:g}: stage p50 {r['stage_p50_ms']:.1f} ms, decision p50 "
+                     f"{r['decision_p50_ms']:.1f} / p99 {r['decision_p99_ms']:.1f} ms "
+                     f"(mean batch {r['mean_batch']:.2f})" for r in d["arrivals"])
+    return (f"Decision latency (CPU, one thread each for the agent and the "
+            f"{'int8' if d['predictor_int8'] else 'float'} encoder): agent alone p50 "
+            f"{d['agent_only_p50_ms']:.2f} ms; predictor inline p50 {d['inline_p50_ms']:.1f} "
+            f"ms; through the bucket stage under Poisson arrivals: {rows}")
+
+
+def heldout_prompts(data: Path, n: int) -> list[str]:
+    """The held-out split's prompts (`id % 5 == 0`), as every qos evaluation uses."""
+    from predictors.buckets_data import load_rows, split
+    from predictors.length_data import token_counter
+
+    _, rows = load_rows(data, token_counter("words"))
+    return [r.prompt for r in split(rows)[1]][:n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--buckets", type=Path, default=default_artifact())
+    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
+    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="the int8 encoder (qos_drl's default buckets_int8)")
+    parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))
+    parser.add_argument("--reference-rate", type=float, default=5.0)
+    parser.add_argument("--prompts", type=int, default=160)
+    parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json")
+    args = parser.parse_args(argv)
+    if args.reference_rate not in args.rates:
+        parser.error("--reference-rate must be one of --rates")
+    result = measure(heldout_prompts(args.data, args.prompts), args.checkpoint, args.buckets,
+                     args.int8, args.rates, args.reference_rate)
+    print(markdown(result))
+    if args.out.exists():
+        merged = json.loads(args.out.read_text()) | result
+        args.out.write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"merged into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
