@@ -73,7 +73,8 @@ class Bench:
         from predictors.base import NO_PREDICTION, Prediction
 
         out = []
-        staged = Prediction(expert_scores=(0.5,) * 6, expert_lengths=(200.0,) * 6)
+        n = len(self.policy.experts)
+        staged = Prediction(expert_scores=(0.5,) * n, expert_lengths=(200.0,) * n)
         for prompt in prompts:
             ctx = self.context(prompt)
             started = time.perf_counter()
@@ -84,10 +85,11 @@ class Bench:
     async def arrivals(self, prompts: Sequence[str], rate: float, seed: int
                        ) -> dict[str, float]:
         from predictors.base import NO_PREDICTION
-        from proxy.stages import stages_for
+        from proxy.stages import BucketStage, stages_for
         from proxy.types import ClusterView
 
         [stage] = stages_for(self.policy)
+        assert isinstance(stage, BucketStage)
         view = ClusterView(self.backends, self.stats, {}, 0.0)
         waits: list[float] = []
         totals: list[float] = []
@@ -109,12 +111,11 @@ class Bench:
             tasks.append(asyncio.create_task(one(prompt)))
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
-        batcher = stage.batcher  # type: ignore[attr-defined]
         await stage.close()
         return {"rate": rate, "requests": len(totals),
                 "stage_p50_ms": pct(waits, 50), "stage_p99_ms": pct(waits, 99),
                 "decision_p50_ms": pct(totals, 50), "decision_p99_ms": pct(totals, 99),
-                "mean_batch": round(batcher.items / max(1, batcher.batches), 2)}
+                "mean_batch": round(stage.batcher.items / max(1, stage.batcher.batches), 2)}
 
 
 def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, int8: bool,

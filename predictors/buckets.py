@@ -79,14 +79,25 @@ def new_model(experts: Sequence[str]) -> tuple[BucketModel, Any]:
     return BucketModel(encoder, len(experts)), tokenizer
 
 
+def token_ids(tokenizer: Any, prompts: Sequence[str], n_experts: int, max_len: int
+              ) -> list[list[int]]:
+    """Per prompt, its token ids with every expert token prepended, truncated to max_len."""
+    prefix = "".join(expert_tokens(n_experts))
+    ids: list[list[int]] = tokenizer([prefix + p for p in prompts], truncation=True,
+                                     max_length=max_len)["input_ids"]
+    return ids
+
+
+def pad(tokenizer: Any, ids: Sequence[list[int]]) -> dict[str, torch.Tensor]:
+    batch: dict[str, torch.Tensor] = tokenizer.pad({"input_ids": list(ids)},
+                                                   return_tensors="pt")
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
 def encode(tokenizer: Any, prompts: Sequence[str], n_experts: int, max_len: int
            ) -> dict[str, torch.Tensor]:
-    """Token ids with every expert token prepended; truncated to max_len, padded."""
-    prefix = "".join(expert_tokens(n_experts))
-    batch: dict[str, torch.Tensor] = tokenizer(
-        [prefix + p for p in prompts], truncation=True, max_length=max_len,
-        padding=True, return_tensors="pt")
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    """`token_ids`, padded to the longest: one batch."""
+    return pad(tokenizer, token_ids(tokenizer, prompts, n_experts, max_len))
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +125,11 @@ class BucketPredictor:
     def logits(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(score, length) logits [len(prompts), n_experts, N_BUCKETS], in input order,
         computed in groups of similar length (`length_groups`)."""
-        prefix = "".join(expert_tokens(len(self.experts)))
-        ids: list[list[int]] = self.tokenizer(
-            [prefix + p for p in prompts], truncation=True,
-            max_length=int(self.meta["max_len"]))["input_ids"]
+        ids = token_ids(self.tokenizer, prompts, len(self.experts), int(self.meta["max_len"]))
         shape = (len(prompts), len(self.experts), N_BUCKETS)
         score, length = torch.empty(shape), torch.empty(shape)
         for group in length_groups([len(i) for i in ids]):
-            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in group]},
-                                       return_tensors="pt")
+            batch = pad(self.tokenizer, [ids[i] for i in group])
             score[group], length[group] = self.model(batch["input_ids"],
                                                      batch["attention_mask"])
         return score, length

@@ -122,18 +122,14 @@ class BucketStage:
         def run(prompts: list[str]) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
             return [(p.score, p.length) for p in predictor.predict_batch(prompts)]
 
-        self._batcher: MicroBatcher[str, tuple[tuple[float, ...], tuple[float, ...]]] = \
+        self.batcher: MicroBatcher[str, tuple[tuple[float, ...], tuple[float, ...]]] = \
             MicroBatcher(run, max_batch, "laneway-buckets")
         self._timeout_s = timeout_s
-
-    @property
-    def batcher(self) -> MicroBatcher[str, tuple[tuple[float, ...], tuple[float, ...]]]:
-        return self._batcher
 
     async def predict(self, ctx: RequestContext, data: dict[str, Any], pred: Prediction,
                       view: ClusterView) -> Prediction:
         try:
-            scores, lengths = await asyncio.wait_for(self._batcher(ctx.prompt_text),
+            scores, lengths = await asyncio.wait_for(self.batcher(ctx.prompt_text),
                                                      self._timeout_s)
         except Exception as exc:  # a model failing costs its prediction, not the request
             log.warning("request %s: bucket predictor %s; deciding without predictions",
@@ -143,4 +139,4 @@ class BucketStage:
         return dataclasses.replace(pred, expert_scores=scores, expert_lengths=lengths)
 
     async def close(self) -> None:
-        self._batcher.close()
+        self.batcher.close()
