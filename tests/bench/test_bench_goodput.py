@@ -77,6 +77,16 @@ def test_a_real_fleet_gets_a_lighter_default_workload() -> None:
     assert float(real[rate]) < float(emulated[rate]) and real[-1] == "/s"
 
 
+def test_an_emulated_fleet_gets_load_in_proportion_to_its_size() -> None:
+    def args(spec: str) -> dict[str, str]:
+        given = bench_goodput.default_workload(spec, "/s")
+        return dict(zip(given[::2], given[1::2], strict=True))
+
+    small, large = args("emulated:64"), args("emulated:512")
+    assert (small["--rate"], small["--requests"], small["--max-output"]) == ("16", "240", "512")
+    assert (large["--rate"], large["--requests"], large["--max-output"]) == ("128", "1920", "256")
+
+
 def test_the_mooncake_tag_replays_the_trace_with_longer_answers(tmp_path: Path) -> None:
     from bench.tiny_models import DEFAULT_SHARED
     from bench.workloads import load
