@@ -125,7 +125,8 @@ train-buckets: install
 	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl
 
 evaluate-buckets: install
-	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl
+	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--runtime torch-int8 --runtime onnx --runtime onnx-int8
 
 # HAN + discrete SAC and the Baseline RL agent on the simulator (20 min each)
 # → .laneway/policies/qos-drl-v1, qos-baseline-rl-v1 (checkpoints, learning curve PNG)

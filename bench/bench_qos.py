@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-ms", type=float, default=30.0)
     parser.add_argument("--arrivals", type=int, default=600)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
-                        help="decision latency with the int8 encoder (qos_drl's default)")
+    qos_latency.add_runtime_argument(parser)  # the encoder's, for the decision latency
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json")
     args = parser.parse_args(argv)
     import torch
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = run_simulator(args)
     latency = qos_latency.measure(
         qos_latency.heldout_prompts(args.data, 160), args.checkpoint, args.buckets,
-        args.int8, qos_latency.RATES, args.reference_rate)
+        args.runtime, qos_latency.RATES, args.reference_rate)
     result = summary(args, sim, latency)
     if args.out.exists():  # the live run's keys (bench.qos_live) survive a simulator re-run
         previous = json.loads(args.out.read_text())

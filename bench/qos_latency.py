@@ -1,7 +1,7 @@
 """Decision latency of `qos_drl` as the proxy runs it (issue 8: ≤ 5 ms with predictors;
 the bucket predictor ≤ 10 ms p50 with batching across concurrent arrivals).
 
-    python -m bench.qos_latency [--no-int8] [--rates 5 20 50]   # merges into qos_drl.json
+    python -m bench.qos_latency [--runtime onnx-int8] [--rates 5 20 50]  # merges into qos_drl.json
 
 On one CPU thread for the agent and one for the encoder, 6 expert backends, held-out
 prompts:
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.qos_train import default_dir
+from predictors.base import BUCKET_RUNTIMES, BucketRuntime
 from predictors.buckets_cli import default_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
@@ -43,12 +44,12 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 class Bench:
-    def __init__(self, checkpoint: Path, buckets: Path, int8: bool) -> None:
+    def __init__(self, checkpoint: Path, buckets: Path, runtime: BucketRuntime) -> None:
         from policies.qos_drl import QosDrl, QosDrlParams
         from proxy.types import Backend, BackendStats
 
         self.policy = QosDrl(QosDrlParams(checkpoint=str(checkpoint), buckets=str(buckets),
-                                          buckets_int8=int8))
+                                          buckets_runtime=runtime))
         self.backends = tuple(Backend(f"b{i}", f"http://b{i}", e)
                               for i, e in enumerate(self.policy.experts))
         self.stats = {b.name: BackendStats(running=3, waiting=1, kv_usage=0.3, tpot_s=0.02,
@@ -118,12 +119,12 @@ class Bench:
                 "mean_batch": round(stage.batcher.items / max(1, stage.batcher.batches), 2)}
 
 
-def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, int8: bool,
+def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, runtime: BucketRuntime,
             rates: Sequence[float], reference: float) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    bench = Bench(checkpoint, buckets, int8)
+    bench = Bench(checkpoint, buckets, runtime)
     bench.timed(prompts[:10], given=False)  # warm-up
     agent = bench.timed(prompts, given=True)
     inline = bench.timed(prompts, given=False)
@@ -133,7 +134,7 @@ def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, int8: bool,
     return {"decision_p50_ms": ref["decision_p50_ms"], "decision_p99_ms": ref["decision_p99_ms"],
             "agent_only_p50_ms": round(statistics.median(agent), 3),
             "decision_latency": {
-                "predictor_int8": int8, "reference_rate": reference,
+                "predictor_runtime": runtime, "reference_rate": reference,
                 "agent_only_p50_ms": round(statistics.median(agent), 3),
                 "agent_only_p99_ms": pct(agent, 99),
                 "inline_p50_ms": round(statistics.median(inline), 3),
@@ -146,7 +147,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{r['decision_p50_ms']:.1f} / p99 {r['decision_p99_ms']:.1f} ms "
                      f"(mean batch {r['mean_batch']:.2f})" for r in d["arrivals"])
     return (f"Decision latency (CPU, one thread each for the agent and the "
-            f"{'int8' if d['predictor_int8'] else 'float'} encoder): agent alone p50 "
+            f"{d['predictor_runtime']} encoder): agent alone p50 "
             f"{d['agent_only_p50_ms']:.2f} ms; predictor inline p50 {d['inline_p50_ms']:.1f} "
             f"ms; through the bucket stage under Poisson arrivals: {rows}")
 
@@ -160,13 +161,21 @@ def heldout_prompts(data: Path, n: int) -> list[str]:
     return [r.prompt for r in split(rows)[1]][:n]
 
 
+def add_runtime_argument(parser: argparse.ArgumentParser) -> None:
+    from policies.qos_drl import QosDrlParams
+
+    parser.add_argument("--runtime", choices=BUCKET_RUNTIMES,
+                        default=QosDrlParams.model_fields["buckets_runtime"].default,
+                        help="how the encoder runs (qos_drl's buckets_runtime; default: "
+                        "the policy's)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--buckets", type=Path, default=default_artifact())
     parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
-    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
-                        help="the int8 encoder (qos_drl's default buckets_int8)")
+    add_runtime_argument(parser)
     parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))
     parser.add_argument("--reference-rate", type=float, default=5.0)
     parser.add_argument("--prompts", type=int, default=160)
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference_rate not in args.rates:
         parser.error("--reference-rate must be one of --rates")
     result = measure(heldout_prompts(args.data, args.prompts), args.checkpoint, args.buckets,
-                     args.int8, args.rates, args.reference_rate)
+                     args.runtime, args.rates, args.reference_rate)
     print(markdown(result))
     if args.out.exists():
         merged = json.loads(args.out.read_text()) | result

@@ -29,12 +29,12 @@ import random
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.base import register
 from policies.qos_impact import Coefficients, qos
 from policies.qos_state import ExpertState, build_state
-from predictors.base import Prediction
+from predictors.base import BucketRuntime, Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
 
 
@@ -43,9 +43,12 @@ class QosDrlParams(BaseModel):
     checkpoint: str = Field(description="agent checkpoint of `laneway train qos-drl`")
     buckets: str | None = Field(None, description="bucket predictor artifact (None: "
                                 "no predictions, the paper's ablation)")
-    buckets_int8: bool = Field(True, description="the predictor's encoder quantized to "
-                               "int8: half the CPU time, same held-out accuracy (`laneway "
-                               "evaluate buckets --int8`); false: float")
+    buckets_runtime: BucketRuntime = Field(
+        "onnx-int8", description="how the predictor runs: torch (float), torch-int8, onnx "
+        "(float), onnx-int8 (ONNX Runtime, fused graph, int8 weights: the fastest, within "
+        "0.3 points of float held out; `laneway evaluate buckets --runtime`)")
+    buckets_int8: bool | None = Field(None, description="deprecated, read as buckets_runtime "
+                                      "torch-int8 (true) or torch (false)")
     experts: dict[str, str] = Field(default_factory=dict, description="backend model or "
                                     "name -> expert name of the checkpoint (default: same)")
     limit_ms: float = Field(30.0, gt=0, description="L: latency per token requirement")
@@ -63,6 +66,18 @@ class QosDrlParams(BaseModel):
         "agent", description="agent: the checkpoint's actor; bert_router: the paper's "
         "BERT-router baseline, argmax of the predicted score (needs `buckets`; no drops)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _runtime_from_int8(cls, data: Any) -> Any:
+        """Configs written for `buckets_int8` keep the runtime they meant."""
+        if not isinstance(data, dict) or not isinstance(data.get("buckets_int8"), bool):
+            return data
+        meant = "torch-int8" if data["buckets_int8"] else "torch"
+        if data.get("buckets_runtime", meant) != meant:
+            raise ValueError(f"buckets_int8: {data['buckets_int8']} contradicts "
+                             f"buckets_runtime: {data['buckets_runtime']}; drop buckets_int8")
+        return {**data, "buckets_runtime": meant}
+
 
 @register
 class QosDrl:
@@ -74,7 +89,7 @@ class QosDrl:
         import torch
 
         from policies.qos_online import InflightBook, OnlineLearner
-        from policies.qos_sac import load_checkpoint
+        from policies.qos_sac import GreedyActor, load_checkpoint
 
         torch.set_num_threads(1)  # small graphs, one at a time: 2 threads are 15x slower
         self._p = params
@@ -84,7 +99,7 @@ class QosDrl:
         if params.buckets is not None:
             from predictors.buckets import load_artifact
 
-            self.predictor = load_artifact(Path(params.buckets), int8=params.buckets_int8)
+            self.predictor = load_artifact(Path(params.buckets), params.buckets_runtime)
             if list(self.predictor.experts) != self.experts:
                 raise ValueError("bucket predictor and checkpoint name different experts")
         elif params.mode == "bert_router":
@@ -94,6 +109,7 @@ class QosDrl:
         self.book = InflightBook(params.limit_ms / 1000, params.default_tpot_s)
         self.learner = OnlineLearner(self.agent, params.online_warmup, params.online_batch) \
             if params.learn_online else None
+        self.greedy = GreedyActor(self.agent) if self.learner is None else None
 
     @property
     def params(self) -> QosDrlParams:
@@ -125,7 +141,9 @@ class QosDrl:
         states = [self._expert_state(b, view) for b in backends]
         graph = build_state(prompt_tokens, scores, lengths, states, self._p.limit_ms / 1000)
         mask = torch.tensor([[self._p.allow_drop, *(b is not None for b in backends)]])
-        action = self.agent.act(batch_states([graph]), greedy=True, mask=mask)[0]
+        g = batch_states([graph])
+        action = self.greedy(g, mask) if self.greedy is not None else \
+            self.agent.act(g, greedy=True, mask=mask)[0]
         if self.learner is not None:
             chosen = backends[action - 1] if action else None
             self.learner.decided(graph, action, self.book.impact(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from policies.qos_han import HAN
-from policies.qos_state import REQ_FEATURES, GraphState
+from policies.qos_state import REQ_FEATURES, ExpertState, GraphState, build_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,39 @@ class SacAgent(nn.Module):
         online = [*self.encoder.parameters(), *self.q1.parameters(), *self.q2.parameters()]
         for target, source in zip(self.target.parameters(), online, strict=True):
             target.mul_(1 - self.config.tau).add_(source, alpha=self.config.tau)
+
+
+class _MaskedLogits(nn.Module):
+    def __init__(self, agent: SacAgent) -> None:
+        super().__init__()
+        self.agent = agent
+
+    def forward(self, g: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        return self.agent.logits(g, mask)
+
+
+class GreedyActor:
+    """`agent.act(g, greedy=True, mask)` for one state at a time, as a traced and frozen
+    TorchScript graph: the same logits without the per-module Python dispatch (~150
+    small ops; eager 1.8-3.6 ms, traced 0.9-1.1 ms here). The shapes are fixed
+    (N experts, `cap` request nodes), so one trace holds for every state. It copies the
+    weights: an agent that keeps learning must be traced again (qos_drl uses the
+    eager agent when `learn_online` is on)."""
+
+    def __init__(self, agent: SacAgent) -> None:
+        n = agent.config.n_experts
+        idle = [ExpertState(0.0, 0, 0, (), ())] * n
+        example = batch_states([build_state(1, [0.0] * n, [0.0] * n, idle, 1.0)])
+        mask = torch.ones(1, n + 1, dtype=torch.bool)
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit: deprecated, works
+            traced = torch.jit.trace(  # type: ignore[no-untyped-call]
+                _MaskedLogits(agent).eval(), (example, mask))
+            self._graph = torch.jit.freeze(traced)
+
+    def __call__(self, g: dict[str, torch.Tensor], mask: torch.Tensor) -> int:
+        with torch.inference_mode():
+            return int(self._graph(g, mask).argmax(-1)[0])
 
 
 def save_checkpoint(path: Path, agent: SacAgent, meta: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 if TYPE_CHECKING:
     from proxy.types import RequestContext
@@ -32,6 +32,11 @@ class Prediction:
 
 
 NO_PREDICTION = Prediction()
+
+# How qos_drl's bucket predictor runs (predictors/buckets.py `load_artifact`); named
+# here so the policy's params can say it without importing torch.
+BucketRuntime = Literal["torch", "torch-int8", "onnx", "onnx-int8"]
+BUCKET_RUNTIMES: tuple[BucketRuntime, ...] = get_args(BucketRuntime)
 
 
 class Predictor(Protocol):

@@ -15,10 +15,12 @@ Inference cost on a CPU: one forward pass is compute-bound (~23 ms for a median
 prompt on one AVX2 thread here). `predict_batch` sorts the prompts by length and runs
 them in groups padded by at most `PAD_SLACK` (padding a short prompt to a long one's
 length costs more than batching saves); similar lengths batch well (4-8 prompts:
-~12 ms per prompt). `load_artifact(int8=True)` quantizes the encoder's linear layers
-to int8 (PyTorch dynamic quantization, weights int8, activations quantized per
-batch): about half the time again, at a cost in agreement with the float model that
-`laneway evaluate buckets --int8` reports.
+~12 ms per prompt). `load_artifact(runtime=...)` picks how the model runs
+(`BucketRuntime`): PyTorch float; PyTorch with the encoder's linear layers quantized to
+int8 (dynamic quantization: about half the time, 89 % / 85 % argmax agreement with
+float on score / length); ONNX Runtime, float or int8 (`predictors/buckets_onnx.py`:
+fused graph, 6-8 ms per median prompt in int8, 98 % / 96 % agreement), the default of
+qos_drl. `laneway evaluate buckets --runtime R` reports each one's accuracy and time.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from predictors.base import BUCKET_RUNTIMES, BucketRuntime
 from predictors.buckets_data import N_BUCKETS, Buckets
 
 PAD_SLACK = 1.25  # a group's padded tokens / its real tokens, at most
@@ -100,6 +103,13 @@ def encode(tokenizer: Any, prompts: Sequence[str], n_experts: int, max_len: int
     return pad(tokenizer, token_ids(tokenizer, prompts, n_experts, max_len))
 
 
+class BucketForward(Protocol):
+    """`BucketModel`'s call, whatever runs it (PyTorch, ONNX Runtime)."""
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class BucketPrediction:
     """Per expert (artifact order): predicted bucket and its midpoint value."""
@@ -113,8 +123,8 @@ class BucketPrediction:
 class BucketPredictor:
     """A loaded artifact: `predict_batch(prompts)` → one `BucketPrediction` per prompt."""
 
-    def __init__(self, model: BucketModel, tokenizer: Any, meta: dict[str, Any]) -> None:
-        self.model = model.eval()
+    def __init__(self, model: BucketForward, tokenizer: Any, meta: dict[str, Any]) -> None:
+        self.model = model
         self.tokenizer = tokenizer
         self.meta = meta
         self.experts: list[str] = list(meta["experts"])
@@ -170,20 +180,38 @@ def save_artifact(path: Path, model: BucketModel, tokenizer: Any, meta: dict[str
     (path / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def load_artifact(path: Path, int8: bool = False) -> BucketPredictor:
-    """The artifact at `path`; `int8`: its encoder's linear layers quantized to int8."""
-    from transformers import AutoModel, AutoTokenizer
+def load_artifact(path: Path, runtime: BucketRuntime = "torch") -> BucketPredictor:
+    """The artifact at `path`, run by `runtime` (module docstring)."""
+    from transformers import AutoTokenizer
 
+    if runtime not in BUCKET_RUNTIMES:
+        raise ValueError(f"bucket runtime {runtime!r}: one of {', '.join(BUCKET_RUNTIMES)}")
     meta = json.loads((path / "meta.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(path / "encoder", local_files_only=True)
-    encoder = AutoModel.from_pretrained(path / "encoder", local_files_only=True)
+    model: BucketForward
+    if runtime.startswith("onnx"):
+        from predictors.buckets_onnx import load_onnx
+
+        model = load_onnx(path, int8=runtime == "onnx-int8")
+    else:
+        model = torch_model = load_model(path).eval()
+        if runtime == "torch-int8":
+            torch_model.encoder = quantize_int8(torch_model.encoder)
+    return BucketPredictor(model, tokenizer, {**meta, "runtime": runtime})
+
+
+def load_model(path: Path, attn_implementation: str | None = None) -> BucketModel:
+    """The artifact's `BucketModel` in PyTorch (float)."""
+    from transformers import AutoModel
+
+    meta = json.loads((path / "meta.json").read_text())
+    encoder = AutoModel.from_pretrained(path / "encoder", local_files_only=True,
+                                        attn_implementation=attn_implementation)
     model = BucketModel(encoder, len(meta["experts"]))
     heads = torch.load(path / "heads.pt", weights_only=True)
     model.score_head.load_state_dict(heads["score"])
     model.length_head.load_state_dict(heads["length"])
-    if int8:
-        model.encoder = quantize_int8(model.encoder)
-    return BucketPredictor(model, tokenizer, {**meta, "int8": int8})
+    return model
 
 
 def quantize_int8(encoder: Any) -> Any:

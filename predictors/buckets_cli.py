@@ -3,8 +3,8 @@
 Train fine-tunes the MiniLM bucket predictor on the training split (ids % 5 != 0) and
 writes a versioned artifact (default `$LANEWAY_HOME/predictors/buckets-minilm-v1`).
 Evaluate scores it on the held-out split against the paper's figures and a TF-IDF +
-logistic regression baseline, times it on CPU, and writes
-docs/results/bucket_predictor.{json,md}.
+logistic regression baseline, times it on CPU (PyTorch float, and each `--runtime`
+asked for: `METHODS` names its row), and writes docs/results/bucket_predictor.{json,md}.
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.tiny_models import laneway_home
+from predictors.base import BUCKET_RUNTIMES
 from predictors.cli import DEFAULT_DATA, REPO
 
 DEFAULT_RESULTS = REPO / "docs" / "results" / "bucket_predictor.json"
 PAPER = {"top1_score": 0.6339, "top3_score": 0.9778, "top1_length": 0.7297,
          "top3_length": 0.8471}
+METHODS = {"torch": "minilm", "torch-int8": "minilm_int8", "onnx": "minilm_onnx",
+           "onnx-int8": "minilm_onnx_int8"}  # row of each runtime in the results
 
 
 def default_artifact() -> Path:
@@ -71,8 +74,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from predictors.length_data import token_counter
 
     torch.set_num_threads(1)
-    predictor = load_artifact(args.artifact)
-    meta = predictor.meta
+    meta = json.loads((args.artifact / "meta.json").read_text())
     unit = str(meta["unit"])
     counter = token_counter(unit.removeprefix("tiny-bpe:") if unit != "words" else "words")
     _, rows = load_rows(args.data, counter)
@@ -81,12 +83,13 @@ def _evaluate(args: argparse.Namespace) -> int:
     test_labels = labels(test, score_b, length_b)
     train_labels = labels(train, score_b, length_b)
     prompts = [r.prompt for r in test]
-    methods = {"minilm": encoder_scores(predictor, test, *test_labels)}
-    timing = {"minilm": latency(predictor, prompts, (1, 4, 8, 16))}
-    if args.int8:
-        quantized = load_artifact(args.artifact, int8=True)
-        methods["minilm_int8"] = encoder_scores(quantized, test, *test_labels)
-        timing["minilm_int8"] = latency(quantized, prompts, (1, 4, 8, 16))
+    asked = {"torch", *(args.runtime or []), *(["torch-int8"] if args.int8 else [])}
+    methods: dict[str, dict[str, float]] = {}
+    timing: dict[str, dict[str, float]] = {}
+    for runtime in (r for r in BUCKET_RUNTIMES if r in asked):
+        predictor = load_artifact(args.artifact, runtime)
+        methods[METHODS[runtime]] = encoder_scores(predictor, test, *test_labels)
+        timing[METHODS[runtime]] = latency(predictor, prompts, (1, 4, 8, 16))
     methods |= {"tfidf_logreg": tfidf_scores(train, test, train_labels, test_labels),
                 "majority_bucket": majority_scores(train_labels, test_labels),
                 "paper_distilbert": PAPER}
@@ -141,7 +144,7 @@ def add_evaluate(evaluate: Any) -> None:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--artifact", type=Path, default=default_artifact())
     p.add_argument("--out", type=Path, default=DEFAULT_RESULTS)
-    p.add_argument("--int8", action="store_true",
-                   help="also the encoder with its linear layers quantized to int8 "
-                   "(qos_drl's `buckets_int8`)")
+    p.add_argument("--runtime", action="append", choices=BUCKET_RUNTIMES,
+                   help="also this runtime (repeatable; qos_drl's `buckets_runtime`)")
+    p.add_argument("--int8", action="store_true", help="the same as --runtime torch-int8")
     p.set_defaults(func=_evaluate)

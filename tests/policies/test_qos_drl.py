@@ -198,3 +198,28 @@ async def test_through_the_proxy_the_encoder_runs_in_the_stage_thread(
     assert [r.status_code for r in answers] == [200] * 3
     assert {r.headers["x-laneway-backend"] for r in answers} == {"f1"}  # expert "b"
     assert model.threads == ["laneway-buckets_0"] * 3
+
+
+def test_the_bucket_runtime_param_and_its_deprecated_int8_form(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from policies.qos_drl import QosDrlParams
+
+    path = str(checkpoint(tmp_path, 0, experts=list(_Buckets.experts)))
+    loaded: list[str] = []
+
+    def load(_: Path, runtime: str) -> _Buckets:
+        loaded.append(runtime)
+        return _Buckets((0.5,) * 3)
+
+    monkeypatch.setattr(buckets, "load_artifact", load)
+    for given, runtime in (({}, "onnx-int8"), ({"buckets_runtime": "torch"}, "torch"),
+                           ({"buckets_int8": True}, "torch-int8"),
+                           ({"buckets_int8": False}, "torch")):
+        build_policy("qos_drl", {"checkpoint": path, "buckets": "x", **given})
+        assert loaded.pop() == runtime
+    with pytest.raises(ValidationError, match="contradicts"):
+        QosDrlParams(checkpoint=path, buckets_int8=True, buckets_runtime="onnx-int8")
+    with pytest.raises(ValidationError, match="buckets_runtime"):
+        QosDrlParams(checkpoint=path, buckets_runtime="onnx-int4")  # type: ignore[arg-type]

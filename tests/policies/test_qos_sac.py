@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from policies.qos_replay import Replay
-from policies.qos_sac import SacAgent, SacConfig, batch_states, load_checkpoint, save_checkpoint
+from policies.qos_sac import (
+    GreedyActor,
+    SacAgent,
+    SacConfig,
+    batch_states,
+    load_checkpoint,
+    save_checkpoint,
+)
 from policies.qos_state import ExpertState, GraphState, RequestFeatures, build_state
 
 
@@ -48,6 +55,24 @@ def test_action_mask_is_respected() -> None:
     mask = torch.tensor([[False, False, True]])  # no drop, expert 0 missing
     g = batch_states([state(1)])
     assert {agent.act(g, greedy=False, mask=mask)[0] for _ in range(30)} == {2}
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_the_traced_actor_acts_as_the_eager_one(graph: bool) -> None:
+    torch.manual_seed(1)
+    agent = SacAgent(SacConfig(n_experts=2, graph=graph))
+    greedy = GreedyActor(agent)
+    masks = [torch.tensor([[True, True, True]]), torch.tensor([[False, True, False]])]
+    chosen = set()
+    for seed in range(40):
+        g, mask = batch_states([state(seed % 6, seed=seed)]), masks[seed % 2]
+        with torch.no_grad():
+            logits = agent.logits(g, mask)
+        action = greedy(g, mask)
+        assert action == agent.act(g, greedy=True, mask=mask)[0]
+        assert logits[0, action] == logits.max()
+        chosen.add(action)
+    assert 1 in chosen  # the masked rows force expert 0 at least
 
 
 def _replay() -> Replay:

@@ -103,7 +103,8 @@ def test_real_minilm_artifact_predicts_the_same_in_groups_and_int8_loads(
     for i in range(len(prompts)):  # padding inside a group changes nothing
         assert torch.allclose(grouped[0][i], alone[i][0][0], atol=1e-4)
         assert torch.allclose(grouped[1][i], alone[i][1][0], atol=1e-4)
-    quantized = load_artifact(tmp_path, int8=True)
-    query = quantized.model.encoder.encoder.layer[0].attention.self.query
-    assert quantized.meta["int8"] and "quantized.dynamic" in type(query).__module__
+    quantized = load_artifact(tmp_path, "torch-int8")
+    query = quantized.model.encoder.encoder.layer[0].attention.self.query  # type: ignore[attr-defined]
+    assert quantized.meta["runtime"] == "torch-int8"
+    assert "quantized.dynamic" in type(query).__module__
     assert len(quantized.predict_batch(prompts)) == 4
