@@ -8,8 +8,8 @@ one fleet. Baselines ignore the SLO, so one run each serves every scale;
 goodput reads each request's deadline (`x-laneway-slo-ms` = scale x solo latency on
 the fastest backend), so it runs once per scale, and its goodput at scale s comes
 from its run at s. Variants: goodput (length predictor + migration), without
-migration, with the paper's move rule (`rescue_only: false`: also moves that still
-miss the SLO), with the oracle length (max_tokens, the real answer length here).
+migration, moving only streams the move rescues (`rescue_only`; the paper's rule
+also moves those that still miss), with the oracle length (max_tokens, the real answer length here).
 Writes `docs/results/goodput.json` and, per fleet, `docs/results/goodput/<fleet>/`
 (table.md, goodput_vs_scale.png, the harness report of the baselines).
 """
@@ -74,7 +74,7 @@ def variants(with_predictor: bool) -> list[Variant]:
     goodput = [Variant("goodput", "goodput", {}, True, with_predictor),
                Variant("goodput-no-migration", "goodput", {"migrate": False}, True,
                        with_predictor),
-               Variant("goodput-paper-moves", "goodput", {"rescue_only": False}, True,
+               Variant("goodput-rescue-only", "goodput", {"rescue_only": True}, True,
                        with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput

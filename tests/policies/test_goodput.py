@@ -138,13 +138,13 @@ def test_rectification_uses_the_overrun_rule_and_can_be_disabled() -> None:
 
 def test_rescue_only_skips_moves_that_still_miss_the_slo() -> None:
     # 350 tokens left on b2 at 40 ms (finish 16 s); the SLO is 5 s. b0 would finish at
-    # 2 + 3.5 = 5.5 s: sooner, but still late. The paper's rule moves it (least
-    # overrun); rescue_only keeps it where it is. With an SLO of 6 s b0 rescues it.
+    # 2 + 3.5 = 5.5 s: sooner, but still late. The paper's rule (the default) moves it
+    # (least overrun); rescue_only keeps it where it is. With an SLO of 6 s b0 rescues it.
     args = (Prediction(output_tokens=400), progress(FLEET[2], 50, 2.0, 0.040),
             view(FLEET[:2], stats=stats()))
-    paper = policy(handoff_s=0.0, rescue_only=False).reroute(request(5.0, max_tokens=400),
-                                                             *args)
+    paper = policy(handoff_s=0.0).reroute(request(5.0, max_tokens=400), *args)
     assert paper is not None and paper.backend.name == "b0"
-    assert policy(handoff_s=0.0).reroute(request(5.0, max_tokens=400), *args) is None
-    rescued = policy(handoff_s=0.0).reroute(request(6.0, max_tokens=400), *args)
+    rescue = policy(handoff_s=0.0, rescue_only=True)
+    assert rescue.reroute(request(5.0, max_tokens=400), *args) is None
+    rescued = rescue.reroute(request(6.0, max_tokens=400), *args)
     assert rescued is not None and rescued.backend.name == "b0"
