@@ -41,6 +41,10 @@ def test_ratio_against_the_best_baseline_at_each_scale() -> None:
     assert out["best_baseline"] == "lr"  # mean 0.425 vs 0.4
     assert set(out) == {"goodput_ratio_vs_best_baseline", "best_baseline",
                         "best_baseline_per_scale"}
+    none_met = {"rr": {"1": 0.0, "2": 0.5}, "lr": {"1": 0.0, "2": 0.25},
+                "goodput": {"1": 0.1, "2": 1.0}}
+    assert ratios(none_met, ["rr", "lr"], "goodput", SCALES)[
+        "goodput_ratio_vs_best_baseline"] == {"1": None, "2": 2.0, "mean": 2.0}
 
 
 def test_variants_cover_the_issue() -> None:
