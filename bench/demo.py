@@ -23,6 +23,7 @@ import openai
 import yaml
 
 from bench.proxy_process import running_proxy
+from bench.report import pct
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".laneway"
@@ -83,11 +84,6 @@ async def workload(url: str, models: list[str], prompts: list[str], concurrency:
                 return await one(sdk, models[i % len(models)], prompt, stream=i // 2 % 2 == 0)
 
         return await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def table(results: list[Result]) -> str:

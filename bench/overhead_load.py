@@ -14,6 +14,8 @@ from typing import Any
 
 import aiohttp
 
+from bench.report import pct
+
 CHAT_PATH = "/v1/chat/completions"
 _BLOCKS = 10  # latency legs alternate in this many blocks, so drift hits both alike
 
@@ -22,11 +24,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _chat(model: str, tokens: int, stream: bool) -> dict[str, Any]:

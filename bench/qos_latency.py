@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.qos_train import default_dir
+from bench.report import pct
 from predictors.base import BUCKET_RUNTIMES, BucketRuntime
 from predictors.buckets_cli import default_artifact
 from predictors.cli import DEFAULT_DATA, REPO
@@ -38,9 +39,8 @@ RESULTS = REPO / "docs" / "results"
 RATES = (5.0, 20.0, 50.0)
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 3)
+def ms(values: Sequence[float], q: float) -> float:
+    return round(pct(values, q), 3)
 
 
 class Bench:
@@ -114,8 +114,8 @@ class Bench:
         await asyncio.gather(*tasks)
         await stage.close()
         return {"rate": rate, "requests": len(totals),
-                "stage_p50_ms": pct(waits, 50), "stage_p99_ms": pct(waits, 99),
-                "decision_p50_ms": pct(totals, 50), "decision_p99_ms": pct(totals, 99),
+                "stage_p50_ms": ms(waits, 0.5), "stage_p99_ms": ms(waits, 0.99),
+                "decision_p50_ms": ms(totals, 0.5), "decision_p99_ms": ms(totals, 0.99),
                 "mean_batch": round(stage.batcher.items / max(1, stage.batcher.batches), 2)}
 
 
@@ -131,14 +131,15 @@ def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, runtime: Bu
     under = [asyncio.run(bench.arrivals(prompts, rate, seed=int(rate)))
              for rate in rates]
     ref = next(row for row in under if row["rate"] == reference)
+    agent_p50 = round(statistics.median(agent), 3)
     return {"decision_p50_ms": ref["decision_p50_ms"], "decision_p99_ms": ref["decision_p99_ms"],
-            "agent_only_p50_ms": round(statistics.median(agent), 3),
+            "agent_only_p50_ms": agent_p50,
             "decision_latency": {
                 "predictor_runtime": runtime, "reference_rate": reference,
-                "agent_only_p50_ms": round(statistics.median(agent), 3),
-                "agent_only_p99_ms": pct(agent, 99),
+                "agent_only_p50_ms": agent_p50,
+                "agent_only_p99_ms": ms(agent, 0.99),
                 "inline_p50_ms": round(statistics.median(inline), 3),
-                "inline_p99_ms": pct(inline, 99), "arrivals": under}}
+                "inline_p99_ms": ms(inline, 0.99), "arrivals": under}}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -64,6 +64,13 @@ class Summary:
     qos_requests: int
 
 
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0-1) of `values` by nearest rank: an observed value, never an
+    interpolation between two."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def percentiles(values: Sequence[float]) -> Percentiles | None:
     if not values:
         return None

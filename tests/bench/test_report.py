@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from bench.plots import inflight_series
-from bench.report import QosConfig, summarize
+from bench.report import QosConfig, pct, summarize
 from bench.results import Migration, RequestResult, RunFile, read, writing
 from bench.solo import SoloLatencies
 from bench.tables import latency_table, slo_table
@@ -146,3 +146,9 @@ def test_report_command_writes_tables_and_pngs(tmp_path: Path,
     for name in pngs:
         data = (out / f"{name}.png").read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+
+
+def test_pct_is_the_nearest_rank_an_observed_value() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert [pct(values, q) for q in (0.0, 0.5, 0.99, 1.0)] == [1.0, 3.0, 5.0, 5.0]
+    assert pct([1.0, 2.0], 0.5) == 2.0  # no interpolation (1.5)
