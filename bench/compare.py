@@ -25,8 +25,8 @@ import yaml
 from bench import results
 from bench.backends import Spec, fleet
 from bench.commands import read_solo
-from bench.emulator.capacity import free_port_range
 from bench.overhead_procs import child, wait_ok
+from bench.ports import free_port_range
 from bench.report import Summary, summarize
 from bench.tiny_models import REPO
 

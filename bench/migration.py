@@ -36,7 +36,8 @@ from typing import Any
 import aiohttp
 
 from bench.overhead_procs import fake_process
-from bench.proxy_process import free_port, running_proxy
+from bench.ports import free_port
+from bench.proxy_process import running_proxy
 from bench.results import RequestResult
 from bench.sse_client import Target, stream_one
 from bench.vllm_server import Running, Spec, start, stop

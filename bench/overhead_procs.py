@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.proxy_process import ProxyProcess, free_port, running_proxy
+from bench.ports import free_port
+from bench.proxy_process import ProxyProcess, running_proxy
 
 REPO = Path(__file__).resolve().parents[1]
 _START_TIMEOUT_S = 30.0

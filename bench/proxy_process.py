@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,12 +17,7 @@ from typing import Any
 import httpx
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from bench.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
-from bench.emulator.capacity import free_port_range
 from bench.emulator.fleet import Planned, serve_slice
 from bench.overhead_procs import wait_ok
+from bench.ports import free_port_range
 from bench.proxy_process import running_proxy
 from bench.qos_live_client import GROUP, LiveRecord, LiveRequest, replay, schedule
 from bench.qos_live_report import markdown, merge, report, summarize

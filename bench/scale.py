@@ -39,8 +39,9 @@ import numpy as np
 import uvloop
 
 from bench import policy_latency
-from bench.emulator.capacity import emulator_fleet, free_port_range, offer
+from bench.emulator.capacity import emulator_fleet, offer
 from bench.overhead_procs import child
+from bench.ports import free_port_range
 from bench.proxy_process import running_proxy
 from bench.tiny_models import REPO
 from proxy.config import PollerConfig

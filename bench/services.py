@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.proxy_process import free_port
+from bench.ports import free_port
 
 
 class MissingService(RuntimeError):

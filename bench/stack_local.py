@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench.proxy_process import ProxyProcess, free_port, running_proxy
+from bench.ports import free_port
+from bench.proxy_process import ProxyProcess, running_proxy
 from bench.services import prometheus_config, running_fakes, running_prometheus, running_redis
 
 

@@ -46,7 +46,7 @@ from bench.emulator.measure import (
 )
 from bench.emulator.profile import Profile, StepModel, dump_profile, load_profile, profile_path
 from bench.overhead_procs import child
-from bench.proxy_process import free_port
+from bench.ports import free_port
 from bench.tiny_models import REPO
 from bench.vllm_server import Spec, start, stop
 

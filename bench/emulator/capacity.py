@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import orjson
 
 from bench.emulator.measure import cpu_times
 from bench.overhead_procs import child, wait_ok
+from bench.ports import free_port_range
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -99,25 +99,6 @@ async def offer(urls: Sequence[str], model: str, rate: float, duration_s: float,
     if failed:
         print(f"{len(failed)} requests failed, e.g. {failed[0]!r}", file=sys.stderr)
     return len(failed), ok, wall
-
-
-def free_port_range(count: int, start: int = 20000) -> int:
-    """A base port with `count` free ports above it, below the ephemeral range."""
-    base = start
-    while True:
-        taken = next((p for p in range(base, base + count) if not _bindable(p)), None)
-        if taken is None:
-            return base
-        base = taken + 1
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from bench.proxy_process import free_port
+from bench.ports import free_port
 from bench.results import read
 from bench.workloads import load
 from proxy.cli import main

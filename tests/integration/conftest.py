@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.backends import Running, Spec, recorded, start, stop
-from bench.proxy_process import free_port
+from bench.ports import free_port
 
 
 @pytest.fixture(scope="session")

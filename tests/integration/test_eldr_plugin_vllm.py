@@ -20,7 +20,8 @@ import pytest
 
 from bench.backends import Running, Spec, start, stop
 from bench.moe_trace import MoeTracer
-from bench.proxy_process import free_port, running_proxy
+from bench.ports import free_port
+from bench.proxy_process import running_proxy
 from bench.tiny_models import DEFAULT_SHARED, ensure_model, instructions
 from predictors.eldr_fit import fit, save
 

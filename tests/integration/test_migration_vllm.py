@@ -18,7 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.backends import Running, Spec, start, stop
-from bench.proxy_process import free_port, running_proxy
+from bench.ports import free_port
+from bench.proxy_process import running_proxy
 
 pytestmark = pytest.mark.vllm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from bench.proxy_process import free_port
+from bench.ports import free_port
 from bench.services import running_redis
 from policies.base import Policy, build_policy
 from predictors.base import NO_PREDICTION
