@@ -213,6 +213,41 @@ def calibrate_variant(variant: str, profile: Path, refit: bool, url: str | None,
             "max_rel_error_tpot": max(level["rel_error_tpot"] for level in levels)}
 
 
+def build_report(results: list[dict[str, Any]], load: CheckLoad, threshold: float,
+                 previous: Path) -> dict[str, Any]:
+    """The report of this run's variants, keeping the other variants of an earlier
+    report under the same check load (a run of one variant, e.g. to refit it in a quiet
+    window, keeps the other's figures; each variant says when it was measured)."""
+    load_shape = {"levels": list(LEVELS), "prompt_tokens": load.prompt_tokens,
+                  "output_tokens": load.output_tokens, "passes": load.passes,
+                  "requests_per_worker_per_pass": load.requests_per_worker,
+                  "min_requests_per_level_per_pass": load.min_requests}
+    earlier = json.loads(previous.read_text()) if previous.exists() else {}
+    fresh = {r["variant"] for r in results}
+    kept = [{"measured_at": earlier.get("measured_at"),
+             "load_average": earlier.get("load_average")} | v
+            for v in earlier.get("variants", []) if v["variant"] not in fresh] \
+        if earlier.get("load") == load_shape else []
+    variants = kept + results
+    report = {
+        "what": "TTFT and TPOT of the same closed-loop streaming load on real vLLM-CPU "
+                "and on the emulator: per pass the mean over requests without the top and "
+                "bottom 10%, then the mean over passes without the highest and the lowest; "
+                "rel_error = |emulated - real| / real",
+        "load": load_shape,
+        "fit_and_check_share_data": False,
+        "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "variants": variants,
+        "max_rel_error_ttft": max(r["max_rel_error_ttft"] for r in variants),
+        "max_rel_error_tpot": max(r["max_rel_error_tpot"] for r in variants),
+        "threshold": threshold,
+    }
+    report["passed"] = max(report["max_rel_error_ttft"], report["max_rel_error_tpot"]) \
+        <= threshold
+    return report
+
+
 def run(variants: Sequence[str], refit: bool, url: str | None, model: str, out: Path,
         threshold: float, load: CheckLoad, rounds: int) -> int:
     results = []
@@ -220,26 +255,11 @@ def run(variants: Sequence[str], refit: bool, url: str | None, model: str, out: 
         profile = profile_path(f"tiny-llama-{variant}")
         if not refit:
             load_profile(str(profile))  # fail early on a missing or bad profile
-        results.append(calibrate_variant(variant, profile, refit, url, model, load, rounds))
-    report = {
-        "what": "TTFT and TPOT of the same closed-loop streaming load on real vLLM-CPU "
-                "and on the emulator: per pass the mean over requests without the top and "
-                "bottom 10%, then the mean over passes without the highest and the lowest; "
-                "rel_error = |emulated - real| / real",
-        "load": {"levels": list(LEVELS), "prompt_tokens": load.prompt_tokens,
-                 "output_tokens": load.output_tokens, "passes": load.passes,
-                 "requests_per_worker_per_pass": load.requests_per_worker,
-                 "min_requests_per_level_per_pass": load.min_requests},
-        "fit_and_check_share_data": False,
-        "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "variants": results,
-        "max_rel_error_ttft": max(r["max_rel_error_ttft"] for r in results),
-        "max_rel_error_tpot": max(r["max_rel_error_tpot"] for r in results),
-        "threshold": threshold,
-    }
-    report["passed"] = max(report["max_rel_error_ttft"], report["max_rel_error_tpot"]) \
-        <= threshold
+        result = calibrate_variant(variant, profile, refit, url, model, load, rounds)
+        results.append(result | {
+            "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "load_average": [round(x, 2) for x in os.getloadavg()]})
+    report = build_report(results, load, threshold, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"max rel error TTFT {report['max_rel_error_ttft']:.3f}, "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -357,3 +359,25 @@ def test_a_decode_probe_counts_only_steps_after_the_waves_prefills() -> None:
     kept = after_prefills([early, late, packed])
     assert [t.tpot_s for t in kept[:2]] == pytest.approx([0.01, 0.01])
     assert kept[2] == packed
+
+
+def test_a_run_of_one_variant_keeps_the_others_figures(tmp_path: Path) -> None:
+    from bench.emulator.calibrate import build_report
+
+    load = CheckLoad()
+    out = tmp_path / "calibration.json"
+
+    def variant(name: str, ttft: float, tpot: float) -> dict[str, Any]:
+        return {"variant": name, "max_rel_error_ttft": ttft, "max_rel_error_tpot": tpot}
+
+    first = build_report([variant("small", 0.1, 0.2), variant("large", 0.01, 0.05)], load,
+                         0.15, out)
+    assert not first["passed"] and first["max_rel_error_tpot"] == 0.2
+    out.write_text(json.dumps(first))
+    again = build_report([variant("small", 0.08, 0.09)], load, 0.15, out)
+    assert [v["variant"] for v in again["variants"]] == ["large", "small"]
+    assert again["variants"][0]["measured_at"] == first["measured_at"]  # kept, dated
+    assert again["passed"] and again["max_rel_error_tpot"] == 0.09
+    other_load = build_report([variant("small", 0.08, 0.09)],
+                              dataclasses.replace(load, passes=load.passes + 1), 0.15, out)
+    assert [v["variant"] for v in other_load["variants"]] == ["small"]  # not comparable
