@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -148,22 +149,69 @@ def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], ou
     plt.close(fig)
 
 
-def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path) -> dict[str, Any]:
-    files = compare.run_all(plan, fleet, work)
-    summaries = compare.summaries(files, work / "solo.jsonl", plan.scales)
-    goodput = {label: per_scale_goodput(label, runs, plan.scales)
-               for label, runs in summaries.items()}
+def median_goodput(runs: Sequence[Mapping[str, Mapping[str, float]]]
+                   ) -> dict[str, dict[str, float]]:
+    """Per policy and scale, the median over repeated runs of the whole comparison."""
+    return {label: {k: round(statistics.median(r[label][k] for r in runs), 4)
+                    for k in cells} for label, cells in runs[0].items()}
+
+
+def repeated_ratios(runs: Sequence[Mapping[str, Mapping[str, float]]], baselines: Sequence[str],
+                    policy: str, scales: Sequence[float]) -> dict[str, Any]:
+    """`ratios` of each repeat against that repeat's best baseline (same minutes of this
+    machine's speed), then per scale their median and range; the headline ratio is the
+    median. One repeat gives `ratios` unchanged."""
+    each = [ratios(r, baselines, policy, scales) for r in runs]
+    if len(each) == 1:
+        return each[0]
+    keys = [scale_key(s) for s in scales] + ["mean"]
+    spread: dict[str, list[float | None]] = {}
+    median: dict[str, float | None] = {}
+    for k in keys:
+        defined = [e["goodput_ratio_vs_best_baseline"][k] for e in each
+                   if e["goodput_ratio_vs_best_baseline"][k] is not None]
+        median[k] = round(statistics.median(defined), 3) if defined else None
+        spread[k] = [min(defined), max(defined)] if defined else [None, None]
+    pooled = ratios(median_goodput(runs), baselines, policy, scales)
+    return {"goodput_ratio_vs_best_baseline": median, "goodput_ratio_range": spread,
+            "goodput_ratio_per_repeat": [e["goodput_ratio_vs_best_baseline"] for e in each],
+            "best_baseline": pooled["best_baseline"],
+            "best_baseline_per_scale": pooled["best_baseline_per_scale"]}
+
+
+def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
+             ) -> dict[str, Any]:
+    """The whole comparison `repeats` times on one fleet. Odd repeats run the variants
+    in reverse order, so a slow drift of the machine's speed does not always favour the
+    same policies; each repeat measures its own solo latencies (the SLO basis)."""
+    runs: list[dict[str, dict[str, float]]] = []
+    for r in range(repeats):
+        rep = work / f"repeat-{r}"
+        rep.mkdir(parents=True, exist_ok=True)
+        order = plan.variants if r % 2 == 0 else plan.variants[::-1]
+        files = compare.run_all(dataclasses.replace(plan, variants=order), fleet, rep)
+        summaries = compare.summaries(files, rep / "solo.jsonl", plan.scales)
+        runs.append({v.label: per_scale_goodput(v.label, summaries[v.label], plan.scales)
+                     for v in plan.variants})
+        print(f"{name}: repeat {r + 1}/{repeats}", flush=True)
+        print(table(runs[-1], {v.label: summaries[v.label] for v in plan.variants},
+                    plan.scales), flush=True)
+    goodput = median_goodput(runs)
     baselines = [v.label for v in plan.variants if not v.per_scale]
     out_dir = plan.out_dir / name
     out_dir.mkdir(parents=True, exist_ok=True)
-    compare.report(files, work / "solo.jsonl", out_dir / "baselines")
-    text = table(goodput, summaries, plan.scales)
+    compare.report(files, rep / "solo.jsonl", out_dir / "baselines")  # the last repeat's
+    text = table(goodput, {v.label: summaries[v.label] for v in plan.variants}, plan.scales)
+    if repeats > 1:
+        text = (f"Goodput: median of {repeats} repeats; p99 E2E, migrations and errors: "
+                "the last repeat.\n\n" + text)
     (out_dir / "table.md").write_text(text + "\n")
     print(text, flush=True)
     plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name)
-    variants_ = {v.label: ratios(goodput, baselines, v.label, plan.scales)
+    variants_ = {v.label: repeated_ratios(runs, baselines, v.label, plan.scales)
                  for v in plan.variants if v.per_scale}
-    return {"fleet": name, "workload": plan.workload, "goodput_rps": goodput,
+    extra = {"repeats": repeats, "goodput_rps_per_repeat": runs} if repeats > 1 else {}
+    return {"fleet": name, "workload": plan.workload, "goodput_rps": goodput, **extra,
             "variants": variants_, **variants_["goodput"]}
 
 
@@ -208,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--shared", default=str(DEFAULT_SHARED))
     parser.add_argument("--out", default=str(RESULTS / "goodput.json"))
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole comparison this many times per fleet; goodput "
+                        "is the median, ratios the median of each repeat's (with range)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     artifact = laneway_home() / "predictors/length-moe-v1"
     have_artifact = (artifact / "meta.json").exists()
     fleets = []
@@ -220,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet_spec = spec.partition("@")[0]
         with tempfile.TemporaryDirectory() as tmp, \
                 open_fleet(fleet_spec, Path(args.shared)) as f:
-            fleets.append(evaluate(name, f, plan, Path(tmp)))
+            fleets.append(evaluate(name, f, plan, Path(tmp), args.repeats))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     command = "python -m bench.bench_goodput " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -106,3 +106,54 @@ def test_the_mooncake_tag_replays_the_trace_with_longer_answers(tmp_path: Path) 
     assert 100 < sum(outputs) / len(outputs) and max(outputs) <= 256
     with pytest.raises(SystemExit, match="unknown workload tag"):
         bench_goodput.default_workload("real:small@nope", "/s")
+
+
+def test_repeats_take_the_median_goodput_and_each_repeats_own_ratio() -> None:
+    runs = [{"rr": {"1": 0.2, "2": 0.6}, "goodput": {"1": 0.6, "2": 0.6}},
+            {"rr": {"1": 0.4, "2": 0.3}, "goodput": {"1": 0.4, "2": 0.9}},
+            {"rr": {"1": 0.0, "2": 0.5}, "goodput": {"1": 0.1, "2": 0.5}}]
+    assert bench_goodput.median_goodput(runs) == {"rr": {"1": 0.2, "2": 0.5},
+                                                   "goodput": {"1": 0.4, "2": 0.6}}
+    out = bench_goodput.repeated_ratios(runs, ["rr"], "goodput", SCALES)
+    # per repeat: 3.0/1.0, 1.0/3.0, None/1.0 (no baseline met an SLO at scale 1)
+    assert out["goodput_ratio_per_repeat"] == [{"1": 3.0, "2": 1.0, "mean": 2.0},
+                                               {"1": 1.0, "2": 3.0, "mean": 2.0},
+                                               {"1": None, "2": 1.0, "mean": 1.0}]
+    assert out["goodput_ratio_vs_best_baseline"] == {"1": 2.0, "2": 1.0, "mean": 2.0}
+    assert out["goodput_ratio_range"] == {"1": [1.0, 3.0], "2": [1.0, 3.0], "mean": [1.0, 2.0]}
+    assert bench_goodput.repeated_ratios(runs[:1], ["rr"], "goodput", SCALES) == ratios(
+        runs[0], ["rr"], "goodput", SCALES)
+
+
+def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import compare
+    from bench.compare import Plan, Variant
+
+    plan = Plan([], [Variant("rr", "round_robin"), Variant("goodput", "goodput", {}, True)],
+                SCALES, tmp_path / "out", 1, 1.0, None)
+    orders: list[list[str]] = []
+    repeat = iter(range(10))
+
+    def run_all(p: Plan, fleet: object, work: Path) -> dict[str, list[Path]]:
+        orders.append([v.label for v in p.variants])
+        return {v.label: [work / v.label] for v in p.variants}
+
+    def summaries(files: dict[str, list[Path]], solo: Path, scales: list[float]
+                  ) -> dict[str, list[Summary]]:
+        r = next(repeat)
+        return {"rr": [_summary("rr", {1.0: 0.2 + r / 10, 2.0: 0.5})],
+                "goodput": [_summary("g@1", {1.0: 0.4, 2.0: 0.0}),
+                            _summary("g@2", {1.0: 0.0, 2.0: 0.5 + r / 10})]}
+
+    monkeypatch.setattr(compare, "run_all", run_all)
+    monkeypatch.setattr(compare, "summaries", summaries)
+    monkeypatch.setattr(compare, "report", lambda *a: None)
+    out = bench_goodput.evaluate("f", object(), plan, tmp_path / "work", repeats=3)  # type: ignore[arg-type]
+    assert orders == [["rr", "goodput"], ["goodput", "rr"], ["rr", "goodput"]]
+    assert out["repeats"] == 3 and len(out["goodput_rps_per_repeat"]) == 3
+    assert out["goodput_rps"] == {"rr": {"1": 0.3, "2": 0.5}, "goodput": {"1": 0.4, "2": 0.6}}
+    # ratios 2.0, 4/3, 4/3... at scale 1: 0.4/0.2, 0.4/0.3, 0.4/0.4 → median 4/3
+    assert out["goodput_ratio_vs_best_baseline"]["1"] == pytest.approx(1.333)
+    assert out["goodput_ratio_range"]["2"] == [1.0, 1.4]
+    assert (tmp_path / "out" / "f" / "table.md").read_text().startswith("Goodput: median of 3")
