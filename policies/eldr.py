@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from policies._load import LeastInflight, RotatingArgmin
 from policies.base import register
@@ -31,6 +31,18 @@ class EldrParams(BaseModel):
     tau: float = Field(0.1, ge=0.0, description="locality band width (cosine similarity)")
     pd: bool = Field(False, description="two-stage: a prefill leg on the backends labelled "
                      "role=prefill yields the signature; decode goes to the others")
+    kv_transfer: bool = Field(False, description="PD mode on vLLM servers with a KV "
+                              "connector (e.g. NixlConnector): the prefill leg asks to keep "
+                              "its KV and the decode request gets the leg's "
+                              "kv_transfer_params, so the decode backend pulls the KV "
+                              "instead of prefilling again")
+
+    @field_validator("kv_transfer")
+    @classmethod
+    def _needs_pd(cls, kv_transfer: bool, info: ValidationInfo) -> bool:
+        if kv_transfer and not info.data.get("pd"):
+            raise ValueError("needs pd: true (the KV comes from the prefill leg)")
+        return kv_transfer
 
 
 @register
@@ -41,6 +53,7 @@ class Eldr:
     def __init__(self, params: EldrParams, model: EldrModel | None = None) -> None:
         self._tau = params.tau
         self.pd = params.pd
+        self.kv_transfer = params.kv_transfer
         self._model = model or load(Path(params.artifact))
         self._least = LeastInflight()
         self._argmin = RotatingArgmin()

@@ -7,9 +7,12 @@ side endpoint (label `eldr_url`), and hands the embedded signature to the policy
 which then picks among the other backends (the decode pool). A server started with
 vLLM's `--enable-return-routed-experts` (GPU) returns the leg's routing in the
 response itself; then no side endpoint is needed. Without a KV-transfer
-connector (CPU) the decode backend re-prefills; with vLLM's KV connectors on GPU the
-same two picks drive a real PD deployment. Any failure of this stage leaves the
-prediction without a signature: the policy then balances load.
+connector (CPU) the decode backend re-prefills. With `kv_transfer: true` (vLLM servers
+with a KV connector, GPU) the leg asks the prefill backend to keep the prompt's KV and
+its `kv_transfer_params` go to the decode request (proxy/kv_transfer.py): the same two
+picks drive a real PD deployment. Any failure of this stage leaves the prediction
+without a signature (the policy then balances load) or without the KV handle (the
+decode backend then prefills again); it never fails the request.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import numpy as np
 from policies.eldr import Eldr
 from policies.prefix_aware import PrefixAware, PrefixAwareParams
 from predictors.base import Prediction
-from proxy.types import ClusterView, RequestContext
+from proxy.kv_transfer import REMOTE_DECODE, PrefilledPrediction, returned_handle
+from proxy.types import Backend, ClusterView, RequestContext
 
 log = logging.getLogger("laneway")
 PREFILL_ROLE = "prefill"
@@ -39,6 +43,7 @@ class PrefillStage:
         self._policy = policy
         self._prefix = PrefixAware(PrefixAwareParams())
         self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
+        self._kv_transfer = policy.kv_transfer
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -49,25 +54,59 @@ class PrefillStage:
         if not pool:
             return pred
         backend = self._prefix.pick(ctx, pred, dataclasses.replace(view, candidates=pool)).backend
-        leg = {**data, "model": backend.model, "max_tokens": 1, "stream": False}
-        leg.pop("max_completion_tokens", None)
-        leg.pop("stream_options", None)
         try:
             response = await self._client.post(
-                backend.url + _PATHS[ctx.endpoint], json=leg,
+                backend.url + _PATHS[ctx.endpoint], json=self._leg(data, backend.model),
                 headers={"X-Request-Id": ctx.request_id})
             response.raise_for_status()
-            counts = routed_counts(response.json(), self._policy.counts_shape)
+            body = response.json()
+            if not isinstance(body, dict):
+                raise ValueError("the response is not a JSON object")
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("request %s: ELDR prefill leg on %s failed (%s); no signature%s",
+                        ctx.request_id, backend.name, exc,
+                        ", the decode backend prefills again" if self._kv_transfer else "")
+            return pred
+        signature = await self._signature(ctx, backend, body)
+        if signature is not None:
+            pred = dataclasses.replace(pred, expert_signature=signature)
+        return self._with_handle(ctx, backend, body, pred) if self._kv_transfer else pred
+
+    def _leg(self, data: dict[str, Any], model: str) -> dict[str, Any]:
+        """The prefill-only request: one token, not streamed (vLLM returns the KV
+        handle only in a whole response); vLLM rejects min_tokens > max_tokens."""
+        leg = {**data, "model": model, "max_tokens": 1, "stream": False}
+        for key in ("max_completion_tokens", "stream_options", "min_tokens"):
+            leg.pop(key, None)
+        if self._kv_transfer:
+            leg["kv_transfer_params"] = dict(REMOTE_DECODE)
+        return leg
+
+    async def _signature(self, ctx: RequestContext, backend: Backend, body: dict[str, Any]
+                         ) -> tuple[float, ...] | None:
+        try:
+            counts = routed_counts(body, self._policy.counts_shape)
             if counts is None:  # no routed_experts field: ask the plugin's side endpoint
                 record = await self._client.get(
                     f"{backend.labels['eldr_url']}/eldr/requests/{ctx.request_id}")
                 record.raise_for_status()
                 counts = np.array(record.json()["prefill"], float)
         except (httpx.HTTPError, KeyError, ValueError) as exc:
-            log.warning("request %s: ELDR prefill leg on %s failed (%s); no signature",
+            log.warning("request %s: no ELDR signature from the prefill leg on %s (%s)",
                         ctx.request_id, backend.name, exc)
+            return None
+        return self._policy.signature(counts)
+
+    @staticmethod
+    def _with_handle(ctx: RequestContext, backend: Backend, body: dict[str, Any],
+                     pred: Prediction) -> Prediction:
+        handle = returned_handle(body)
+        if handle is None:
+            log.warning("request %s: the prefill leg on %s returned no kv_transfer_params "
+                        "(no KV connector on it?); the decode backend prefills again",
+                        ctx.request_id, backend.name)
             return pred
-        return dataclasses.replace(pred, expert_signature=self._policy.signature(counts))
+        return PrefilledPrediction.of(pred, handle)
 
 
 def routed_counts(response: dict[str, Any], shape: tuple[int, int]) -> np.ndarray | None:

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -30,6 +31,7 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from proxy.kv_transfer import handle_of, without_handle
 from proxy.legs import Leg
 from proxy.migration import (
     EVENTS_HEADER,
@@ -153,6 +155,7 @@ class Exchange:
             lambda: rt.registry.view(ctx.model, time.monotonic()))
         body = self.body if self.tracking is None else tracked_body(self.data, self.tracking)
         stream = ctx.stream or self.tracking is not None
+        kv_handle = handle_of(pred)  # ELDR PD with kv_transfer: where the prompt's KV is
         for _ in range(rt.settings.upstream.max_attempts):
             view = rt.registry.view(ctx.model, time.monotonic(), exclude=tried)
             if not view.candidates:
@@ -168,8 +171,8 @@ class Exchange:
             guard.enter_context(rt.registry.guard(backend.name))
             try:
                 opened = await rt.upstream.open(
-                    backend, _PATHS[ctx.endpoint], self._for_model(body, backend.model),
-                    self.headers, stream)
+                    backend, _PATHS[ctx.endpoint],
+                    self._upstream_body(body, backend.model, kv_handle), self.headers, stream)
                 if self.tracking is not None and not opened.complete:
                     await self._relay_tracked(opened, guard, pred)
                     return
@@ -178,6 +181,8 @@ class Exchange:
                 failures.append(failure)
                 rt.upstream_failed(failure, ctx.model)
                 self._observe_attempt(backend.name, 504 if failure.kind == "timeout" else 502)
+                if failure.kind != "connect":  # it may have pulled (so freed) the KV blocks
+                    kv_handle = None
                 continue
             except asyncio.CancelledError:
                 guard.close()
@@ -186,6 +191,8 @@ class Exchange:
                 raise
             with guard:
                 try:
+                    if kv_handle is not None and opened.complete:
+                        opened.head = without_handle(opened.head)
                     await self._respond(opened)
                 finally:
                     opened.close()
@@ -193,11 +200,16 @@ class Exchange:
             return
         raise _exhausted(ctx, failures, rt.settings.server.retry_after_s)
 
-    def _for_model(self, body: bytes, model: str) -> bytes:
-        """`body` naming `model`: a model group's request goes to a member model."""
-        if model == self.ctx.model:
-            return body
-        return orjson.dumps(orjson.loads(body) | {"model": model})
+    def _upstream_body(self, body: bytes, model: str,
+                       kv_handle: Mapping[str, Any] | None) -> bytes:
+        """`body` naming `model` (a model group's request goes to a member model), with
+        the prefill leg's KV handle if there is one (proxy/kv_transfer.py)."""
+        changes: dict[str, Any] = {}
+        if model != self.ctx.model:
+            changes["model"] = model
+        if kv_handle is not None:
+            changes["kv_transfer_params"] = dict(kv_handle)
+        return orjson.dumps(orjson.loads(body) | changes) if changes else body
 
     def _predict(self) -> Prediction:
         started = time.perf_counter()

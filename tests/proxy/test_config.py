@@ -47,6 +47,8 @@ def test_env_overrides_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         ("polcy: {name: random}", "polcy"),
         ("policy: {name: nope}", "policy.name"),
         ("policy: {name: round_robin, params: {bogus: 1}}", "policy.params.bogus"),
+        ("policy: {name: eldr, params: {artifact: x, kv_transfer: true}}",
+         "policy.params.kv_transfer: Value error, needs pd: true"),
         ("upstream: {max_attempts: 0}", "upstream.max_attempts"),
     ],
 )

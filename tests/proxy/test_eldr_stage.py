@@ -5,16 +5,21 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 from types import MappingProxyType
+from typing import Any
 
 import httpx
 import numpy as np
+import pytest
+from pydantic import ValidationError
 
 from policies.eldr import Eldr, EldrParams
 from predictors.base import NO_PREDICTION
 from predictors.eldr_fit import EldrModel
 from predictors.experts import SignatureSpec, normalize
 from proxy.eldr_stage import PrefillStage
+from proxy.kv_transfer import handle_of
 from proxy.stages import stages_for
 from proxy.types import Backend, ClusterView
 from tests.policies.helpers import ctx
@@ -93,3 +98,83 @@ async def test_routed_experts_in_the_response_need_no_side_endpoint() -> None:
     await stage.close()
     assert len(seen) == 1 and pred.expert_signature is not None
     assert np.allclose(pred.expert_signature, normalize(np.array([2.0, 4.0])))
+
+
+HANDLE = {"do_remote_prefill": True, "do_remote_decode": False,
+          "remote_block_ids": [[3, 4]], "remote_engine_id": "p0-engine",
+          "remote_request_id": "cmpl-req-1-0", "remote_host": "10.0.0.5",
+          "remote_port": 5600, "tp_size": 1}
+
+
+def kv_stage(seen: list[httpx.Request], handle: dict[str, Any] | None,
+             leg_status: int = 200) -> PrefillStage:
+    """A kv_transfer stage over a prefill backend that returns `handle` (vLLM puts it
+    at the top level of the response) and a side endpoint with the counts."""
+    def handle_request(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.host == "p0":
+            return httpx.Response(leg_status, json={"choices": [{"text": "x"}],
+                                                    "kv_transfer_params": handle})
+        return httpx.Response(200, json={"prefill": [[1, 9]], "decode": [[0, 0]]})
+    policy = Eldr(EldrParams(artifact="-", pd=True, kv_transfer=True), MODEL)
+    return PrefillStage(policy, transport=httpx.MockTransport(handle_request))
+
+
+async def test_kv_transfer_asks_the_prefill_leg_to_keep_its_kv_and_returns_the_handle(
+) -> None:
+    seen: list[httpx.Request] = []
+    stage = kv_stage(seen, HANDLE)
+    pred = await stage.predict(ctx(), {"model": "m", "prompt": "hi", "max_tokens": 50,
+                                       "min_tokens": 10, "stream": True,
+                                       "stream_options": {"include_usage": True}},
+                               NO_PREDICTION, VIEW)
+    await stage.close()
+    assert json.loads(seen[0].content) == {
+        "model": "m", "prompt": "hi", "max_tokens": 1, "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                               "remote_engine_id": None, "remote_block_ids": None,
+                               "remote_host": None, "remote_port": None}}
+    assert handle_of(pred) == HANDLE
+    assert pred.expert_signature is not None  # the signature is read as before
+
+
+async def test_kv_transfer_off_leaves_the_leg_and_the_prediction_as_they_were() -> None:
+    seen: list[httpx.Request] = []
+    stage = PrefillStage(eldr(), transport=transport(seen))
+    pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION, VIEW)
+    await stage.close()
+    assert "kv_transfer_params" not in json.loads(seen[0].content)
+    assert handle_of(pred) is None and pred.expert_signature is not None
+
+
+@pytest.mark.parametrize(("handle", "status"), [(None, 200), ({}, 200), (HANDLE, 500)],
+                         ids=["null", "empty", "leg-failed"])
+async def test_no_handle_from_the_prefill_leg_means_the_decode_prefills_again(
+        handle: dict[str, Any] | None, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    stage = kv_stage([], handle, leg_status=status)
+    with caplog.at_level(logging.WARNING, "laneway"):
+        pred = await stage.predict(ctx(request_id="req-2"), {"prompt": "hi"},
+                                   NO_PREDICTION, VIEW)
+    await stage.close()
+    assert handle_of(pred) is None
+    assert "request req-2" in caplog.text and "prefills again" in caplog.text
+
+
+async def test_a_signature_lookup_failure_keeps_the_handle() -> None:
+    def handle_request(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"text": "x"}],
+                                         "kv_transfer_params": HANDLE})
+    gpu_prefill = Backend("p0", "http://p0", "m", MappingProxyType({"role": "prefill"}))
+    policy = Eldr(EldrParams(artifact="-", pd=True, kv_transfer=True), MODEL)
+    stage = PrefillStage(policy, transport=httpx.MockTransport(handle_request))
+    pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION,
+                               ClusterView((gpu_prefill, *DECODERS), {}, {}, 0.0))
+    await stage.close()
+    assert pred.expert_signature is None and handle_of(pred) == HANDLE
+
+
+def test_kv_transfer_needs_pd_mode() -> None:
+    with pytest.raises(ValidationError, match="kv_transfer"):
+        EldrParams(artifact="-", kv_transfer=True)
+    assert EldrParams(artifact="-", pd=True, kv_transfer=True).kv_transfer
