@@ -93,7 +93,8 @@ bench-policies: install
 # docs/results/goodput/ (uses the length predictor of `make train-length` if built)
 bench-goodput: install
 	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
-	$(PY) -m bench.bench_goodput --fleet emulated:64 --fleet real:small,small,large \
+	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --shared $(SHARED)
+	$(PY) -m bench.bench_goodput --fleet real:small,small,large \
 		--fleet real:small,small,large@mooncake --shared $(SHARED)
 
 # vLLM emulator vs real vLLM-CPU (README, Emulator): fit the tiny-llama profiles on a
