@@ -2,6 +2,7 @@
 the bucket predictor ≤ 10 ms p50 with batching across concurrent arrivals).
 
     python -m bench.qos_latency [--runtime onnx-int8] [--rates 5 20 50]  # merges into qos_drl.json
+    python -m bench.qos_latency --buckets DIR --max-len 64 --out /tmp/qos.json  # a new file
 
 On one CPU thread for the agent and one for the encoder, 6 expert backends, held-out
 prompts:
@@ -44,12 +45,14 @@ def ms(values: Sequence[float], q: float) -> float:
 
 
 class Bench:
-    def __init__(self, checkpoint: Path, buckets: Path, runtime: BucketRuntime) -> None:
+    def __init__(self, checkpoint: Path, buckets: Path, runtime: BucketRuntime,
+                 max_len: int | None = None, threads: int = 1) -> None:
         from policies.qos_drl import QosDrl, QosDrlParams
         from proxy.types import Backend, BackendStats
 
         self.policy = QosDrl(QosDrlParams(checkpoint=str(checkpoint), buckets=str(buckets),
-                                          buckets_runtime=runtime))
+                                          buckets_runtime=runtime, buckets_max_len=max_len,
+                                          buckets_threads=threads))
         self.backends = tuple(Backend(f"b{i}", f"http://b{i}", e)
                               for i, e in enumerate(self.policy.experts))
         self.stats = {b.name: BackendStats(running=3, waiting=1, kv_usage=0.3, tpot_s=0.02,
@@ -120,11 +123,13 @@ class Bench:
 
 
 def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, runtime: BucketRuntime,
-            rates: Sequence[float], reference: float) -> dict[str, Any]:
+            rates: Sequence[float], reference: float, max_len: int | None = None,
+            threads: int = 1) -> dict[str, Any]:
+    """`max_len`, `threads`: qos_drl's buckets_max_len, buckets_threads."""
     import torch
 
     torch.set_num_threads(1)
-    bench = Bench(checkpoint, buckets, runtime)
+    bench = Bench(checkpoint, buckets, runtime, max_len, threads)
     bench.timed(prompts[:10], given=False)  # warm-up
     agent = bench.timed(prompts, given=True)
     inline = bench.timed(prompts, given=False)
@@ -135,7 +140,9 @@ def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, runtime: Bu
     return {"decision_p50_ms": ref["decision_p50_ms"], "decision_p99_ms": ref["decision_p99_ms"],
             "agent_only_p50_ms": agent_p50,
             "decision_latency": {
-                "predictor_runtime": runtime, "reference_rate": reference,
+                "predictor_runtime": runtime, "predictor_artifact": buckets.name,
+                "predictor_max_len": bench.policy.predictor.max_len,
+                "predictor_threads": threads, "reference_rate": reference,
                 "agent_only_p50_ms": agent_p50,
                 "agent_only_p99_ms": ms(agent, 0.99),
                 "inline_p50_ms": round(statistics.median(inline), 3),
@@ -147,8 +154,10 @@ def markdown(result: dict[str, Any]) -> str:
     rows = "; ".join(f"λ={r['rate']:g}: stage p50 {r['stage_p50_ms']:.1f} ms, decision p50 "
                      f"{r['decision_p50_ms']:.1f} / p99 {r['decision_p99_ms']:.1f} ms "
                      f"(mean batch {r['mean_batch']:.2f})" for r in d["arrivals"])
-    return (f"Decision latency (CPU, one thread each for the agent and the "
-            f"{d['predictor_runtime']} encoder): agent alone p50 "
+    return (f"Decision latency (CPU, one thread for the agent, "
+            f"{d['predictor_threads']} for the {d['predictor_runtime']} encoder "
+            f"{d['predictor_artifact']}, prompts cut to {d['predictor_max_len']} tokens): "
+            "agent alone p50 "
             f"{d['agent_only_p50_ms']:.2f} ms; predictor inline p50 {d['inline_p50_ms']:.1f} "
             f"ms; through the bucket stage under Poisson arrivals: {rows}")
 
@@ -180,17 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))
     parser.add_argument("--reference-rate", type=float, default=5.0)
     parser.add_argument("--prompts", type=int, default=160)
-    parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json")
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="cut prompts to N tokens (qos_drl's buckets_max_len)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="the encoder's ORT threads (qos_drl's buckets_threads)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json",
+                        help="merged into when it exists, else written")
     args = parser.parse_args(argv)
     if args.reference_rate not in args.rates:
         parser.error("--reference-rate must be one of --rates")
     result = measure(heldout_prompts(args.data, args.prompts), args.checkpoint, args.buckets,
-                     args.runtime, args.rates, args.reference_rate)
+                     args.runtime, args.rates, args.reference_rate, args.max_len, args.threads)
     print(markdown(result))
-    if args.out.exists():
-        merged = json.loads(args.out.read_text()) | result
-        args.out.write_text(json.dumps(merged, indent=1) + "\n")
-        print(f"merged into {args.out}")
+    merged = json.loads(args.out.read_text()) | result if args.out.exists() else result
+    args.out.write_text(json.dumps(merged, indent=1) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

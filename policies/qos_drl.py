@@ -47,6 +47,11 @@ class QosDrlParams(BaseModel):
         "onnx-int8", description="how the predictor runs: torch (float), torch-int8, onnx "
         "(float), onnx-int8 (ONNX Runtime, fused graph, int8 weights: the fastest, within "
         "0.3 points of float held out; `laneway evaluate buckets --runtime`)")
+    buckets_max_len: int | None = Field(None, gt=0, description="cut prompts to this many "
+                                        "tokens, [CLS], [SEP] and the expert tokens "
+                                        "included (None: as the artifact was trained)")
+    buckets_threads: int = Field(1, gt=0, description="ONNX Runtime intra-op threads of "
+                                 "the predictor (the proxy's event loop shares the cores)")
     buckets_int8: bool | None = Field(None, description="deprecated, read as buckets_runtime "
                                       "torch-int8 (true) or torch (false)")
     experts: dict[str, str] = Field(default_factory=dict, description="backend model or "
@@ -99,7 +104,8 @@ class QosDrl:
         if params.buckets is not None:
             from predictors.buckets import load_artifact
 
-            self.predictor = load_artifact(Path(params.buckets), params.buckets_runtime)
+            self.predictor = load_artifact(Path(params.buckets), params.buckets_runtime,
+                                           params.buckets_max_len, params.buckets_threads)
             if list(self.predictor.experts) != self.experts:
                 raise ValueError("bucket predictor and checkpoint name different experts")
         elif params.mode == "bert_router":

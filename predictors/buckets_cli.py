@@ -44,7 +44,8 @@ def _train(args: argparse.Namespace) -> int:
     experts, rows = load_rows(args.data, counter)
     train, _ = split(rows)
     score_b, length_b = fit_buckets(train)
-    model, tokenizer = new_model(experts)
+    torch.manual_seed(args.seed)  # the heads' and the expert tokens' initial weights
+    model, tokenizer = new_model(experts, args.layers)
     config = TrainConfig(epochs=args.epochs, max_len=args.max_len, seed=args.seed)
     started = time.monotonic()
     losses = train_model(model, tokenizer, train, *labels(train, score_b, length_b), config)
@@ -52,7 +53,8 @@ def _train(args: argparse.Namespace) -> int:
     version = f"{time.strftime('%Y%m%dT%H%M%S')}-{digest}"
     save_artifact(args.out, model, tokenizer, {
         "version": version, "experts": experts, "score_top": score_b.top,
-        "length_top": length_b.top, "max_len": args.max_len, "epochs": args.epochs,
+        "length_top": length_b.top, "max_len": args.max_len,
+        "layers": int(model.encoder.config.num_hidden_layers), "epochs": args.epochs,
         "seed": args.seed, "unit": counter.unit.replace(f"{REPO}/", ""),
         "score": "win_rate_vs_reference", "heldout": "id % 5 == 0", "losses": losses,
         "train_s": round(time.monotonic() - started, 1), "data_sha256_16": digest})
@@ -63,7 +65,7 @@ def _train(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import torch
 
-    from predictors.buckets import load_artifact
+    from predictors.buckets import artifact_layers, load_artifact
     from predictors.buckets_data import Buckets, labels, load_rows, split
     from predictors.buckets_train import (
         encoder_scores,
@@ -87,13 +89,15 @@ def _evaluate(args: argparse.Namespace) -> int:
     methods: dict[str, dict[str, float]] = {}
     timing: dict[str, dict[str, float]] = {}
     for runtime in (r for r in BUCKET_RUNTIMES if r in asked):
-        predictor = load_artifact(args.artifact, runtime)
+        predictor = load_artifact(args.artifact, runtime, args.max_len)
         methods[METHODS[runtime]] = encoder_scores(predictor, test, *test_labels)
         timing[METHODS[runtime]] = latency(predictor, prompts, (1, 4, 8, 16))
     methods |= {"tfidf_logreg": tfidf_scores(train, test, train_labels, test_labels),
                 "majority_bucket": majority_scores(train_labels, test_labels),
                 "paper_distilbert": PAPER}
-    result = summary(meta, methods, timing, len(test))
+    inference = {"layers": artifact_layers(args.artifact),
+                 "max_len": args.max_len or int(meta["max_len"])}
+    result = summary(meta, inference, methods, timing, len(test))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
@@ -101,9 +105,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary(meta: dict[str, Any], methods: dict[str, dict[str, float]],
-            timing: dict[str, dict[str, float]], n_prompts: int) -> dict[str, Any]:
+def summary(meta: dict[str, Any], inference: dict[str, int],
+            methods: dict[str, dict[str, float]], timing: dict[str, dict[str, float]],
+            n_prompts: int) -> dict[str, Any]:
+    """`inference`: the encoder's layers and the max_len prompts were cut to here."""
     return {"predictor": "buckets_minilm", "artifact_version": meta["version"],
+            "layers": inference["layers"], "inference_max_len": inference["max_len"],
             "experts": meta["experts"], "score": meta["score"], "unit": meta["unit"],
             "heldout": meta["heldout"], "heldout_prompts": n_prompts,
             "pairs": n_prompts * len(meta["experts"]), "buckets": 10,
@@ -113,7 +120,9 @@ def summary(meta: dict[str, Any], methods: dict[str, dict[str, float]],
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"Artifact {result['artifact_version']}; score = {result['score']}, length in "
+    lines = [f"Artifact {result['artifact_version']} ({result['layers']} encoder layers, "
+             f"prompts cut to {result['inference_max_len']} tokens); "
+             f"score = {result['score']}, length in "
              f"{result['unit']}; held out {result['heldout']} ({result['pairs']} "
              "prompt-expert pairs); 10 equal-width buckets.\n",
              "| method | top-1 score | top-3 score | top-1 length | top-3 length |",
@@ -134,6 +143,8 @@ def add_train(train: Any) -> None:
     p.add_argument("--tokenizer", default="auto", help="auto | words | tokenizer.json")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep the first N transformer layers of MiniLM (default: all 6)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(func=_train)
@@ -147,4 +158,6 @@ def add_evaluate(evaluate: Any) -> None:
     p.add_argument("--runtime", action="append", choices=BUCKET_RUNTIMES,
                    help="also this runtime (repeatable; qos_drl's `buckets_runtime`)")
     p.add_argument("--int8", action="store_true", help="the same as --runtime torch-int8")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="cut prompts to N tokens (default: the artifact's training max_len)")
     p.set_defaults(func=_evaluate)

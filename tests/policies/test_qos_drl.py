@@ -200,17 +200,17 @@ async def test_through_the_proxy_the_encoder_runs_in_the_stage_thread(
     assert model.threads == ["laneway-buckets_0"] * 3
 
 
-def test_the_bucket_runtime_param_and_its_deprecated_int8_form(
+def test_the_bucket_runtime_params_and_the_deprecated_int8_form(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pydantic import ValidationError
 
     from policies.qos_drl import QosDrlParams
 
     path = str(checkpoint(tmp_path, 0, experts=list(_Buckets.experts)))
-    loaded: list[str] = []
+    loaded: list[tuple[str, int | None, int]] = []
 
-    def load(_: Path, runtime: str) -> _Buckets:
-        loaded.append(runtime)
+    def load(_: Path, runtime: str, max_len: int | None, threads: int) -> _Buckets:
+        loaded.append((runtime, max_len, threads))
         return _Buckets((0.5,) * 3)
 
     monkeypatch.setattr(buckets, "load_artifact", load)
@@ -218,7 +218,10 @@ def test_the_bucket_runtime_param_and_its_deprecated_int8_form(
                            ({"buckets_int8": True}, "torch-int8"),
                            ({"buckets_int8": False}, "torch")):
         build_policy("qos_drl", {"checkpoint": path, "buckets": "x", **given})
-        assert loaded.pop() == runtime
+        assert loaded.pop() == (runtime, None, 1)
+    build_policy("qos_drl", {"checkpoint": path, "buckets": "x", "buckets_max_len": 64,
+                             "buckets_threads": 2})
+    assert loaded.pop() == ("onnx-int8", 64, 2)
     with pytest.raises(ValidationError, match="contradicts"):
         QosDrlParams(checkpoint=path, buckets_int8=True, buckets_runtime="onnx-int8")
     with pytest.raises(ValidationError, match="buckets_runtime"):

