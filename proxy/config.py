@@ -74,7 +74,10 @@ class UpstreamConfig(_Section):
 
 
 class PollerConfig(_Section):
-    interval_s: float = Field(0.1, gt=0)
+    interval_s: float = Field(
+        0.05, gt=0, description="scrape every backend this often; a policy sees stats at "
+        "most about this old plus one scrape (llm-d's EPP: 50 ms); at 512 backends 0.1 s "
+        "costs the proxy ~0.45 cores and 0.05 s ~0.8 (README, Scale)")
     timeout_s: float = Field(1.0, gt=0)
     unhealthy_after: int = Field(3, ge=1, description="consecutive failed scrapes")
     backoff_initial_s: float = Field(0.5, gt=0)

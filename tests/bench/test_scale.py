@@ -45,7 +45,7 @@ def test_results_json_keys() -> None:
     out = results_json(decisions, staleness, [], "cmd", "abc")
     assert out["decision_p99_ms"] == {"goodput": 0.104, "random": 0.002}
     assert out["decision_p99_ms_max_512"] == 0.104
-    assert out["poller_staleness_p99_ms_512"] == 160.0  # at the default interval
+    assert out["poller_staleness_p99_ms_512"] == 90.0  # at the default interval (50 ms)
     assert out["poller_staleness_p99_ms_512_by_interval_ms"] == {"100": 160.0, "50": 90.0}
     assert out["poller_staleness_p99_ms_512_emulator_by_interval_ms"] == {"100": 700.0}
     assert out["command"] == "cmd" and out["commit"] == "abc"
