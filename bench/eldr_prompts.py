@@ -19,6 +19,7 @@ from pathlib import Path
 from bench.tiny_models import REPO, instructions
 
 LOCALES = {"ru": "ru_RU", "zh": "zh_CN", "ja": "ja_JP"}
+EVAL_CODE = ("proxy", "policies")  # the code prompts' source; a trained MoE learns from others
 LOCALE_DIR = Path("/usr/share/i18n/locales")
 _QUOTED = re.compile(r'"([^"]+)"')
 _CODEPOINT = re.compile(r"<U([0-9A-Fa-f]{4,5})>")
@@ -29,27 +30,36 @@ def domain_prompts(shared: Path, per_domain: int, seed: int = 0) -> list[tuple[s
     rng = random.Random(seed)
     pools: dict[str, list[str]] = {
         "prose": list(islice(instructions(shared), per_domain)),
-        "code": list(islice(_code_windows(), per_domain)),
-        "math": [_math_problem(rng) for _ in range(per_domain)],
+        "code": list(islice(code_windows(EVAL_CODE), per_domain)),
+        "math": [math_problem(rng) for _ in range(per_domain)],
     }
-    for language, locale in LOCALES.items():
-        words = _locale_words(LOCALE_DIR / locale)
-        if len(words) >= 20:
-            pools[language] = [" ".join(rng.choices(words, k=rng.randint(12, 40)))
-                               for _ in range(per_domain)]
+    for language, words in language_words().items():
+        pools[language] = [phrase(rng, words) for _ in range(per_domain)]
     pairs = [(domain, text) for domain, texts in pools.items() for text in texts]
     rng.shuffle(pairs)
     return pairs
 
 
-def _code_windows(lines_per_prompt: int = 12) -> Iterator[str]:
-    for path in sorted((REPO / "proxy").glob("*.py")) + sorted((REPO / "policies").glob("*.py")):
+def language_words() -> dict[str, list[str]]:
+    """Each language's words from glibc's locale data (languages without enough: left out)."""
+    found = {language: _locale_words(LOCALE_DIR / locale) for language, locale in LOCALES.items()}
+    return {language: words for language, words in found.items() if len(words) >= 20}
+
+
+def phrase(rng: random.Random, words: list[str]) -> str:
+    return " ".join(rng.choices(words, k=rng.randint(12, 40)))
+
+
+def code_windows(folders: tuple[str, ...], lines_per_prompt: int = 12) -> Iterator[str]:
+    """12-line windows of the Python files in these folders of the repository."""
+    paths = [path for folder in folders for path in sorted((REPO / folder).glob("*.py"))]
+    for path in paths:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         for start in range(0, len(lines) - lines_per_prompt, lines_per_prompt):
             yield "\n".join(lines[start:start + lines_per_prompt])
 
 
-def _math_problem(rng: random.Random) -> str:
+def math_problem(rng: random.Random) -> str:
     a, b, c, d = (rng.randint(2, 99) for _ in range(4))
     forms = [
         f"Solve for x: {a}x + {b} = {c}. Then compute {d} * {a} - {b} / {c}.",

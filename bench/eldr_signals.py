@@ -22,13 +22,14 @@ from bench.tiny_models import ensure_model
 from predictors.experts import KINDS, features, rho, select_layers
 
 
-def _tracer(shared: str) -> MoeTracer:
-    return MoeTracer(ensure_model("moe", Path(shared)), dtype="float32")
+def _tracer(shared: str, variant: str) -> MoeTracer:
+    return MoeTracer(ensure_model(variant, Path(shared)), dtype="float32")
 
 
-def signature_rhos(records: list[dict[str, Any]], prompts: list[str], shared: str
-                   ) -> dict[str, Any]:
-    tracer = _tracer(shared)
+def signature_rhos(records: list[dict[str, Any]], prompts: list[str], shared: str,
+                   variant: str = "moe") -> dict[str, Any]:
+    """`variant`: the tiny MoE the records came from (its weights give the gate probs)."""
+    tracer = _tracer(shared, variant)
     prefill = np.array([r["prefill"] for r in records], float)
     decode = np.array([r["decode"] for r in records], float)
     gate = np.stack([tracer.trace(tracer.encode(p)).prefill_probs.sum(axis=1)
@@ -43,7 +44,8 @@ def signature_rhos(records: list[dict[str, Any]], prompts: list[str], shared: st
 
 
 def premise(records: list[dict[str, Any]], shared: str, prompts: list[tuple[str, str]],
-            per_domain: int = 12, decode_tokens: int = 16) -> dict[str, Any]:
+            per_domain: int = 12, decode_tokens: int = 16, variant: str = "moe"
+            ) -> dict[str, Any]:
     prefill = np.array([r["prefill"] for r in records], float)
     decode = np.array([r["decode"] for r in records], float)
     fake = Traces([r["domain"] for r in records], prefill, prefill, [], int(prefill.shape[2]))
@@ -51,7 +53,7 @@ def premise(records: list[dict[str, Any]], shared: str, prompts: list[tuple[str,
     chosen: list[tuple[str, str]] = []
     for domain in sorted({d for d, _ in prompts}):
         chosen += [(d, p) for d, p in prompts if d == domain][:per_domain]
-    traces = trace_prompts(_tracer(shared), chosen, decode_tokens)
+    traces = trace_prompts(_tracer(shared, variant), chosen, decode_tokens)
     return {"prefill_decode_correlation_vllm": vllm_corr,
             "prefill_decode_correlation_transformers": prefill_decode_correlation(traces),
             "batch_active_experts_transformers": same_vs_mixed(traces)}

@@ -41,6 +41,7 @@ class Variant:
     vocab: int = 4096
     context: int = 2048
     seed: int = 0
+    train_steps: int = 0  # > 0: trained on bench/moe_corpus.py's text (bench/tiny_train.py)
 
 
 VARIANTS = {v.name: v for v in (
@@ -50,6 +51,9 @@ VARIANTS = {v.name: v for v in (
     Variant("small-alt", layers=2, vocab=3072, seed=1),
     # A tiny Qwen3-MoE (16 experts, top-2) for expert-locality routing (ELDR).
     Variant("moe", layers=4, arch="qwen3_moe", intermediate=64),
+    # The same shape trained as a language model on six domains: it continues a prompt
+    # in the prompt's domain, so decode routing follows the prompt as in a real MoE.
+    Variant("moe-lm", layers=4, arch="qwen3_moe", intermediate=64, train_steps=1500),
 )}
 
 
@@ -82,11 +86,21 @@ def ensure_model(variant: str, shared: Path = DEFAULT_SHARED, root: Path | None 
 
 def build(spec: Variant, shared: Path, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(instructions(shared), spec.vocab)
+    corpus = _corpus(spec, shared)
+    tokenizer = build_tokenizer(iter([*instructions(shared), *corpus]), spec.vocab)
     tokenizer.save_pretrained(target)
-    _build_weights(spec, tokenizer, target)
-    (target / "laneway-build.json").write_text(
-        json.dumps({**asdict(spec), "build_version": BUILD_VERSION}, indent=1))
+    training = _build_weights(spec, tokenizer, target, corpus)
+    (target / "laneway-build.json").write_text(json.dumps(
+        {**asdict(spec), "build_version": BUILD_VERSION, "training": training}, indent=1))
+
+
+def _corpus(spec: Variant, shared: Path) -> list[str]:
+    """A trained variant's text (its tokenizer learns it too); none for random weights."""
+    if not spec.train_steps:
+        return []
+    from bench.moe_corpus import training_texts
+
+    return [text for _, text in training_texts(shared)]
 
 
 def instructions(shared: Path) -> Iterator[str]:
@@ -145,16 +159,26 @@ _CONFIGS: dict[str, Callable[[Variant, Any], tuple[Any, Any]]] = {
     "llama": _llama, "qwen3_moe": _qwen3_moe}
 
 
-def _build_weights(spec: Variant, tokenizer: Any, target: Path) -> None:
+def _build_weights(spec: Variant, tokenizer: Any, target: Path, corpus: list[str]
+                   ) -> dict[str, Any] | None:
     import torch
 
     model_class, config = _CONFIGS[spec.arch](spec, tokenizer)
     torch.manual_seed(spec.seed)
     model = model_class(config)
+    training = None
+    if spec.train_steps:
+        from bench.tiny_train import TrainSpec, train_lm
+
+        model = model.float()
+        training = train_lm(model, tokenizer, corpus, TrainSpec(spec.train_steps,
+                                                                seed=spec.seed))
     # With random weights a tied head echoes the last input token forever, and special
     # tokens decode to nothing: an untied head with zeroed special rows generates
-    # varied, visible text (and never EOS, so lengths are exactly max_tokens).
+    # varied, visible text (and never EOS, so lengths are exactly max_tokens). A
+    # trained model never saw a special token, so zeroing them changes nothing else.
     with torch.no_grad():
         model.lm_head.weight[: len(SPECIAL_TOKENS)] = 0
     model = model.to(torch.bfloat16)
     model.save_pretrained(target, safe_serialization=True)
+    return training
