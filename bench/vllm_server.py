@@ -51,6 +51,7 @@ class Spec:
     port: int
     eldr_port: int | None = None  # the ELDR plugin's side endpoint (MoE variants)
     cpus: str | None = None  # taskset CPU list ("0"): the server alone on its own core(s)
+    nice: int = 0  # > 0: the server yields the CPU to the proxy and client (`nice -n`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +110,9 @@ def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
 
 def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
     pin = [] if spec.cpus is None else ["taskset", "-c", spec.cpus]
+    nice = [] if spec.nice == 0 else ["nice", "-n", str(spec.nice)]
     command = [
-        *pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        *nice, *pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", spec.model,
         "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "bfloat16",
         "--enforce-eager", "--max-model-len", str(max_model_len),
