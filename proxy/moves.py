@@ -173,6 +173,8 @@ class Moves:
             race.close()
         if end.kind == "cut":
             assert end.leg is not None
+            log.info("request %s: %s caught up; %s", self.ctx.request_id, target.name,
+                     race.describe())
             await self._cut_over(end.leg, reason, started, race.start)
             self._read = end.next_read
             await self._emit(list(end.ahead))

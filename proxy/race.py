@@ -59,6 +59,7 @@ class Race:
         self._leg: Leg | None = None
         self._handed_over = False
         self._last_release = time.monotonic()
+        self.released = 0  # source pieces shown at the pace
 
     async def run(self, emit: Callable[[list[Piece]], Awaitable[None]],
                   source_read: asyncio.Future[list[Piece]] | None) -> RaceEnd:
@@ -136,6 +137,7 @@ class Race:
         now = time.monotonic()
         if self.pending and now >= self._last_release + self.pace_s:
             self._last_release = now
+            self.released += 1
             await emit([self.pending.popleft()])
 
     async def flush(self, emit: Callable[[list[Piece]], Awaitable[None]]) -> None:
@@ -144,6 +146,13 @@ class Race:
             pieces = list(self.pending)
             self.pending.clear()
             await emit(pieces)
+
+    def describe(self) -> str:
+        """The pace and what set it, for the log line of a cut."""
+        ms = {name: "-" if t is None else f"{t * 1e3:.1f}" for name, t in (
+            ("source", self.source.tpot()), ("target", self._leg.tpot() if self._leg else None))}
+        return (f"{self.released} pieces paced at {self.pace_s * 1e3:.1f} ms (TPOT source "
+                f"{ms['source']} ms, target {ms['target']} ms)")
 
     def _caught_up(self) -> bool:
         """The target has a piece ready right after what the client has seen (so the

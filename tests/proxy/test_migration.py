@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
+import re
 from types import MappingProxyType
 from typing import Any
 
@@ -296,7 +298,9 @@ async def _event_times(proxy: Any, body: dict[str, Any], headers: dict[str, str]
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["paced", "frozen"])
-async def test_paced_handoff_hides_the_targets_startup(greedy: bool) -> None:
+async def test_paced_handoff_hides_the_targets_startup(greedy: bool,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="laneway")
     source, slow_start = FakeConfig(tpot_s=0.01), FakeConfig(tpot_s=0.01, ttft_s=0.3)
     async with fleet(source, slow_start, **FORCED,
                      migration={"warm_prefill": False, "pace_slowdown": 0.4}) as (proxy, _):
@@ -308,6 +312,14 @@ async def test_paced_handoff_hides_the_targets_startup(greedy: bool) -> None:
     gaps = [b - a for a, b in itertools.pairwise(times[2:])]
     if greedy:  # shown at 14 ms per token while the target starts: no 300 ms hole
         assert max(gaps) < 0.15, max(gaps)
+        # the cut's log line says how long the pace ran and what set it
+        (line,) = [r.getMessage() for r in caplog.records if "caught up" in r.getMessage()]
+        found = re.search(r"(\d+) pieces paced at ([\d.]+) ms \(TPOT source ([\d.]+) ms, "
+                          r"target ([\d.]+) ms\)", line)
+        assert found is not None, line
+        paced, pace_ms, source_ms, target_ms = (float(g) for g in found.groups())
+        assert paced >= 15  # 0.3 s of start-up at ~14 ms per piece
+        assert pace_ms == pytest.approx(1.4 * max(source_ms, target_ms), abs=0.15)
     else:  # frozen: the client waits for the target's whole start-up
         assert max(gaps) >= 0.3
 
