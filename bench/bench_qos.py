@@ -70,6 +70,27 @@ def run_simulator(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return {"predictions": {"source": source}, "table": table}
 
 
+BUCKET_KEYS = ("top1_score", "top3_score", "top1_length", "top3_length")
+
+
+def bucket_accuracy(results: Path, artifact: Path) -> dict[str, float]:
+    """Held-out accuracy of `artifact` from `laneway evaluate buckets`' results, if they
+    are of this very artifact (same version); else nothing (not evaluated)."""
+    if not results.exists() or not (artifact / "meta.json").exists():
+        return {}
+    evaluated = json.loads(results.read_text())
+    version = json.loads((artifact / "meta.json").read_text()).get("version")
+    if evaluated.get("artifact_version") != version:
+        return {}
+    return {key: evaluated["methods"]["minilm"][key] for key in BUCKET_KEYS}
+
+
+def total_steps(checkpoint: Path) -> int | None:
+    """The training run's decisions (its last checkpoint), not the best checkpoint's."""
+    last = checkpoint.parent / "last.pt"
+    return load_checkpoint(last)[1].get("steps") if last.exists() else None
+
+
 def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, float]
             ) -> dict[str, Any]:
     table = sim["table"]
@@ -78,10 +99,8 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
     ref = f"{args.reference_rate:g}"
     gain = qos_at[ref]["qos_drl"] / qos_at[ref]["baseline_rl"] - 1 \
         if qos_at[ref]["baseline_rl"] > 0 else None
-    buckets = json.loads((RESULTS / "bucket_predictor.json").read_text())["methods"]["minilm"]
+    buckets = bucket_accuracy(args.bucket_results, args.buckets)
     qos_meta = load_checkpoint(args.checkpoint)[1]
-    last = args.checkpoint.parent / "last.pt"  # the run's total, not the best checkpoint's
-    total_steps = load_checkpoint(last)[1].get("steps") if last.exists() else None
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     return {
@@ -89,11 +108,12 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
         "qos_gain_vs_baseline_rl_note": GAIN_NOTE,
         "qos_gain_vs_baseline_rl_sim": gain, "qos_gain_reference_lambda": args.reference_rate,
         "beats_all_baselines_every_lambda": beats,
-        "bucket_top1_score": buckets["top1_score"], "bucket_top3_score": buckets["top3_score"],
-        "bucket_top1_length": buckets["top1_length"],
-        "bucket_top3_length": buckets["top3_length"],
-        **latency, "training_steps": total_steps, "checkpoint_steps": qos_meta.get("steps"),
-        "baseline_rl_training_steps": load_checkpoint(args.baseline_checkpoint)[1].get("steps"),
+        **{f"bucket_{key}": buckets.get(key) for key in BUCKET_KEYS},
+        "bucket_results": str(args.bucket_results) if buckets else None,
+        **latency, "training_steps": total_steps(args.checkpoint),
+        "checkpoint_steps": qos_meta.get("steps"),
+        "baseline_rl_training_steps": total_steps(args.baseline_checkpoint),
+        "baseline_rl_checkpoint_steps": load_checkpoint(args.baseline_checkpoint)[1].get("steps"),
         "training": qos_meta, "limit_ms": args.limit_ms, "arrivals_per_run": args.arrivals,
         "lambdas": args.rates, "avg_qos": qos_at, "simulator": sim,
         "command": " ".join(["python -m bench.bench_qos", *sys.argv[1:]]), "commit": commit,
@@ -107,7 +127,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['arrivals_per_run']} arrivals per run; qos_drl trained "
              f"{result['training_steps']} steps (best checkpoint at "
              f"{result['checkpoint_steps']}), Baseline RL "
-             f"{result['baseline_rl_training_steps']}.\n",
+             f"{result['baseline_rl_training_steps']} (best at "
+             f"{result['baseline_rl_checkpoint_steps']}).\n",
              "| λ | policy | avg QoS | drop | lpt p50 ms | lpt p90 ms | within L |",
              "|---|---|---|---|---|---|---|"]
     for rate, row in result["simulator"]["table"].items():
@@ -157,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
     parser.add_argument("--baseline-checkpoint", type=Path,
                         default=default_dir(True) / "best.pt")
+    parser.add_argument("--bucket-results", type=Path, default=RESULTS / "bucket_predictor.json",
+                        help="`laneway evaluate buckets` output; its accuracy is reported "
+                        "only if it is of the --buckets artifact")
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
     parser.add_argument("--reference-rate", type=float, default=5.0)
     parser.add_argument("--limit-ms", type=float, default=30.0)
