@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.emulator.fit import measure_round, probes, profile_from
+from bench.emulator.fit import FrontendSample, measure_round, probes, profile_from
 from bench.emulator.measure import (
     Load,
     Summary,
@@ -78,14 +78,16 @@ def emulator(profile: Path, model: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def real_server(variant: str, url: str | None, model: str = MODEL) -> Iterator[str]:
+def real_server(variant: str, url: str | None, model: str = MODEL,
+                api_server_pid: int | None = None) -> Iterator[tuple[str, int | None]]:
+    """(url, pid of its API-server process: None if unknown)."""
     if url:
-        yield url
+        yield url, api_server_pid
         return
     servers = start([Spec(f"calibrate-{variant}", variant, model, free_port())],
                     timeout_s=240, max_model_len=MAX_MODEL_LEN)
     try:
-        yield servers[0].url
+        yield servers[0].url, servers[0].pid
     finally:
         stop(servers)
 
@@ -123,7 +125,7 @@ def busy_while(work: Callable[[], T]) -> tuple[T, float]:
 
 
 def fit_and_check_real(real_url: str, model: str, profile: Path, load: CheckLoad,
-                       rounds: int, check_seed: int
+                       rounds: int, check_seed: int, api_server_pid: int | None = None
                        ) -> tuple[list[dict[int, Summary]], list[float]]:
     """Fit rounds and real-server check passes taken in turn, so both see the same
     machine (its speed drifts over minutes with other work); then fit, write the
@@ -131,11 +133,13 @@ def fit_and_check_real(real_url: str, model: str, profile: Path, load: CheckLoad
     plan, fit_seed = probes(), run_seed()
     floor = emulator_floor_s()
     measured: list[list[float]] = []
+    frontend: list[FrontendSample] = []
     real: list[dict[int, Summary]] = []
     busy: list[float] = []
     for index in range(max(rounds, load.passes) + 1):
         if index <= rounds:  # round 0 warms up
-            values = asyncio.run(measure_round(real_url, model, plan, fit_seed + 1000 * index))
+            values = asyncio.run(measure_round(real_url, model, plan, fit_seed + 1000 * index,
+                                               api_server_pid, frontend if index else None))
             measured += [values] if index else []
         if 1 <= index <= load.passes:
             summaries, fraction = busy_while(functools.partial(
@@ -144,7 +148,7 @@ def fit_and_check_real(real_url: str, model: str, profile: Path, load: CheckLoad
             busy.append(fraction)
             print(f"  pass {index} real: " + _fmt_pass(summaries), flush=True)
     dump_profile(profile_from(profile.stem, model, plan, measured, floor, real_url,
-                              MAX_MODEL_LEN), profile)
+                              MAX_MODEL_LEN, frontend), profile)
     return real, busy
 
 
@@ -188,13 +192,14 @@ def _level(concurrency: int, real: Sequence[Summary], emulated: Sequence[Summary
 
 
 def calibrate_variant(variant: str, profile: Path, refit: bool, url: str | None, model: str,
-                      load: CheckLoad, rounds: int) -> dict[str, Any]:
-    with real_server(variant, url, model) as real_url:
+                      load: CheckLoad, rounds: int, api_server_pid: int | None = None
+                      ) -> dict[str, Any]:
+    with real_server(variant, url, model, api_server_pid) as (real_url, pid):
         if refit:
             print(f"fitting {profile.name} and measuring the check on vLLM-CPU ({variant})",
                   flush=True)
             seed = run_seed()
-            real, busy = fit_and_check_real(real_url, model, profile, load, rounds, seed)
+            real, busy = fit_and_check_real(real_url, model, profile, load, rounds, seed, pid)
             print(f"checking {profile.name} on the emulator (the same requests)", flush=True)
             with emulator(profile, model) as emulated_url:
                 emulated = []
@@ -249,13 +254,15 @@ def build_report(results: list[dict[str, Any]], load: CheckLoad, threshold: floa
 
 
 def run(variants: Sequence[str], refit: bool, url: str | None, model: str, out: Path,
-        threshold: float, load: CheckLoad, rounds: int) -> int:
+        threshold: float, load: CheckLoad, rounds: int, api_server_pid: int | None = None
+        ) -> int:
     results = []
     for variant in variants:
         profile = profile_path(f"tiny-llama-{variant}")
         if not refit:
             load_profile(str(profile))  # fail early on a missing or bad profile
-        result = calibrate_variant(variant, profile, refit, url, model, load, rounds)
+        result = calibrate_variant(variant, profile, refit, url, model, load, rounds,
+                                   api_server_pid)
         results.append(result | {
             "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "load_average": [round(x, 2) for x in os.getloadavg()]})

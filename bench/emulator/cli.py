@@ -63,13 +63,15 @@ def _fit(args: argparse.Namespace) -> int:
     from bench.emulator.profile import dump_profile, profile_path
 
     out = Path(args.out) if args.out else profile_path(f"tiny-llama-{args.variant}")
-    with calibrate.real_server(args.variant, args.url, args.served_model) as url:
+    with calibrate.real_server(args.variant, args.url, args.served_model,
+                               args.api_server_pid) as (url, pid):
         floor = calibrate.emulator_floor_s()
         profile = fit.fit(url, args.served_model, out.stem, args.rounds, floor,
-                          calibrate.MAX_MODEL_LEN)
+                          calibrate.MAX_MODEL_LEN, pid)
     dump_profile(profile, out)
     print(f"wrote {out}: {profile.step.model_dump()}, "
-          f"request_overhead_s={profile.request_overhead_s:.5f}")
+          f"request_overhead_s={profile.request_overhead_s:.5f} "
+          f"request_latency_s={profile.request_latency_s:.5f}")
     return 0
 
 
@@ -79,7 +81,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     load = calibrate.CheckLoad(args.prompt_tokens, args.output_tokens,
                                args.requests_per_worker, args.passes)
     return calibrate.run(args.variants.split(","), args.refit, args.url, args.served_model,
-                         Path(args.out), args.threshold, load, args.rounds)
+                         Path(args.out), args.threshold, load, args.rounds,
+                         args.api_server_pid)
 
 
 def _capacity(args: argparse.Namespace) -> int:
@@ -88,6 +91,11 @@ def _capacity(args: argparse.Namespace) -> int:
     return capacity.run(args.n, args.profile, args.processes,
                         [float(r) for r in args.rates.split(",")], args.duration,
                         args.prompt_tokens, args.output_tokens, Path(args.out))
+
+
+PID_HELP = ("with --url: the pid of that server's API-server process, whose CPU per request "
+            "and per chunk the fit measures (else all of the request overhead counts as its "
+            "CPU)")
 
 
 def add_cli(subparsers: Any) -> None:
@@ -118,6 +126,7 @@ def add_cli(subparsers: Any) -> None:
     fit_cmd.add_argument("--out", help="default: bench/emulator/profiles/tiny-llama-<variant>.yaml")
     fit_cmd.add_argument("--url", help="use this running server instead of starting one")
     fit_cmd.add_argument("--served-model", default="tiny-llama", help="its model name")
+    fit_cmd.add_argument("--api-server-pid", type=int, help=PID_HELP)
     fit_cmd.add_argument("--rounds", type=int, default=8, help="waves per probe")
     fit_cmd.set_defaults(func=_fit)
 
@@ -126,6 +135,7 @@ def add_cli(subparsers: Any) -> None:
     cal.add_argument("--refit", action="store_true", help="fit the profile first (same server)")
     cal.add_argument("--url", help="use this running server instead of starting one")
     cal.add_argument("--served-model", default="tiny-llama", help="its model name")
+    cal.add_argument("--api-server-pid", type=int, help=PID_HELP)
     cal.add_argument("--out", default=str(REPO / "docs/results/emulator_calibration.json"))
     cal.add_argument("--threshold", type=float, default=0.15)
     cal.add_argument("--prompt-tokens", type=int, default=256)

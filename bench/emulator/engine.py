@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 from bench.emulator.kv import KvCache, block_hash
 from bench.emulator.profile import Profile
@@ -46,17 +47,50 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch: list[tuple[Sequence, int]] = []
         self._step_end: float | None = None  # None: idle
+        self._idle_since = 0.0  # when the last step ended
+        self._start_at: float | None = None  # an idle engine's next step, about to start
+        # called with (stepping, emulated instant) when the engine starts or stops
+        # stepping: the API server's share of a shared CPU depends on it
+        self.on_busy: Callable[[bool, float], None] | None = None
         # manual: no timers; `advance()` runs the next step at once (tests, simulation)
         self._manual = manual
         self.now = 0.0
 
+    @property
+    def busy_until(self) -> float | None:
+        """When the step in flight ends; None when idle."""
+        return self._step_end
+
     # -- requests ---------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, at: float | None = None) -> None:
+        """Queue a request; `at`: the emulated instant it arrived, if the loop hands it
+        over late (an idle engine starts its step then, not after the loop's delay).
+
+        An idle engine starts its step once the loop has handed over everything that
+        arrived at the same instant, as vLLM's engine takes every queued request before
+        it schedules: requests released together by the API server share a step (started
+        at the first's `add`, a wave of 8 went 1 + 7)."""
         self.waiting.append(seq)
         self.stats.waiting = len(self.waiting)
-        if self._step_end is None:
-            self._start_step(self._now())
+        if self._step_end is None and self._start_at is None:
+            now = self._now()
+            self._start_at = now if at is None else max(min(at, now), self._idle_since)
+            if self._manual:
+                self._start_pending()
+            else:
+                assert self._loop is not None
+                self._loop.call_soon(self._start_pending)
+
+    def add_all(self, seqs: list[Sequence], at: float | None = None) -> None:
+        """Requests arriving together (manual mode: `add` starts a step at once)."""
+        self.waiting.extend(seqs[:-1])
+        self.add(seqs[-1], at)
+
+    def _start_pending(self) -> None:
+        start, self._start_at = self._start_at, None
+        if start is not None and self._step_end is None:
+            self._start_step(start)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request (client gone): its slot and KV blocks are free at once."""
@@ -154,7 +188,12 @@ class Engine:
             batch = self.schedule()
         if not batch:
             self._step_end = None
+            self._idle_since = start
+            if self.on_busy is not None:
+                self.on_busy(False, start)
             return
+        if self._step_end is None and self.on_busy is not None:
+            self.on_busy(True, start)
         self._batch = batch
         duration = self.step_seconds(batch)
         self.busy_s += duration

@@ -14,6 +14,7 @@ budget prefills in chunks, and until then the others' steps carry prefill work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import statistics
 import time
@@ -25,6 +26,8 @@ import aiohttp
 import orjson
 
 PROMPT_ID_RANGE = (10, 4000)  # inside the tiny models' vocabulary, past the specials
+BUSY_BACKGROUND_TOKENS = 200  # background streams of `run_busy_arrivals`: 0.3-1 s here
+BUSY_START_S = 0.05  # ... given this long to be prefilled and decoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +134,44 @@ async def run_waves(url: str, model: str, load: Load, seed: int = 0,
     queue = prompts(load, seed)
     timings: list[Timing] = []
     async with _session() as session:
+        await warm_connections(session, url, load.concurrency)
         for start in range(0, len(queue), load.concurrency):
             wave = await asyncio.gather(*(
                 stream_one(session, url, model, prompt_ids, load.output_tokens)
                 for prompt_ids in queue[start:start + load.concurrency]))
             timings += after_prefills(wave) if decode_only else wave
     return timings
+
+
+async def warm_connections(session: aiohttp.ClientSession, url: str, count: int) -> None:
+    """Open `count` keep-alive connections first: a request on a fresh connection pays
+    the TCP and HTTP set-up, which a closed-loop client (and the emulator floor) does
+    not; counted in a one-request probe, it went into the fitted request overhead."""
+
+    async def touch() -> None:
+        async with session.get(f"{url}/v1/models") as response:
+            await response.read()
+
+    await asyncio.gather(*(touch() for _ in range(count)))
+
+
+async def run_busy_arrivals(url: str, model: str, background: int, load: Load, seed: int = 0
+                            ) -> tuple[list[Timing], list[Timing]]:
+    """`load.requests` requests one after another, each sent while `background`
+    streams of 16-token prompts decode (they start first and outlast the probes): the
+    API server then shares the CPU with the engine. (The probes' timings, the
+    background's.)"""
+    queue = prompts(load, seed)
+    streams = prompts(Load(background, background, 16, 0), seed + 1)
+    tokens = BUSY_BACKGROUND_TOKENS
+    async with _session() as session:
+        await warm_connections(session, url, background + 1)
+        running = [asyncio.create_task(stream_one(session, url, model, ids, tokens))
+                   for ids in streams]
+        await asyncio.sleep(BUSY_START_S)  # the background is decoding by then
+        timings = [await stream_one(session, url, model, ids, load.output_tokens)
+                   for ids in queue]
+        return timings, list(await asyncio.gather(*running))
 
 
 def after_prefills(wave: Sequence[Timing]) -> list[Timing]:
@@ -158,6 +193,16 @@ def cpu_times() -> tuple[int, int]:
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]
     return sum(fields) - idle, sum(fields)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds all threads of process `pid` ran so far (ns precision, from
+    schedstat; /proc/pid/stat counts 10 ms ticks, too coarse for one probe)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def over_passes(values: Sequence[float]) -> float:

@@ -15,8 +15,11 @@ the first `free_context_per_seq` entries of each request stay in the caches and 
 nothing measurable, so `context` counts only what a request reads beyond them), `e`
 the attention compute (what makes long prefills superlinear). `request_overhead_s` is
 the API server's own work per request (parse, tokenize, hand to the engine, stream
-back), done before the request reaches the scheduler and one request at a time, as
-vLLM's single API-server process does it.
+back) before the request reaches the scheduler, taken one request at a time as
+vLLM's single API-server process does; `request_latency_s` is the rest of a request's
+fixed cost, which overlaps between requests (hops between processes, waiting for the
+engine's loop). A fit splits the two by simultaneous arrivals (`fit.split_overhead`):
+all of it serial spread a burst over far more time than vLLM does.
 
 Profiles are YAML files in `profiles/`; `load_profile("a100-40gb")` or a path.
 """
@@ -61,7 +64,15 @@ class Profile(BaseModel):
     description: str = ""
     model: str = Field(description="served model name by default")
     step: StepModel
-    request_overhead_s: float = Field(0.0, ge=0)
+    request_overhead_s: float = Field(0.0, ge=0, description="API-server work per request, "
+                                      "one request at a time, before the scheduler")
+    request_latency_s: float = Field(0.0, ge=0, description="fixed delay per request "
+                                     "before the scheduler, overlapping between requests")
+    chunk_overhead_s: float = Field(0.0, ge=0, description="API-server work per streamed "
+                                    "chunk, sharing its CPU with requests")
+    frontend_speed_while_stepping: float = Field(
+        1.0, gt=0, le=1, description="the API server's share of a CPU while the engine "
+        "steps (1: a core of its own)")
     max_num_seqs: int = Field(gt=0)
     max_num_batched_tokens: int = Field(gt=0)
     kv_blocks: int = Field(gt=0, description="KV cache capacity in blocks")

@@ -21,6 +21,7 @@ import uvicorn
 
 from bench.emulator.engine import Engine
 from bench.emulator.engine import Sequence as EngineSequence
+from bench.emulator.frontend import Frontend
 from bench.emulator.profile import Profile
 from bench.fake_metrics import FakeStats
 from bench.fake_vllm import FakeConfig, FakeVllm, include_usage
@@ -37,7 +38,8 @@ class EmulatedVllm(FakeVllm):
         self.profile = profile
         self.stats = FakeStats(keep_bodies=False)
         self.engine = Engine(profile, self.stats)
-        self._frontend_free_at = 0.0  # when the emulated API server is next idle
+        self.frontend = Frontend(profile.frontend_speed_while_stepping)
+        self.engine.on_busy = self.frontend.engine_busy
 
     async def _admitted(self, job: Completion, body: dict[str, Any], send: Send) -> None:
         loop = asyncio.get_running_loop()
@@ -47,13 +49,13 @@ class EmulatedVllm(FakeVllm):
             await send_json(send, 400, {"error": {**error, "type": "BadRequestError",
                                                   "code": 400}})
             return
-        if self.profile.request_overhead_s:
-            # vLLM's API server is one Python process: requests are taken in turn
-            start = max(arrival, self._frontend_free_at)
-            self._frontend_free_at = start + self.profile.request_overhead_s
-            await asyncio.sleep(self._frontend_free_at - arrival)
+        # the API server's CPU, then waits that are not CPU (hops between processes)
+        handed = await self.frontend.run(self.profile.request_overhead_s) \
+            + self.profile.request_latency_s
+        if handed > loop.time():
+            await asyncio.sleep(handed - loop.time())
         seq = EngineSequence(job.prompt_ids, job.start, job.tokens, arrival)
-        self.engine.add(seq)
+        self.engine.add(seq, at=handed)
         try:
             if body.get("stream"):
                 await self._stream_steps(seq, job, include_usage(body), send)
@@ -73,6 +75,9 @@ class EmulatedVllm(FakeVllm):
         while sent < job.tokens:
             await seq.progress(sent)
             ready = seq.output
+            if self.profile.chunk_overhead_s:  # from the step that made the token
+                await self.frontend.run(self.profile.chunk_overhead_s, seq.last_token_at)
+                ready = seq.output  # tokens made meanwhile go out in this chunk
             events = b"".join([wire.token(offset) for offset in range(sent, ready)])
             await send({"type": "http.response.body", "more_body": True,
                         "body": wire.opening + events if sent == 0 else events})

@@ -260,7 +260,7 @@ async def test_tokens_come_at_the_step_times() -> None:
     assert steps < 4 * 5  # batched: 5 steps plus those the arrival skew adds
 
 
-async def test_the_api_server_takes_requests_one_at_a_time() -> None:
+async def test_the_api_server_shares_its_cpu_between_requests() -> None:
     zero = StepModel(base_s=0.0, per_token_s=0.0)
     async with serve_fleet([Instance("a", profile(step=zero, request_overhead_s=0.05),
                                      "m")]) as fleet, httpx.AsyncClient(timeout=10) as http:
@@ -268,7 +268,9 @@ async def test_the_api_server_takes_requests_one_at_a_time() -> None:
                                          json={"model": "m", "prompt": [i], "max_tokens": 1})
                                for i in range(1, 5)))
         ttft = fleet.apps[0].stats.ttft
-    assert ttft.count == 4 and ttft.sum >= 0.45  # 50 + 100 + 150 + 200 ms, not 4 x 50
+    # all four reach the engine together at ~200 ms (one at a time: 50 + 100 + 150 +
+    # 200 = 500 ms in all; each on its own: 4 x 50)
+    assert ttft.count == 4 and ttft.sum >= 0.75
 
 
 async def test_disconnect_frees_kv_and_metrics_show_it() -> None:
@@ -331,12 +333,6 @@ def test_shipped_profiles_load() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap (issue 4): on the AVX-512 host of 2026-11-24, where vLLM-CPU prefills ~4x "
-    "faster than on the AVX2 host the profiles were fitted on, the fit misses real vLLM's "
-    "closed-loop TTFT at 4 and 16 streams (20 / 44 ms, near a burst's 23 / 54; emulated "
-    "12-13 ms: errors 38 / 71 %). Untested reading: vLLM's API server is busy streaming the "
-    "other requests' tokens, which the emulator does not charge. Passed on the AVX2 host."))
 def test_calibration_against_real_vllm_at_reduced_size(tmp_path: Path) -> None:
     """The calibration pipeline, smaller: fit a fresh profile on a real server, then run
     the check load on both. The 15 % accuracy target is the benchmark's (`make
