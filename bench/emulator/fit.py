@@ -61,16 +61,18 @@ TERMS = ("request_overhead_s", "base_s", "per_token_s", "per_seq_s", "per_contex
 FREE_CONTEXT_GRID = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768)
 BURSTS = (4, 8, 16)  # simultaneous 256-token prompts: mean TTFT of the wave
 FRONTEND_SCALES = np.linspace(1.0, 6.0, 51)  # API-server wall seconds per CPU second
-BUSY_STREAMS = 8  # decoding while a "busy" probe's requests arrive one by one
+BUSY_STREAMS = (4, 8, 16)  # decoding while a "busy" probe's requests arrive one by one
+SPEEDS = np.linspace(0.05, 1.0, 96)  # the API server's speeds while stepping, tried
 BUSY_CONTEXT = 64  # their mean KV length by then (16-token prompts)
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
     # "ttft", "tpot", "burst" (mean TTFT of simultaneous requests) or "busy" (TTFT of
-    # requests arriving while BUSY_STREAMS others decode)
+    # requests arriving one by one while `background` others decode)
     metric: str
     load: Load  # load.concurrency requests per wave, load.requests in all
+    background: int = 0  # "busy": streams decoding meanwhile
 
     def features(self, free_context: int) -> list[float]:
         """The row of the least squares (prefill and decode probes; a burst is not
@@ -92,7 +94,7 @@ def probes() -> list[Probe]:
                                            (768, (1, 4, 8, 12, 16)))
                    for n in streams]
     bursts = [Probe("burst", Load(n, n, 256, 2)) for n in BURSTS]
-    busy = [Probe("busy", Load(1, 6, 256, 2))]
+    busy = [Probe("busy", Load(1, 6, 256, 2), streams) for streams in BUSY_STREAMS]
     return prefill + decode + long_decode + bursts + busy
 
 
@@ -116,7 +118,7 @@ async def measure_round(url: str, model: str, plan: Sequence[Probe], seed: int,
         cpu, wall = (process_cpu_s(api_server_pid) if api_server_pid else 0.0,
                      time.perf_counter())
         if probe.metric == "busy":
-            timings, background = await run_busy_arrivals(url, model, BUSY_STREAMS,
+            timings, background = await run_busy_arrivals(url, model, probe.background,
                                                           probe.load, seed + index)
         else:
             timings = background = await run_waves(url, model, probe.load, seed=seed + index,
@@ -203,7 +205,7 @@ def cache_config(url: str) -> tuple[int, int]:
     return int(labels["num_gpu_blocks"]), int(labels["block_size"])
 
 
-def busy_ttft(profile: Profile, prompt_tokens: int, streams: int = BUSY_STREAMS) -> float:
+def busy_ttft(profile: Profile, prompt_tokens: int, streams: int) -> float:
     """TTFT of a request arriving while `streams` others decode (a "busy" probe), as
     the emulator makes it, without its HTTP floor: the API server's work at its speed
     while the engine steps, less what the streams' chunks take of it; the latency;
@@ -223,20 +225,17 @@ def busy_ttft(profile: Profile, prompt_tokens: int, streams: int = BUSY_STREAMS)
             + mixed + (streams + 1) * profile.chunk_overhead_s / speed)
 
 
-def speed_while_stepping(profile: Profile, ttft_s: float, prompt_tokens: int) -> float:
-    """The API server's speed while the engine steps that makes `busy_ttft` equal a
-    measured one (bisection; 1 when even a core of its own is slower)."""
-    def at(speed: float) -> float:
-        return busy_ttft(profile.model_copy(update={"frontend_speed_while_stepping": speed}),
-                         prompt_tokens)
+def speed_while_stepping(profile: Profile, busy: Sequence[tuple[Probe, float]]) -> float:
+    """The API server's speed while the engine steps (of `SPEEDS`) whose `busy_ttft`
+    comes closest to the measured ones (relative squared error; TTFTs without the
+    emulator's floor). One probe alone left the speed to its noise: fitted on 8
+    streams, the emulator's API server was too slow at 16 (TTFT 21 % high)."""
+    def error(speed: float) -> float:
+        model = profile.model_copy(update={"frontend_speed_while_stepping": speed})
+        return sum((busy_ttft(model, probe.load.prompt_tokens, probe.background) / value
+                    - 1) ** 2 for probe, value in busy)
 
-    if at(1.0) >= ttft_s:
-        return 1.0
-    low, high = 0.02, 1.0  # at(low) > ttft_s >= at(high)
-    for _ in range(40):
-        middle = (low + high) / 2
-        low, high = (middle, high) if at(middle) > ttft_s else (low, middle)
-    return high
+    return float(min(SPEEDS, key=error))
 
 
 def frontend_candidates(overhead: float, cpu: tuple[float, float] | None
@@ -282,11 +281,10 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
     scale, per_request, per_chunk = min(frontend_candidates(overhead, cpu), key=burst_error) \
         if bursts else (1.0, overhead, 0.0)
     profile = with_frontend(per_request, per_chunk)
-    busy = [(p.load, v) for p, v in zip(plan, values, strict=True) if p.metric == "busy"]
+    busy = [(p, v - floor_s) for p, v in zip(plan, values, strict=True) if p.metric == "busy"]
     if busy:
-        load, value = busy[0]
         profile = profile.model_copy(update={"frontend_speed_while_stepping": round(
-            speed_while_stepping(profile, value - floor_s, load.prompt_tokens), 4)})
+            speed_while_stepping(profile, busy), 4)})
     coef = np.array([terms[t] for t in TERMS])
 
     def model_s(probe: Probe) -> float:
@@ -294,10 +292,11 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
             return burst_ttft(profile, probe.load.concurrency, probe.load.prompt_tokens) \
                 + floor_s
         if probe.metric == "busy":
-            return busy_ttft(profile, probe.load.prompt_tokens) + floor_s
+            return busy_ttft(profile, probe.load.prompt_tokens, probe.background) + floor_s
         return float(np.array(probe.features(free_context)) @ coef)
 
     rows = [{"metric": p.metric, "concurrency": p.load.concurrency,
+             **({"background_streams": p.background} if p.background else {}),
              "prompt_tokens": p.load.prompt_tokens, "output_tokens": p.load.output_tokens,
              "measured_ms": round(v * 1000, 3), "model_ms": round(model_s(p) * 1000, 3)}
             for p, v in zip(plan, values, strict=True)]
@@ -316,9 +315,9 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
                    "request_overhead_s: the share of it that best fits the burst probes "
                    f"({scale:.3f}; the API server's CPU was not measured: its pid was not "
                    "known), request_latency_s the rest")
-                   + ". frontend_speed_while_stepping: what makes the busy probe's TTFT "
-                   "(requests arriving while 8 streams decode) come out as measured "
-                   "(`fit.busy_ttft`)",
+                   + ". frontend_speed_while_stepping: the best fit to the busy probes "
+                   f"(requests arriving while {list(BUSY_STREAMS)} streams decode; "
+                   "`fit.busy_ttft`)",
         fit={"measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
              "load_average": [round(x, 2) for x in os.getloadavg()],
              "emulator_floor_ttft_ms": round(floor_s * 1000, 3),
@@ -335,7 +334,8 @@ def profile_from(name: str, model: str, plan: Sequence[Probe],
     check's passes (`over_passes`), and to the API server's CPU if measured."""
     values = [over_passes(column) for column in zip(*rounds, strict=True)]
     for probe, value in zip(plan, values, strict=True):
-        print(f"  {probe.metric} n={probe.load.concurrency} P={probe.load.prompt_tokens}: "
+        print(f"  {probe.metric} n={probe.load.concurrency} P={probe.load.prompt_tokens}"
+              + (f" while {probe.background} decode" if probe.background else "") + ": "
               f"{value * 1000:.2f} ms", flush=True)
     costs = frontend_costs(frontend) if frontend else None
     if costs:

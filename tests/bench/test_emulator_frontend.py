@@ -9,12 +9,14 @@ import pytest
 
 from bench.emulator.fit import (
     FrontendSample,
+    Probe,
     burst_ttft,
     busy_ttft,
     frontend_costs,
     speed_while_stepping,
 )
 from bench.emulator.frontend import Frontend
+from bench.emulator.measure import Load
 from bench.emulator.profile import Profile, StepModel
 
 
@@ -83,12 +85,11 @@ def test_a_burst_reaches_the_engine_together() -> None:
     assert burst_ttft(zero_cost, 8, 256) == pytest.approx(0.008 + 0.002 + 0.004 + 8e-4)
 
 
-def test_the_busy_probe_gives_back_the_speed_it_was_made_with() -> None:
+def test_the_busy_probes_give_back_the_speed_they_were_made_with() -> None:
     made = profile(request_overhead_s=0.001, request_latency_s=0.002, chunk_overhead_s=5e-5,
                    frontend_speed_while_stepping=0.6)
-    measured = busy_ttft(made, 256)
-    assert busy_ttft(made.model_copy(update={"frontend_speed_while_stepping": 1.0}), 256) \
-        < measured
-    fitted = speed_while_stepping(made.model_copy(update={"frontend_speed_while_stepping": 1.0}),
-                                  measured, 256)
-    assert fitted == pytest.approx(0.6, abs=1e-4)
+    busy = [(Probe("busy", Load(1, 6, 256, 2), streams), busy_ttft(made, 256, streams))
+            for streams in (4, 8, 16)]
+    full_speed = made.model_copy(update={"frontend_speed_while_stepping": 1.0})
+    assert all(busy_ttft(full_speed, 256, p.background) < value for p, value in busy)
+    assert speed_while_stepping(full_speed, busy) == pytest.approx(0.6, abs=1e-9)
