@@ -56,11 +56,6 @@ class Engine:
         self._manual = manual
         self.now = 0.0
 
-    @property
-    def busy_until(self) -> float | None:
-        """When the step in flight ends; None when idle."""
-        return self._step_end
-
     # -- requests ---------------------------------------------------------------
 
     def add(self, seq: Sequence, at: float | None = None) -> None:
@@ -82,10 +77,10 @@ class Engine:
                 assert self._loop is not None
                 self._loop.call_soon(self._start_pending)
 
-    def add_all(self, seqs: list[Sequence], at: float | None = None) -> None:
+    def add_all(self, seqs: list[Sequence]) -> None:
         """Requests arriving together (manual mode: `add` starts a step at once)."""
         self.waiting.extend(seqs[:-1])
-        self.add(seqs[-1], at)
+        self.add(seqs[-1])
 
     def _start_pending(self) -> None:
         start, self._start_at = self._start_at, None

@@ -30,7 +30,7 @@ import datetime
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -120,11 +120,11 @@ async def measure_round(url: str, model: str, plan: Sequence[Probe], seed: int,
         if probe.metric == "busy":
             timings, background = await run_busy_arrivals(url, model, probe.background,
                                                           probe.load, seed + index)
+            every = timings + background  # what the API server served meanwhile
         else:
-            timings = background = await run_waves(url, model, probe.load, seed=seed + index,
-                                                   decode_only=probe.metric == "tpot")
+            timings = every = await run_waves(url, model, probe.load, seed=seed + index,
+                                              decode_only=probe.metric == "tpot")
         if api_server_pid and frontend is not None:
-            every = timings + background if probe.metric == "busy" else timings
             frontend.append(FrontendSample(len(every), sum(len(t.events) for t in every),
                                            time.perf_counter() - wall,
                                            process_cpu_s(api_server_pid) - cpu))
@@ -232,19 +232,24 @@ def speed_while_stepping(profile: Profile, busy: Sequence[tuple[Probe, float]]) 
     streams, the emulator's API server was too slow at 16 (TTFT 21 % high)."""
     def error(speed: float) -> float:
         model = profile.model_copy(update={"frontend_speed_while_stepping": speed})
-        return sum((busy_ttft(model, probe.load.prompt_tokens, probe.background) / value
-                    - 1) ** 2 for probe, value in busy)
+        return relative_sse((busy_ttft(model, probe.load.prompt_tokens, probe.background),
+                             value) for probe, value in busy)
 
     return float(min(SPEEDS, key=error))
+
+
+def relative_sse(pairs: Iterable[tuple[float, float]]) -> float:
+    """Sum of squared relative errors over (modelled, measured) pairs."""
+    return sum((modelled / measured - 1) ** 2 for modelled, measured in pairs)
 
 
 def frontend_candidates(overhead: float, cpu: tuple[float, float] | None
                         ) -> list[tuple[float, float, float]]:
     """(scale, seconds per request, per chunk) the burst probes choose from. The API
     server's CPU per request and chunk, measured in its process, times the wall time
-    it needs per CPU second (it shares two cores with the engine and the client; the
-    bursts of 16 took ~3x its CPU); without that measurement, shares of the fitted
-    request overhead, and no cost per chunk."""
+    it needs per CPU second (it shares two cores with the engine and the client);
+    without that measurement, shares of the fitted request overhead, and no cost per
+    chunk."""
     if cpu is None:
         return [(share, overhead * share, 0.0) for share in np.linspace(0.0, 1.0, 41)]
     return [(scale, cpu[0] * scale, cpu[1] * scale) for scale in FRONTEND_SCALES]
@@ -275,8 +280,8 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
 
     def burst_error(candidate: tuple[float, float, float]) -> float:
         model = with_frontend(*candidate[1:])
-        return sum(((burst_ttft(model, load.concurrency, load.prompt_tokens) + floor_s)
-                    / value - 1) ** 2 for load, value in bursts)
+        return relative_sse((burst_ttft(model, load.concurrency, load.prompt_tokens)
+                             + floor_s, value) for load, value in bursts)
 
     scale, per_request, per_chunk = min(frontend_candidates(overhead, cpu), key=burst_error) \
         if bursts else (1.0, overhead, 0.0)

@@ -14,12 +14,12 @@ processing), `d` the KV read (what makes GPU decode slower with long contexts; o
 the first `free_context_per_seq` entries of each request stay in the caches and cost
 nothing measurable, so `context` counts only what a request reads beyond them), `e`
 the attention compute (what makes long prefills superlinear). `request_overhead_s` is
-the API server's own work per request (parse, tokenize, hand to the engine, stream
-back) before the request reaches the scheduler, taken one request at a time as
-vLLM's single API-server process does; `request_latency_s` is the rest of a request's
-fixed cost, which overlaps between requests (hops between processes, waiting for the
-engine's loop). A fit splits the two by simultaneous arrivals (`fit.split_overhead`):
-all of it serial spread a burst over far more time than vLLM does.
+the API server's own work per request (parse, tokenize, hand to the engine) before the
+request reaches the scheduler and `chunk_overhead_s` its work per streamed chunk: vLLM's
+single API-server process shares its CPU between them all (`frontend.py`), at
+`frontend_speed_while_stepping` while the engine steps; `request_latency_s` is the rest
+of a request's fixed cost, which overlaps between requests (hops between processes).
+`fit.py` measures and splits them.
 
 Profiles are YAML files in `profiles/`; `load_profile("a100-40gb")` or a path.
 """
@@ -64,8 +64,8 @@ class Profile(BaseModel):
     description: str = ""
     model: str = Field(description="served model name by default")
     step: StepModel
-    request_overhead_s: float = Field(0.0, ge=0, description="API-server work per request, "
-                                      "one request at a time, before the scheduler")
+    request_overhead_s: float = Field(0.0, ge=0, description="API-server work per request "
+                                      "before the scheduler, sharing its CPU")
     request_latency_s: float = Field(0.0, ge=0, description="fixed delay per request "
                                      "before the scheduler, overlapping between requests")
     chunk_overhead_s: float = Field(0.0, ge=0, description="API-server work per streamed "
