@@ -60,9 +60,12 @@ TERMS = ("request_overhead_s", "base_s", "per_token_s", "per_seq_s", "per_contex
          "per_pair_s")
 FREE_CONTEXT_GRID = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768)
 BURSTS = (4, 8, 16)  # simultaneous 256-token prompts: mean TTFT of the wave
-FRONTEND_SCALES = np.linspace(1.0, 6.0, 51)  # API-server wall seconds per CPU second
+# API-server wall seconds per CPU second: below 1 too, since its CPU counts all its
+# threads (vLLM's API server runs 8), some of it beside the event loop
+FRONTEND_SCALES = np.linspace(0.2, 6.0, 59)
 BUSY_STREAMS = (4, 8, 16)  # decoding while a "busy" probe's requests arrive one by one
 SPEEDS = np.linspace(0.05, 1.0, 96)  # the API server's speeds while stepping, tried
+IDLE_SAMPLE_S = 0.3  # per round: the API server's own CPU with no request
 BUSY_CONTEXT = 64  # their mean KV length by then (16-token prompts)
 
 
@@ -114,6 +117,11 @@ async def measure_round(url: str, model: str, plan: Sequence[Probe], seed: int,
     wave of several probes rather than every wave of one. With the API server's pid,
     each probe's CPU there goes to `frontend`."""
     values = []
+    if api_server_pid and frontend is not None:  # the API server's CPU with nothing to do
+        cpu, wall = process_cpu_s(api_server_pid), time.perf_counter()
+        await asyncio.sleep(IDLE_SAMPLE_S)
+        frontend.append(FrontendSample(0, 0, time.perf_counter() - wall,
+                                       process_cpu_s(api_server_pid) - cpu))
     for index, probe in enumerate(plan):
         cpu, wall = (process_cpu_s(api_server_pid) if api_server_pid else 0.0,
                      time.perf_counter())
@@ -135,10 +143,16 @@ async def measure_round(url: str, model: str, plan: Sequence[Probe], seed: int,
 
 def frontend_costs(samples: Sequence[FrontendSample]) -> tuple[float, float]:
     """(CPU seconds per request, per streamed chunk) of the API server: least squares
-    over the probes, with its idle CPU per wall second (timers, logging) as a third
-    term; a negative term is dropped and the rest refitted."""
-    features = np.array([[s.requests, s.chunks, s.wall_s] for s in samples], dtype=float)
-    coef = nonnegative_lstsq(features, np.array([s.cpu_s for s in samples], dtype=float))
+    over the probes, less its idle CPU per wall second (timers, logging) measured while
+    it had nothing to do (samples without requests); a negative term is dropped and
+    the rest refitted. The idle rate was a third fitted term before: every probe's wall
+    time grows with its requests and chunks, and in about one fit in six of the suite's
+    reduced calibration (4 rounds) it took the per-request cost to 0."""
+    idle = [s for s in samples if s.requests == 0]
+    rate = sum(s.cpu_s for s in idle) / sum(s.wall_s for s in idle) if idle else 0.0
+    served = [s for s in samples if s.requests]
+    features = np.array([[s.requests, s.chunks] for s in served], dtype=float)
+    coef = nonnegative_lstsq(features, np.array([s.cpu_s - rate * s.wall_s for s in served]))
     return float(coef[0]), float(coef[1])
 
 

@@ -73,7 +73,7 @@ def test_frontend_costs_recover_cpu_per_request_and_chunk() -> None:
     truth = (0.0012, 4e-5, 0.01)  # per request, per chunk, idle per wall second
     shapes = [(1, 2, 0.01), (16, 32, 0.05), (8, 760, 0.4), (24, 2280, 0.6), (14, 1612, 0.7)]
     samples = [FrontendSample(r, c, w, truth[0] * r + truth[1] * c + truth[2] * w)
-               for r, c, w in shapes]
+               for r, c, w in [(0, 0, 0.3), *shapes]]  # an idle sample, then probes
     assert frontend_costs(samples) == pytest.approx(truth[:2], rel=1e-6)
 
 
