@@ -1,8 +1,9 @@
 """`make bench-eldr`: ELDR vs load balancers and a domain oracle -> docs/results/eldr.json.
 
-1. `--real-servers` (4) vLLM-CPU servers of a tiny Qwen3-MoE (`--variant`: `moe-lm`,
-   trained on six domains, or `moe`, random weights) with the laneway_eldr plugin run
-   the domain-labelled prompts (bench/eldr_prompts.py); the plugin's records are the data.
+1. `--real-servers` (6, as many as the prompt set has domains) vLLM-CPU servers of a
+   tiny Qwen3-MoE (`--variant`: `moe-lm`, trained on six domains, or `moe`, random
+   weights) with the laneway_eldr plugin run the domain-labelled prompts
+   (bench/eldr_prompts.py); the plugin's records are the data.
 2. Signature quality: Spearman rho per kind (count x IDF, gate probability from a
    transformers forward of the same weights, binary) and the prefill/decode premise.
 3. Fit (`predictors/eldr_fit.py`) on the calibration half; timed, also on 1,000
@@ -140,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--per-domain", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--concurrency", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=2, help="real runs per policy")
+    parser.add_argument("--concurrency", type=int, default=72,
+                        help="requests in flight (12 per real server)")
+    parser.add_argument("--rounds", type=int, default=4, help="real runs per policy")
     parser.add_argument("--tau", type=float, default=0.1)
     parser.add_argument("--variant", default="moe-lm", choices=("moe-lm", "moe"),
                         help="the tiny MoE served: trained on six domains, or random weights")
-    parser.add_argument("--real-servers", type=int, default=4,
-                        help="vLLM-CPU MoE servers of the real run (each ~2.8 GB; each also "
+    parser.add_argument("--real-servers", type=int, default=6,
+                        help="vLLM-CPU MoE servers of the real run (each ~2 GB; each also "
                         "serves as a prefill worker, round robin)")
     parser.add_argument("--decoders", type=int, default=16, help="emulated decoders")
     parser.add_argument("--rates", type=float, nargs="+", default=[40.0, 80.0])

@@ -21,6 +21,9 @@ PREFIX = "/eldr/requests/"
 
 def serve(recorder: ExpertRecorder, host: str, port: int) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: no connection set-up per lookup
+        disable_nagle_algorithm = True  # headers and body are two writes (40 ms ACK wait)
+
         def do_GET(self) -> None:
             if self.path.startswith(PREFIX):
                 record = recorder.lookup(self.path[len(PREFIX):])
