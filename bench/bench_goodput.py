@@ -9,7 +9,9 @@ goodput reads each request's deadline (`x-laneway-slo-ms` = scale x solo latency
 the fastest backend), so it runs once per scale, and its goodput at scale s comes
 from its run at s. Variants: goodput (length predictor + migration), without
 migration, moving only streams the move rescues (`rescue_only`; the paper's rule
-also moves those that still miss), with the oracle length (max_tokens, the real answer length here).
+also moves those that still miss), with d_g sampled from finished streams only
+(`stream_samples: false`), with the oracle length (max_tokens, the real answer length
+here).
 Writes `docs/results/goodput.json` and, per fleet, `docs/results/goodput/<fleet>/`
 (table.md, goodput_vs_scale.png, the harness report of the baselines).
 """
@@ -79,6 +81,8 @@ def variants(with_predictor: bool) -> list[Variant]:
                        with_predictor),
                Variant("goodput-rescue-only", "goodput", {"rescue_only": True}, True,
                        with_predictor),
+               Variant("goodput-no-stream-samples", "goodput", {"stream_samples": False},
+                       True, with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 

@@ -31,7 +31,7 @@ noise, the paper's ahead more often, so it stays the default.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,6 +42,8 @@ from policies.prefix_index import PrefixIndex, blocks_from_wire, blocks_to_wire
 from policies.speed import Speed, SpeedModel
 from predictors.base import Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, Progress, RequestContext
+
+MAX_WINDOWS = 100_000  # running streams remembered for window samples
 
 
 class GoodputParams(BaseModel):
@@ -65,6 +67,8 @@ class GoodputParams(BaseModel):
     default_queue_s: float = Field(0.0, ge=0, description="q_g before any observation")
     default_prefill_s_per_token: float = Field(0.0005, ge=0)
     default_tpot_s: float = Field(0.03, gt=0, description="d_g before any observation")
+    stream_samples: bool = Field(True, description="every τ-token check of a running "
+                                 "stream is a d_g sample too (the TPOT of its last window)")
 
 
 @register
@@ -78,6 +82,8 @@ class Goodput:
             params.default_queue_s, params.default_prefill_s_per_token, params.default_tpot_s))
         self._prefixes = PrefixIndex(params.prefix_entries)
         self._least = LeastInflight()
+        # running streams' last check: request id -> (backend, generated, elapsed_s)
+        self._windows: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._outbox: deque[list[Any]] | None = None  # prefix writes to replicate
 
     # -- Algorithm 1 -------------------------------------------------------------
@@ -121,6 +127,8 @@ class Goodput:
     # -- runtime rectification ---------------------------------------------------------
     def reroute(self, ctx: RequestContext, pred: Prediction, progress: Progress,
                 view: ClusterView) -> Decision | None:
+        if self._p.stream_samples:
+            self._observe_window(ctx.request_id, progress)
         deadline = self._deadline(ctx)
         if not self._p.migrate or deadline is None:
             return None
@@ -144,6 +152,19 @@ class Goodput:
             return None
         return self._chosen(ctx, backend, f"SLO risk: finish {finish_here:.2f}s > "
                             f"D {deadline:.2f}s here; {reason}")
+
+    def _observe_window(self, request_id: str, progress: Progress) -> None:
+        """§3.3's EMA from streaming requests too: the TPOT of the tokens since this
+        stream's previous check, on the backend it ran them on (d_g then follows a
+        backend's load while its streams run, not only when one finishes)."""
+        name = progress.backend.name
+        last = self._windows.pop(request_id, None)
+        self._windows[request_id] = (name, progress.generated, progress.elapsed_s)
+        while len(self._windows) > MAX_WINDOWS:  # streams whose outcome never came
+            self._windows.popitem(last=False)
+        if last is not None and last[0] == name and progress.generated > last[1]:
+            self._speeds.observe_tpot(name, (progress.elapsed_s - last[2])
+                                      / (progress.generated - last[1]))
 
     def _remaining(self, ctx: RequestContext, pred: Prediction, progress: Progress) -> float:
         predicted = self._output_tokens(ctx, pred)
@@ -196,5 +217,6 @@ class Goodput:
                 self._speeds.blend(update[1], *update[2:5])
 
     def observe(self, outcome: Outcome) -> None:
+        self._windows.pop(outcome.request_id, None)
         if outcome.ok and outcome.tpot_s is not None and outcome.completion_tokens > 1:
             self._speeds.observe_tpot(outcome.backend, outcome.tpot_s)

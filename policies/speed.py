@@ -9,7 +9,8 @@ doing recently, without modelling batch sizes or GPU types:
   (interval means of `request_queue_time`, `request_prefill_time` over computed
   prefill tokens, and `inter_token_latency`), so a new backend starts with an estimate;
 * every stream the proxy finishes on g gives one more sample of d_g (its mean TPOT as
-  the proxy saw it).
+  the proxy saw it), and with goodput's `stream_samples` so does every τ-token check
+  of a running stream (the TPOT of the tokens since its previous check).
 
 Replicas share their estimates (proxy/state): each one's changed estimates are
 averaged into the others' (`blend`), so every replica's EMA also reflects what the

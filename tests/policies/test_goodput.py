@@ -148,3 +148,24 @@ def test_rescue_only_skips_moves_that_still_miss_the_slo() -> None:
     assert rescue.reroute(request(5.0, max_tokens=400), *args) is None
     rescued = rescue.reroute(request(6.0, max_tokens=400), *args)
     assert rescued is not None and rescued.backend.name == "b0"
+
+
+def test_running_streams_are_speed_samples_per_window() -> None:
+    """Each τ check's window (tokens since the previous check, on the same backend) is
+    an EMA sample of d_g; a window that spans a move is not; an outcome forgets it."""
+    slow = FLEET[2]
+    ctx_, fleet_view = request(100.0), view(FLEET, stats=stats())
+    sampled, unsampled = policy(alpha=1.0), policy(alpha=1.0, stream_samples=False)
+    for goodput in (sampled, unsampled):
+        goodput.pick(ctx_, HUNDRED, fleet_view)  # seeds d_g from the scrape: 40 ms
+        goodput.reroute(ctx_, HUNDRED, progress(slow, 50, 2.0, 0.040), fleet_view)
+        # the next 50 tokens took 5 s: 100 ms per token while the backend is loaded
+        goodput.reroute(ctx_, HUNDRED, progress(slow, 100, 7.0, 0.070), fleet_view)
+    assert sampled.estimates(ctx_, 100, fleet_view)[2][2] == pytest.approx(0.100)
+    assert unsampled.estimates(ctx_, 100, fleet_view)[2][2] == pytest.approx(0.040)
+    # moved to b1 after 100 tokens: its first check there has no window yet
+    sampled.reroute(ctx_, HUNDRED, progress(FLEET[1], 150, 8.0, 0.020), fleet_view)
+    assert sampled.estimates(ctx_, 100, fleet_view)[1][2] == pytest.approx(0.020)
+    sampled.observe(Outcome(ctx_.request_id, "m", "b1", "goodput", 200, True, 0.0, 0.1,
+                            9.0, 200))
+    assert ctx_.request_id not in sampled._windows
