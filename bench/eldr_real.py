@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -169,9 +170,12 @@ async def run_policy(policy: Policy, servers: Sequence[Running], embed: Embed,
 
 async def fetch_probe(server: Running, streams: int = 8, samples: int = 40
                       ) -> dict[str, float]:
-    """The side endpoint's latency alone: a quiet client, the server decoding `streams`
-    requests (the in-run figure also holds the bench client's busy event loop)."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    """The side endpoint's latency alone, read as the proxy's PD stage reads it
+    (keep-alive aiohttp, `proxy/eldr_stage.py`): a quiet client, the server decoding
+    `streams` requests (the in-run figure also holds the bench client's busy event loop).
+    """
+    url = f"{server.eldr_url}/eldr/requests/"
+    async with httpx.AsyncClient(timeout=120) as client, aiohttp.ClientSession() as lookups:
         request_id, _ = await _complete(client, server, "hello there", 1)
         load = [asyncio.create_task(_complete(client, server, "x " * 50, 300))
                 for _ in range(streams)]
@@ -179,7 +183,9 @@ async def fetch_probe(server: Running, streams: int = 8, samples: int = 40
         latencies = []
         for _ in range(samples):
             started = time.perf_counter()
-            await _record(client, server, request_id)
+            async with lookups.get(url + request_id) as response:
+                response.raise_for_status()
+                await response.json()
             latencies.append((time.perf_counter() - started) * 1e3)
         await asyncio.gather(*load)
     return {"p50": float(np.percentile(latencies, 50)),

@@ -6,12 +6,15 @@ import base64
 import io
 import json
 import logging
+from collections.abc import AsyncIterator
 from types import MappingProxyType
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from pydantic import ValidationError
 
 from policies.eldr import Eldr, EldrParams
@@ -24,10 +27,7 @@ from proxy.stages import stages_for
 from proxy.types import Backend, ClusterView
 from tests.policies.helpers import ctx
 
-PREFILL = Backend("p0", "http://p0", "m", MappingProxyType(
-    {"role": "prefill", "eldr_url": "http://p0-eldr"}))
 DECODERS = (Backend("d0", "http://d0", "m"), Backend("d1", "http://d1", "m"))
-VIEW = ClusterView((PREFILL, *DECODERS), {}, {}, 0.0)
 # d0's centroid is expert 0 of the one layer, d1's is expert 1.
 MODEL = EldrModel(SignatureSpec(np.ones((1, 2)), (0,)), normalize(np.eye(2)), ("d0", "d1"))
 
@@ -36,39 +36,87 @@ def eldr() -> Eldr:
     return Eldr(EldrParams(artifact="-", pd=True), MODEL)
 
 
-def transport(seen: list[httpx.Request], fail: bool = False) -> httpx.MockTransport:
+class SideEndpoint:
+    """The plugin's side endpoint, served over a real socket (the stage reads it
+    with aiohttp); `fail` answers 404 as the plugin does for an unknown request."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.fail = False
+        self.url = ""
+
+    async def record(self, request: web.Request) -> web.Response:
+        self.paths.append(request.path)
+        if self.fail:
+            return web.json_response({"error": "unknown request"}, status=404)
+        return web.json_response({"prefill": [[1, 9]], "decode": [[0, 0]]})
+
+    def view(self) -> ClusterView:
+        """A prefill backend p0 whose plugin is this endpoint, and the decoders."""
+        prefill = Backend("p0", "http://p0", "m", MappingProxyType(
+            {"role": "prefill", "eldr_url": self.url}))
+        return ClusterView((prefill, *DECODERS), {}, {}, 0.0)
+
+
+@pytest.fixture
+async def side() -> AsyncIterator[SideEndpoint]:
+    endpoint = SideEndpoint()
+    app = web.Application()
+    app.router.add_get("/eldr/requests/{request_id}", endpoint.record)
+    server = TestServer(app)
+    await server.start_server()
+    endpoint.url = str(server.make_url("")).rstrip("/")
+    yield endpoint
+    await server.close()
+
+
+def transport(seen: list[httpx.Request]) -> httpx.MockTransport:
+    """The prefill backend p0: answers the leg."""
     def handle(request: httpx.Request) -> httpx.Response:
         seen.append(request)
-        if request.url.host == "p0":
-            return httpx.Response(200, json={"choices": [{"text": "x"}]})
-        if fail:
-            return httpx.Response(404, json={"error": "unknown request"})
-        return httpx.Response(200, json={"prefill": [[1, 9]], "decode": [[0, 0]]})
+        return httpx.Response(200, json={"choices": [{"text": "x"}]})
     return httpx.MockTransport(handle)
 
 
-async def test_prefill_leg_yields_the_signature_and_decode_avoids_the_prefill_pool() -> None:
+async def test_prefill_leg_yields_the_signature_and_decode_avoids_the_prefill_pool(
+        side: SideEndpoint) -> None:
     seen: list[httpx.Request] = []
     policy = eldr()
     stage = PrefillStage(policy, transport=transport(seen))
     context = ctx(request_id="req-1")
+    view = side.view()
     pred = await stage.predict(context, {"model": "m", "prompt": "hi", "max_tokens": 50,
-                                         "stream": True}, NO_PREDICTION, VIEW)
+                                         "stream": True}, NO_PREDICTION, view)
     await stage.close()
-    leg, lookup = seen
+    [leg] = seen
     assert json.loads(leg.content) == {"model": "m", "prompt": "hi", "max_tokens": 1,
                                        "stream": False}
     assert leg.headers["X-Request-Id"] == "req-1"
-    assert str(lookup.url) == "http://p0-eldr/eldr/requests/req-1"
+    assert side.paths == ["/eldr/requests/req-1"]
     assert pred.expert_signature is not None
     assert np.allclose(pred.expert_signature, normalize(np.array([1.0, 9.0])))
-    assert policy.pick(context, pred, VIEW).backend.name == "d1"
-    assert policy.pick(context, NO_PREDICTION, VIEW).backend.name in {"d0", "d1"}
+    assert policy.pick(context, pred, view).backend.name == "d1"
+    assert policy.pick(context, NO_PREDICTION, view).backend.name in {"d0", "d1"}
 
 
-async def test_a_failed_lookup_leaves_the_prediction_without_a_signature() -> None:
-    stage = PrefillStage(eldr(), transport=transport([], fail=True))
-    pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION, VIEW)
+async def test_a_failed_lookup_leaves_the_prediction_without_a_signature(
+        side: SideEndpoint, caplog: pytest.LogCaptureFixture) -> None:
+    side.fail = True
+    stage = PrefillStage(eldr(), transport=transport([]))
+    with caplog.at_level(logging.WARNING, "laneway"):
+        pred = await stage.predict(ctx(request_id="req-3"), {"prompt": "hi"},
+                                   NO_PREDICTION, side.view())
+    await stage.close()
+    assert pred is NO_PREDICTION
+    assert "request req-3: no ELDR signature" in caplog.text and "404" in caplog.text
+
+
+async def test_a_side_endpoint_that_does_not_answer_leaves_no_signature() -> None:
+    gone = Backend("p0", "http://p0", "m", MappingProxyType(
+        {"role": "prefill", "eldr_url": "http://127.0.0.1:9"}))  # discard: refused
+    stage = PrefillStage(eldr(), transport=transport([]))
+    pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION,
+                               ClusterView((gone, *DECODERS), {}, {}, 0.0))
     await stage.close()
     assert pred is NO_PREDICTION
 
@@ -109,25 +157,23 @@ HANDLE = {"do_remote_prefill": True, "do_remote_decode": False,
 def kv_stage(seen: list[httpx.Request], handle: dict[str, Any] | None,
              leg_status: int = 200) -> PrefillStage:
     """A kv_transfer stage over a prefill backend that returns `handle` (vLLM puts it
-    at the top level of the response) and a side endpoint with the counts."""
+    at the top level of the response); the counts come from the `side` endpoint."""
     def handle_request(request: httpx.Request) -> httpx.Response:
         seen.append(request)
-        if request.url.host == "p0":
-            return httpx.Response(leg_status, json={"choices": [{"text": "x"}],
-                                                    "kv_transfer_params": handle})
-        return httpx.Response(200, json={"prefill": [[1, 9]], "decode": [[0, 0]]})
+        return httpx.Response(leg_status, json={"choices": [{"text": "x"}],
+                                                "kv_transfer_params": handle})
     policy = Eldr(EldrParams(artifact="-", pd=True, kv_transfer=True), MODEL)
     return PrefillStage(policy, transport=httpx.MockTransport(handle_request))
 
 
 async def test_kv_transfer_asks_the_prefill_leg_to_keep_its_kv_and_returns_the_handle(
-) -> None:
+        side: SideEndpoint) -> None:
     seen: list[httpx.Request] = []
     stage = kv_stage(seen, HANDLE)
     pred = await stage.predict(ctx(), {"model": "m", "prompt": "hi", "max_tokens": 50,
                                        "min_tokens": 10, "stream": True,
                                        "stream_options": {"include_usage": True}},
-                               NO_PREDICTION, VIEW)
+                               NO_PREDICTION, side.view())
     await stage.close()
     assert json.loads(seen[0].content) == {
         "model": "m", "prompt": "hi", "max_tokens": 1, "stream": False,
@@ -138,10 +184,11 @@ async def test_kv_transfer_asks_the_prefill_leg_to_keep_its_kv_and_returns_the_h
     assert pred.expert_signature is not None  # the signature is read as before
 
 
-async def test_kv_transfer_off_leaves_the_leg_and_the_prediction_as_they_were() -> None:
+async def test_kv_transfer_off_leaves_the_leg_and_the_prediction_as_they_were(
+        side: SideEndpoint) -> None:
     seen: list[httpx.Request] = []
     stage = PrefillStage(eldr(), transport=transport(seen))
-    pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION, VIEW)
+    pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION, side.view())
     await stage.close()
     assert "kv_transfer_params" not in json.loads(seen[0].content)
     assert handle_of(pred) is None and pred.expert_signature is not None
@@ -150,12 +197,12 @@ async def test_kv_transfer_off_leaves_the_leg_and_the_prediction_as_they_were() 
 @pytest.mark.parametrize(("handle", "status"), [(None, 200), ({}, 200), (HANDLE, 500)],
                          ids=["null", "empty", "leg-failed"])
 async def test_no_handle_from_the_prefill_leg_means_the_decode_prefills_again(
-        handle: dict[str, Any] | None, status: int, caplog: pytest.LogCaptureFixture
-) -> None:
+        handle: dict[str, Any] | None, status: int, caplog: pytest.LogCaptureFixture,
+        side: SideEndpoint) -> None:
     stage = kv_stage([], handle, leg_status=status)
     with caplog.at_level(logging.WARNING, "laneway"):
         pred = await stage.predict(ctx(request_id="req-2"), {"prompt": "hi"},
-                                   NO_PREDICTION, VIEW)
+                                   NO_PREDICTION, side.view())
     await stage.close()
     assert handle_of(pred) is None
     assert "request req-2" in caplog.text and "prefills again" in caplog.text
