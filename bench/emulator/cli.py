@@ -94,8 +94,8 @@ def _capacity(args: argparse.Namespace) -> int:
 
 
 PID_HELP = ("with --url: the pid of that server's API-server process, whose CPU per request "
-            "and per chunk the fit measures (else all of the request overhead counts as its "
-            "CPU)")
+            "and per chunk the fit measures (else the share of the request overhead that is "
+            "its CPU is fitted to the burst probes, and chunks cost nothing)")
 
 
 def add_cli(subparsers: Any) -> None:
