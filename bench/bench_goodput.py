@@ -6,11 +6,14 @@ Same workload (alpaca_eval prompts, Poisson arrivals, real answer lengths; or, f
 fleet spec ending in `@mooncake`, the Mooncake conversation trace) for every policy on
 one fleet. Baselines ignore the SLO, so one run each serves every scale;
 goodput reads each request's deadline (`x-laneway-slo-ms` = scale x solo latency on
-the fastest backend), so it runs once per scale, and its goodput at scale s comes
+a mid-tier backend, as the paper's SLOs: each request alone on an A800, its fleet's
+middle GPU; here the A100 profile of h100/a100/l40s/t4, the small model of
+small/small/large), so it runs once per scale, and its goodput at scale s comes
 from its run at s. Variants: goodput (length predictor + migration), without
 migration, moving only streams the move rescues (`rescue_only`; the paper's rule
-also moves those that still miss), with d_g sampled from finished streams only
-(`stream_samples: false`), with the oracle length (max_tokens, the real answer length
+also moves those that still miss), choosing the slowest hardware tier's least-loaded
+backend (`selection: capability`) rather than the largest current d_g, with the oracle
+length (max_tokens, the real answer length
 here).
 Writes `docs/results/goodput.json` and, per fleet, `docs/results/goodput/<fleet>/`
 (table.md, goodput_vs_scale.png, the harness report of the baselines).
@@ -81,8 +84,8 @@ def variants(with_predictor: bool) -> list[Variant]:
                        with_predictor),
                Variant("goodput-rescue-only", "goodput", {"rescue_only": True}, True,
                        with_predictor),
-               Variant("goodput-no-stream-samples", "goodput", {"stream_samples": False},
-                       True, with_predictor),
+               Variant("goodput-capability", "goodput", {"selection": "capability"}, True,
+                       with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -134,7 +137,7 @@ def table(goodput: Mapping[str, Mapping[str, float]], summaries: Mapping[str, li
 
 
 def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], out: Path,
-         title: str) -> None:
+         title: str, tier: str = "mid-tier") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,7 +147,7 @@ def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], ou
     for label, points in goodput.items():
         style = "-o" if label.startswith("goodput") else "--."
         ax.plot(list(scales), [points[scale_key(s)] for s in scales], style, label=label)
-    ax.set_xlabel("SLO scale (x solo latency on the fastest backend)")
+    ax.set_xlabel(f"SLO scale (x solo latency on the {tier} backend)")
     ax.set_ylabel("goodput (req/s)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
@@ -211,11 +214,13 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
                 "the last repeat.\n\n" + text)
     (out_dir / "table.md").write_text(text + "\n")
     print(text, flush=True)
-    plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name)
+    plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name,
+         "fastest" if plan.solo_tier == "fastest" else "mid-tier")
     variants_ = {v.label: repeated_ratios(runs, baselines, v.label, plan.scales)
                  for v in plan.variants if v.per_scale}
     extra = {"repeats": repeats, "goodput_rps_per_repeat": runs} if repeats > 1 else {}
-    return {"fleet": name, "workload": plan.workload, "goodput_rps": goodput, **extra,
+    return {"fleet": name, "workload": plan.workload, "solo_tier": plan.solo_tier,
+            "goodput_rps": goodput, **extra,
             "variants": variants_, **variants_["goodput"]}
 
 
@@ -257,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", nargs=argparse.REMAINDER, default=None,
                         help="workload options (last); default: default_workload()")
     parser.add_argument("--solo-requests", type=int, default=40)
+    parser.add_argument("--solo-tier", choices=("mid", "fastest"), default="mid",
+                        help="the backend whose solo latency is the SLO base: mid-tier "
+                        "(the paper's) or the fastest (before 2026-11-24)")
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--shared", default=str(DEFAULT_SHARED))
     parser.add_argument("--out", default=str(RESULTS / "goodput.json"))
@@ -273,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         name = spec.replace(":", "-").replace(",", "-").replace("@", "-")
         workload = args.workload or default_workload(spec, args.shared)
         plan = Plan(workload, variants(have_artifact), list(SCALES), RESULTS / "goodput",
-                    args.solo_requests, args.time_limit, artifact if have_artifact else None)
+                    args.solo_requests, args.time_limit, artifact if have_artifact else None,
+                    solo_tier=args.solo_tier)
         fleet_spec = spec.partition("@")[0]
         with tempfile.TemporaryDirectory() as tmp, \
                 open_fleet(fleet_spec, Path(args.shared)) as f:

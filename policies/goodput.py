@@ -27,6 +27,15 @@ miss D_r either way, to the least-overrun faster backend, which re-prefills thei
 prompt + answer on the target (0.1-0.4 s on vLLM-CPU; negligible on the paper's
 GPUs). Measured side by side (README, Goodput) the two rules are within run-to-run
 noise, the paper's ahead more often, so it stays the default.
+
+`selection: capability` (off by default) reads §3.4's "the instance with the worst
+computing capability" as hardware rather than current TPOT: among the feasible
+backends it keeps those whose lightly loaded d_g (`SpeedModel.capability`) is within
+`tier_tolerance` of the slowest such, and sends the request to the one with the fewest
+requests in flight. Algorithm 1's largest current d_g is, among backends of one GPU
+type, the most loaded one, so a burst piles onto a single slow instance until the
+lagging EMA sees it; on a lightly loaded fleet that costs SLOs the load balancers meet
+(README, Goodput).
 """
 
 from __future__ import annotations
@@ -69,6 +78,11 @@ class GoodputParams(BaseModel):
     default_tpot_s: float = Field(0.03, gt=0, description="d_g before any observation")
     stream_samples: bool = Field(True, description="every τ-token check of a running "
                                  "stream is a d_g sample too (the TPOT of its last window)")
+    selection: Literal["paper", "capability"] = Field(
+        "paper", description="among feasible backends: the largest current d_g "
+        "(Algorithm 1), or the slowest hardware tier, least in flight within it")
+    tier_tolerance: float = Field(0.2, ge=0, description="selection capability: backends "
+                                  "within this fraction of the slowest capability form its tier")
 
 
 @register
@@ -93,7 +107,7 @@ class Goodput:
             backend, load = self._least.pick(view)
             return self._chosen(ctx, backend, f"no SLO: least in-flight ({load})")
         times = self.estimates(ctx, self._output_tokens(ctx, pred), view)
-        backend, reason = self.just_enough(times, deadline)
+        backend, reason = self._select(times, deadline, view)
         return self._chosen(ctx, backend, reason)
 
     def estimates(self, ctx: RequestContext, output_tokens: float, view: ClusterView,
@@ -124,6 +138,21 @@ class Goodput:
         backend, total, _ = min(times, key=lambda t: t[1] - deadline)
         return backend, f"none feasible: least overrun T={total:.3f}s > D={deadline:.3f}s"
 
+    def _select(self, times: list[tuple[Backend, float, float]], deadline: float,
+                view: ClusterView) -> tuple[Backend, str]:
+        if self._p.selection == "paper":
+            return self.just_enough(times, deadline)
+        feasible = [t for t in times if t[1] <= deadline]
+        if not feasible:
+            return self.just_enough(times, deadline)
+        caps = [self._speeds.capability(t[0].name) or t[2] for t in feasible]
+        floor = max(caps) / (1 + self._p.tier_tolerance)
+        tier = [t for t, cap in zip(feasible, caps, strict=True) if cap >= floor]
+        backend, total, _ = min(tier, key=lambda t: (view.inflight_of(t[0]), -t[2]))
+        return backend, (f"just enough (capability): T={total:.3f}s <= D={deadline:.3f}s, "
+                         f"slowest tier d>={floor * 1000:.1f}ms ({len(tier)} of "
+                         f"{len(feasible)} feasible), {view.inflight_of(backend)} in flight")
+
     # -- runtime rectification ---------------------------------------------------------
     def reroute(self, ctx: RequestContext, pred: Prediction, progress: Progress,
                 view: ClusterView) -> Decision | None:
@@ -143,7 +172,7 @@ class Goodput:
         if not faster:
             return None
         slack = deadline - progress.elapsed_s - self._p.handoff_s
-        backend, reason = self.just_enough(faster, slack)
+        backend, reason = self._select(faster, slack, view)
         moved_finish = progress.elapsed_s + self._p.handoff_s + next(
             t[1] for t in faster if t[0] is backend)
         if moved_finish > finish_here - self._p.min_gain_s:

@@ -12,6 +12,10 @@ doing recently, without modelling batch sizes or GPU types:
   the proxy saw it), and with goodput's `stream_samples` so does every τ-token check
   of a running stream (the TPOT of the tokens since its previous check).
 
+`capability(g)` is the lowest d_g the EMA has reached on real samples: what g does
+when lightly loaded, its hardware speed as far as a black box can tell (goodput's
+`selection: capability`).
+
 Replicas share their estimates (proxy/state): each one's changed estimates are
 averaged into the others' (`blend`), so every replica's EMA also reflects what the
 others saw, and repeated exchanges bring them to one value.
@@ -30,6 +34,12 @@ class Speed:
     prefill_s_per_token: float
     tpot_s: float
     seen_at: float = -1.0  # `updated_at` of the last snapshot folded in
+    best_tpot_s: float | None = None  # lowest tpot_s after a real sample (capability)
+
+    def set_tpot(self, tpot_s: float) -> None:
+        self.tpot_s = tpot_s
+        if self.best_tpot_s is None or tpot_s < self.best_tpot_s:
+            self.best_tpot_s = tpot_s
 
 
 class SpeedModel:
@@ -47,7 +57,7 @@ class SpeedModel:
             speed = self._speeds[name] = Speed(
                 _or(stats.queue_s, d.queue_s), _or(stats.prefill_s_per_token,
                                                    d.prefill_s_per_token),
-                _or(stats.tpot_s, d.tpot_s), stats.updated_at)
+                _or(stats.tpot_s, d.tpot_s), stats.updated_at, stats.tpot_s)
             self.changed.add(name)
         elif stats.updated_at > speed.seen_at:
             speed.seen_at = stats.updated_at
@@ -58,29 +68,36 @@ class SpeedModel:
                 speed.prefill_s_per_token = (a * stats.prefill_s_per_token
                                              + (1 - a) * speed.prefill_s_per_token)
             if stats.tpot_s is not None:
-                speed.tpot_s = a * stats.tpot_s + (1 - a) * speed.tpot_s
+                speed.set_tpot(a * stats.tpot_s + (1 - a) * speed.tpot_s)
             self.changed.add(name)
         return speed
 
     def observe_tpot(self, name: str, tpot_s: float) -> None:
         speed = self._speeds.get(name)
         if speed is not None:
-            speed.tpot_s = self._alpha * tpot_s + (1 - self._alpha) * speed.tpot_s
+            speed.set_tpot(self._alpha * tpot_s + (1 - self._alpha) * speed.tpot_s)
             self.changed.add(name)
 
     def peek(self, name: str) -> Speed | None:
         return self._speeds.get(name)
+
+    def capability(self, name: str) -> float | None:
+        """g's lightly loaded d_g (None before its estimate exists)."""
+        speed = self._speeds.get(name)
+        if speed is None:
+            return None
+        return speed.tpot_s if speed.best_tpot_s is None else speed.best_tpot_s
 
     def blend(self, name: str, queue_s: float, prefill_s_per_token: float,
               tpot_s: float) -> None:
         """Average another replica's estimate of `name` into this one."""
         speed = self._speeds.get(name)
         if speed is None:
-            self._speeds[name] = Speed(queue_s, prefill_s_per_token, tpot_s)
+            self._speeds[name] = Speed(queue_s, prefill_s_per_token, tpot_s, -1.0, tpot_s)
             return
         speed.queue_s = (speed.queue_s + queue_s) / 2
         speed.prefill_s_per_token = (speed.prefill_s_per_token + prefill_s_per_token) / 2
-        speed.tpot_s = (speed.tpot_s + tpot_s) / 2
+        speed.set_tpot((speed.tpot_s + tpot_s) / 2)
 
 
 def _or(value: float | None, default: float) -> float:

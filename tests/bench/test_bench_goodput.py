@@ -157,3 +157,27 @@ def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
     assert out["goodput_ratio_vs_best_baseline"]["1"] == pytest.approx(1.333)
     assert out["goodput_ratio_range"]["2"] == [1.0, 1.4]
     assert (tmp_path / "out" / "f" / "table.md").read_text().startswith("Goodput: median of 3")
+
+
+def test_slo_base_is_a_mid_tier_backend_as_in_the_paper(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """GoodServe's SLOs are solo latencies on a mid-tier GPU (an A800 among faster and
+    slower): `bench solo` targets the A100 of h100/a100/l40s/t4 unless told otherwise."""
+    from bench import compare
+    from bench.compare import Fleet, Plan
+
+    assert [compare.mid_index(n) for n in (1, 2, 3, 4, 5)] == [0, 0, 1, 1, 2]
+    assert compare.GPU_PROFILES[compare.mid_index(len(compare.GPU_PROFILES))] == "a100-40gb"
+    fleet = Fleet([], "http://fast", "http://mid")
+    targets: list[str] = []
+
+    def cli(*args: str) -> None:
+        targets.append(args[args.index("--target") + 1])
+
+    monkeypatch.setattr(compare, "cli", cli)
+    for tier in ("mid", "fastest"):
+        plan = Plan([], [], SCALES, tmp_path, 1, 1.0, None, solo_tier=tier)  # type: ignore[arg-type]
+        compare.run_all(plan, fleet, tmp_path)
+    assert targets == ["http://mid", "http://fast"]
+    with pytest.raises(SystemExit):  # only the two tiers
+        bench_goodput.main(["--solo-tier", "slowest"])

@@ -169,3 +169,46 @@ def test_running_streams_are_speed_samples_per_window() -> None:
     sampled.observe(Outcome(ctx_.request_id, "m", "b1", "goodput", 200, True, 0.0, 0.1,
                             9.0, 200))
     assert ctx_.request_id not in sampled._windows
+
+
+def test_capability_selection_spreads_within_the_slowest_hardware_tier() -> None:
+    """Algorithm 1 sends to the largest *current* d_g: of two slow instances of one GPU
+    type that is the loaded one. `selection: capability` keeps the slowest hardware tier
+    (the lowest d_g each has shown) and picks the one with the fewest in flight."""
+    fleet = backends(3)  # b0 fast; b1, b2 the same slow hardware
+    idle = {"b0": 0.010, "b1": 0.030, "b2": 0.030}
+    busy = {"b0": 0.010, "b1": 0.036, "b2": 0.031}  # b1 carries more load now
+    for selection, chosen in (("paper", "b1"), ("capability", "b2")):
+        g = policy(selection=selection, alpha=1.0)
+        g.pick(request(9.0), HUNDRED, view(fleet, stats=stats(idle, at=1.0)))
+        decision = g.pick(request(9.0), HUNDRED, view(fleet, {"b1": 4, "b2": 1},
+                                                      stats(busy, at=2.0)))
+        assert decision.backend.name == chosen, decision.reason
+    assert "slowest tier" in decision.reason and "1 in flight" in decision.reason
+
+
+def test_capability_selection_keeps_feasibility_and_the_fallback() -> None:
+    g = policy(selection="capability", alpha=1.0)
+    # T = 1, 2, 4 s: at D = 2.5 s b2 is out however idle it is; b1 is the tier
+    decision = g.pick(request(2.5), HUNDRED, view(FLEET, {"b1": 9}, stats()))
+    assert decision.backend.name == "b1", decision.reason
+    # nobody meets 0.5 s: the least overrun, as Algorithm 1
+    assert g.pick(request(0.5), HUNDRED, view(FLEET, stats=stats())).backend.name == "b0"
+    # tolerance: a backend within 20 % of the slowest capability is in its tier
+    near = {"b0": 0.010, "b1": 0.035, "b2": 0.040}
+    g = policy(selection="capability", alpha=1.0)
+    decision = g.pick(request(9.0), HUNDRED, view(FLEET, {"b2": 3}, stats(near, at=3.0)))
+    assert decision.backend.name == "b1", decision.reason
+
+
+def test_capability_is_the_lowest_d_seen_from_real_samples() -> None:
+    from policies.speed import Speed, SpeedModel
+
+    model = SpeedModel(0.5, Speed(0.0, 0.0, 0.03))
+    assert model.capability("x") is None
+    model.of("x", BackendStats(healthy=True, updated_at=1.0))  # no TPOT yet: the default
+    assert model.peek("x").best_tpot_s is None and model.capability("x") == 0.03  # type: ignore[union-attr]
+    model.observe_tpot("x", 0.05)  # 0.04
+    model.observe_tpot("x", 0.01)  # 0.025
+    model.observe_tpot("x", 0.05)  # 0.0375
+    assert model.capability("x") == pytest.approx(0.025)
