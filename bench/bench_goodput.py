@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"goodput_ratio_vs_best_baseline": primary["goodput_ratio_vs_best_baseline"],
            "best_baseline": primary["best_baseline"], "primary_fleet": primary["fleet"],
            **side_figures(), "length_predictor_loaded": have_artifact,
-           "command": command.strip(), "commit": commit, "fleets": fleets}
+           # the headline is the primary fleet's, so are its command and commit
+           "command": primary["command"], "commit": primary["commit"], "fleets": fleets}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
