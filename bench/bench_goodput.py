@@ -13,8 +13,7 @@ from its run at s. Variants: goodput (length predictor + migration), without
 migration, moving only streams the move rescues (`rescue_only`; the paper's rule
 also moves those that still miss), choosing the slowest hardware tier's least-loaded
 backend (`selection: capability`) rather than the largest current d_g, with the oracle
-length (max_tokens, the real answer length
-here).
+length (max_tokens, the real answer length here).
 Writes `docs/results/goodput.json` and, per fleet, `docs/results/goodput/<fleet>/`
 (table.md, goodput_vs_scale.png, the harness report of the baselines).
 """
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import compare
-from bench.compare import Fleet, Plan, Variant
+from bench.compare import Fleet, Plan, SoloTier, Variant
 from bench.report import Summary
 from bench.tiny_models import DEFAULT_SHARED, REPO, laneway_home
 
@@ -137,7 +136,7 @@ def table(goodput: Mapping[str, Mapping[str, float]], summaries: Mapping[str, li
 
 
 def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], out: Path,
-         title: str, tier: str = "mid-tier") -> None:
+         title: str, tier: SoloTier = "mid") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,7 +146,8 @@ def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], ou
     for label, points in goodput.items():
         style = "-o" if label.startswith("goodput") else "--."
         ax.plot(list(scales), [points[scale_key(s)] for s in scales], style, label=label)
-    ax.set_xlabel(f"SLO scale (x solo latency on the {tier} backend)")
+    base = "fastest" if tier == "fastest" else "mid-tier"
+    ax.set_xlabel(f"SLO scale (x solo latency on the {base} backend)")
     ax.set_ylabel("goodput (req/s)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
@@ -214,8 +214,7 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
                 "the last repeat.\n\n" + text)
     (out_dir / "table.md").write_text(text + "\n")
     print(text, flush=True)
-    plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name,
-         "fastest" if plan.solo_tier == "fastest" else "mid-tier")
+    plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name, plan.solo_tier)
     variants_ = {v.label: repeated_ratios(runs, baselines, v.label, plan.scales)
                  for v in plan.variants if v.per_scale}
     extra = {"repeats": repeats, "goodput_rps_per_repeat": runs} if repeats > 1 else {}

@@ -132,8 +132,7 @@ def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
     """Solo, then every variant (per scale where asked); result files by label."""
     solo = work / "solo.jsonl"
     cli("bench", "solo", *plan.workload, "--target", fleet_.solo_url(plan.solo_tier),
-        "--max-requests",
-        str(plan.solo_requests), "--out", str(solo), "--no-progress")
+        "--max-requests", str(plan.solo_requests), "--out", str(solo), "--no-progress")
     files: dict[str, list[Path]] = {}
     for variant in plan.variants:
         for scale in plan.scales if variant.per_scale else [None]:

@@ -135,6 +135,12 @@ class Goodput:
             backend, total, tpot = max(feasible, key=lambda t: t[2])
             return backend, (f"just enough: T={total:.3f}s <= D={deadline:.3f}s with the "
                              f"slowest feasible d={tpot * 1000:.1f}ms ({len(feasible)} feasible)")
+        return Goodput.least_overrun(times, deadline)
+
+    @staticmethod
+    def least_overrun(times: list[tuple[Backend, float, float]], deadline: float
+                      ) -> tuple[Backend, str]:
+        """Algorithm 1's fallback when no backend meets D_r: argmin (T - D_r)."""
         backend, total, _ = min(times, key=lambda t: t[1] - deadline)
         return backend, f"none feasible: least overrun T={total:.3f}s > D={deadline:.3f}s"
 
@@ -144,14 +150,19 @@ class Goodput:
             return self.just_enough(times, deadline)
         feasible = [t for t in times if t[1] <= deadline]
         if not feasible:
-            return self.just_enough(times, deadline)
-        caps = [self._speeds.capability(t[0].name) or t[2] for t in feasible]
+            return self.least_overrun(times, deadline)
+        caps = [self._capability(t) for t in feasible]
         floor = max(caps) / (1 + self._p.tier_tolerance)
         tier = [t for t, cap in zip(feasible, caps, strict=True) if cap >= floor]
         backend, total, _ = min(tier, key=lambda t: (view.inflight_of(t[0]), -t[2]))
         return backend, (f"just enough (capability): T={total:.3f}s <= D={deadline:.3f}s, "
                          f"slowest tier d>={floor * 1000:.1f}ms ({len(tier)} of "
                          f"{len(feasible)} feasible), {view.inflight_of(backend)} in flight")
+
+    def _capability(self, time: tuple[Backend, float, float]) -> float:
+        """The backend's lightly loaded d_g; its current one if it has no estimate yet."""
+        cap = self._speeds.capability(time[0].name)
+        return time[2] if cap is None else cap
 
     # -- runtime rectification ---------------------------------------------------------
     def reroute(self, ctx: RequestContext, pred: Prediction, progress: Progress,

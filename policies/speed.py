@@ -57,7 +57,7 @@ class SpeedModel:
             speed = self._speeds[name] = Speed(
                 _or(stats.queue_s, d.queue_s), _or(stats.prefill_s_per_token,
                                                    d.prefill_s_per_token),
-                _or(stats.tpot_s, d.tpot_s), stats.updated_at, stats.tpot_s)
+                _or(stats.tpot_s, d.tpot_s), stats.updated_at, best_tpot_s=stats.tpot_s)
             self.changed.add(name)
         elif stats.updated_at > speed.seen_at:
             speed.seen_at = stats.updated_at
@@ -93,7 +93,8 @@ class SpeedModel:
         """Average another replica's estimate of `name` into this one."""
         speed = self._speeds.get(name)
         if speed is None:
-            self._speeds[name] = Speed(queue_s, prefill_s_per_token, tpot_s, -1.0, tpot_s)
+            self._speeds[name] = Speed(queue_s, prefill_s_per_token, tpot_s,
+                                       best_tpot_s=tpot_s)
             return
         speed.queue_s = (speed.queue_s + queue_s) / 2
         speed.prefill_s_per_token = (speed.prefill_s_per_token + prefill_s_per_token) / 2
