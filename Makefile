@@ -96,6 +96,7 @@ bench-goodput: install
 	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large \
 		--fleet real:small,small,large@mooncake --shared $(SHARED)
+	$(PY) -m bench.bench_goodput --fleet emulated:4@mooncake --shared $(SHARED)
 
 # vLLM emulator vs real vLLM-CPU (README, Emulator): fit the tiny-llama profiles on a
 # fresh server each, then TTFT/TPOT at 1/4/16 concurrent streams on both; fails above
@@ -121,20 +122,30 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # qos_drl (README, Policies: qos_drl): MiniLM score/length bucket predictors
-# → .laneway/predictors/buckets-minilm-v1, held-out table → docs/results/bucket_predictor.*
+# → .laneway/predictors/buckets-minilm-v1 (6 layers) and its 3-layer distillation
+# buckets-minilm-l3-distilled (what qos_drl decides with), held-out table of the 6-layer
+# → docs/results/bucket_predictor.*
 train-buckets: install
 	$(VENV)/bin/laneway backends build --variants small --shared $(SHARED)
 	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl
+	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--layers 3 --distill-from $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-v1
 
 evaluate-buckets: install
 	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--runtime torch-int8 --runtime onnx --runtime onnx-int8
+	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--artifact $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-l3-distilled \
+		--runtime onnx-int8 --out docs/results/bucket_predictor_distilled.json
 
-# HAN + discrete SAC and the Baseline RL agent on the simulator (20 min each)
+# HAN + discrete SAC and the Baseline RL agent on the simulator, 152 k decisions each
+# (the same number: ~25 min and ~6 min here), on the 6-layer predictor's predictions
 # → .laneway/policies/qos-drl-v1, qos-baseline-rl-v1 (checkpoints, learning curve PNG)
 train-qos-drl: install
-	$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl --minutes 20
-	$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl --minutes 20
+	$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--steps 152000 --minutes 45
+	$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--steps 152000 --minutes 45
 
 # qos_drl vs Baseline RL, BERT router, round robin, shortest queue at λ = 2/5/8 on the
 # simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png

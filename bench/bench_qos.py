@@ -34,7 +34,7 @@ from bench.qos_setup import fleet, load_pools
 from bench.qos_sim import QosSim
 from bench.qos_train import default_dir
 from policies.qos_sac import load_checkpoint
-from predictors.buckets_cli import default_artifact
+from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
 RESULTS = REPO / "docs" / "results"
@@ -174,11 +174,12 @@ def plot(result: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--buckets", type=Path, default=default_artifact())
+    parser.add_argument("--buckets", type=Path, default=distilled_artifact())
     parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
     parser.add_argument("--baseline-checkpoint", type=Path,
                         default=default_dir(True) / "best.pt")
-    parser.add_argument("--bucket-results", type=Path, default=RESULTS / "bucket_predictor.json",
+    parser.add_argument("--bucket-results", type=Path,
+                        default=RESULTS / "bucket_predictor_distilled.json",
                         help="`laneway evaluate buckets` output; its accuracy is reported "
                         "only if it is of the --buckets artifact")
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])

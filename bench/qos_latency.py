@@ -33,7 +33,7 @@ from typing import Any
 from bench.qos_train import default_dir
 from bench.report import pct
 from predictors.base import BUCKET_RUNTIMES, BucketRuntime
-from predictors.buckets_cli import default_artifact
+from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
 RESULTS = REPO / "docs" / "results"
@@ -183,7 +183,7 @@ def add_runtime_argument(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--buckets", type=Path, default=default_artifact())
+    parser.add_argument("--buckets", type=Path, default=distilled_artifact())
     parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
     add_runtime_argument(parser)
     parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))

@@ -41,7 +41,7 @@ from bench.qos_live_report import markdown, merge, report, summarize
 from bench.qos_setup import DEFAULT_FLEET, load_pools
 from bench.qos_train import default_dir
 from bench.tiny_models import DEFAULT_SHARED
-from predictors.buckets_cli import default_artifact
+from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
 RESULTS = REPO / "docs" / "results"
@@ -205,7 +205,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "cycled over the experts")
     parser.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--buckets", type=Path, default=default_artifact())
+    parser.add_argument("--buckets", type=Path, default=distilled_artifact())
     parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
     parser.add_argument("--baseline-checkpoint", type=Path,
                         default=default_dir(True) / "best.pt")

@@ -25,6 +25,7 @@ qos_drl. `laneway evaluate buckets --runtime R` reports each one's accuracy and 
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,6 +89,26 @@ def new_model(experts: Sequence[str], layers: int | None = None) -> tuple[Bucket
         encoder.config.num_hidden_layers = layers
     encoder.resize_token_embeddings(len(tokenizer))
     return BucketModel(encoder, len(experts)), tokenizer
+
+
+def spread_layers(teacher_layers: int, layers: int) -> list[int]:
+    """`layers` of a teacher's layer indices, evenly spread, first and last kept (as
+    DistilBERT initialises its student from one teacher layer in two)."""
+    if not 1 <= layers <= teacher_layers:
+        raise ValueError(f"layers {layers}: 1 to {teacher_layers}")
+    if layers == 1:
+        return [teacher_layers - 1]
+    return [round(i * (teacher_layers - 1) / (layers - 1)) for i in range(layers)]
+
+
+def student_of(teacher: BucketModel, keep: Sequence[int]) -> BucketModel:
+    """A copy of a fine-tuned `teacher` with only its layers `keep` (in that order), its
+    embeddings and heads: the starting point of distillation."""
+    student = copy.deepcopy(teacher)
+    layers = student.encoder.encoder.layer
+    student.encoder.encoder.layer = nn.ModuleList([layers[i] for i in keep])
+    student.encoder.config.num_hidden_layers = len(keep)
+    return student
 
 
 def token_ids(tokenizer: Any, prompts: Sequence[str], n_experts: int, max_len: int

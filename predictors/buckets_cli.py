@@ -28,7 +28,14 @@ METHODS = {"torch": "minilm", "torch-int8": "minilm_int8", "onnx": "minilm_onnx"
 
 
 def default_artifact() -> Path:
+    """The 6-layer predictor `laneway train buckets` fine-tunes: the teacher, and the
+    predictions `laneway train qos-drl` trains the agent on."""
     return laneway_home() / "predictors" / "buckets-minilm-v1"
+
+
+def distilled_artifact() -> Path:
+    """Its 3-layer distillation (`--distill-from`): what qos_drl decides with (README)."""
+    return laneway_home() / "predictors" / "buckets-minilm-l3-distilled"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -45,21 +52,56 @@ def _train(args: argparse.Namespace) -> int:
     train, _ = split(rows)
     score_b, length_b = fit_buckets(train)
     torch.manual_seed(args.seed)  # the heads' and the expert tokens' initial weights
-    model, tokenizer = new_model(experts, args.layers)
+    distill = None
+    origin: dict[str, Any] = {}
+    if args.distill_from is None:
+        out = args.out or default_artifact()
+        model, tokenizer = new_model(experts, args.layers)
+    else:
+        out = args.out or distilled_artifact()
+        if out.resolve() == args.distill_from.resolve():
+            raise SystemExit(f"--out {out}: would overwrite the teacher it distils")
+        model, tokenizer, distill, origin = _student(args, experts, score_b.top, length_b.top)
     config = TrainConfig(epochs=args.epochs, max_len=args.max_len, seed=args.seed)
     started = time.monotonic()
-    losses = train_model(model, tokenizer, train, *labels(train, score_b, length_b), config)
+    losses = train_model(model, tokenizer, train, *labels(train, score_b, length_b), config,
+                         distill=distill)
     digest = hashlib.sha256(args.data.read_bytes()).hexdigest()[:16]
     version = f"{time.strftime('%Y%m%dT%H%M%S')}-{digest}"
-    save_artifact(args.out, model, tokenizer, {
+    save_artifact(out, model, tokenizer, {
         "version": version, "experts": experts, "score_top": score_b.top,
         "length_top": length_b.top, "max_len": args.max_len,
         "layers": int(model.encoder.config.num_hidden_layers), "epochs": args.epochs,
         "seed": args.seed, "unit": counter.unit.replace(f"{REPO}/", ""),
         "score": "win_rate_vs_reference", "heldout": "id % 5 == 0", "losses": losses,
-        "train_s": round(time.monotonic() - started, 1), "data_sha256_16": digest})
-    print(f"wrote {args.out} (version {version}, {time.monotonic() - started:.0f} s)")
+        "train_s": round(time.monotonic() - started, 1), "data_sha256_16": digest,
+        **origin})
+    print(f"wrote {out} (version {version}, {time.monotonic() - started:.0f} s)")
     return 0
+
+
+def _student(args: argparse.Namespace, experts: list[str], score_top: float,
+             length_top: float) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(student, tokenizer, Distill, meta) for `--distill-from`: the teacher artifact's
+    encoder cut to `--layers` of its layers, evenly spread, its heads and tokenizer."""
+    from transformers import AutoTokenizer
+
+    from predictors.buckets import artifact_layers, load_model, spread_layers, student_of
+    from predictors.buckets_train import Distill
+
+    teacher_dir: Path = args.distill_from
+    meta = json.loads((teacher_dir / "meta.json").read_text())
+    if meta["experts"] != experts or (meta["score_top"], meta["length_top"]) != (
+            score_top, length_top):
+        raise SystemExit(f"{teacher_dir}: trained on other experts or buckets than --data")
+    keep = spread_layers(artifact_layers(teacher_dir), args.layers or 3)
+    teacher = load_model(teacher_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir / "encoder", local_files_only=True)
+    distill = Distill(teacher, args.distill_temperature, args.distill_alpha)
+    origin = {"distilled_from": meta["version"], "teacher_layers_kept": keep,
+              "distill_temperature": distill.temperature, "distill_alpha": distill.alpha}
+    print(f"student: teacher {meta['version']}'s layers {keep}")
+    return student_of(teacher, keep), tokenizer, distill, origin
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -139,12 +181,19 @@ def markdown(result: dict[str, Any]) -> str:
 def add_train(train: Any) -> None:
     p = train.add_parser("buckets", help="MiniLM score/length bucket predictors (qos_drl)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--out", type=Path, default=default_artifact())
+    p.add_argument("--out", type=Path, default=None, help="default: "
+                   f"{default_artifact()}, or with --distill-from {distilled_artifact()}")
     p.add_argument("--tokenizer", default="auto", help="auto | words | tokenizer.json")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--layers", type=int, default=None,
-                   help="keep the first N transformer layers of MiniLM (default: all 6)")
+                   help="keep the first N transformer layers of MiniLM (default: all 6); "
+                   "with --distill-from, N of the teacher's, evenly spread (default 3)")
+    p.add_argument("--distill-from", type=Path, default=None, metavar="ARTIFACT",
+                   help="distil this trained artifact into a smaller student")
+    p.add_argument("--distill-temperature", type=float, default=2.0)
+    p.add_argument("--distill-alpha", type=float, default=0.5,
+                   help="weight of the teacher's soft targets (the labels get 1 - alpha)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(func=_train)

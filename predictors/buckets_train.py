@@ -32,10 +32,32 @@ class TrainConfig:
     seed: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Distill:
+    """Knowledge distillation (Hinton et al. 2015, as DistilBERT): the loss is
+    (1 - alpha) · cross-entropy on the labels + alpha · T² · KL(teacher ‖ student) on both
+    heads' logits softened by temperature T."""
+
+    teacher: BucketModel
+    temperature: float = 2.0
+    alpha: float = 0.5
+
+
+def soft_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float
+              ) -> torch.Tensor:
+    """T² · KL(softmax(teacher / T) ‖ softmax(student / T)), mean over rows."""
+    flat_s = student.reshape(-1, student.shape[-1]) / temperature
+    flat_t = teacher.reshape(-1, teacher.shape[-1]) / temperature
+    return nn.functional.kl_div(flat_s.log_softmax(-1), flat_t.log_softmax(-1),
+                                reduction="batchmean", log_target=True) * temperature ** 2
+
+
 def train_model(model: BucketModel, tokenizer: object, rows: Sequence[PromptRow],
                 score_labels: list[list[int]], length_labels: list[list[int]],
-                config: TrainConfig, log: Callable[[str], None] = print) -> list[float]:
-    """Fine-tune in place; returns the mean loss of every epoch."""
+                config: TrainConfig, log: Callable[[str], None] = print,
+                distill: Distill | None = None) -> list[float]:
+    """Fine-tune in place (from `distill.teacher`'s outputs too, if given); returns the
+    mean loss of every epoch."""
     torch.manual_seed(config.seed)
     heads = [*model.score_head.parameters(), *model.length_head.parameters()]
     optimizer = torch.optim.AdamW([
@@ -58,6 +80,13 @@ def train_model(model: BucketModel, tokenizer: object, rows: Sequence[PromptRow]
                             torch.tensor([score_labels[i] for i in idx]).reshape(-1))
                     + loss_fn(length.reshape(-1, N_BUCKETS),
                               torch.tensor([length_labels[i] for i in idx]).reshape(-1)))
+            if distill is not None:
+                with torch.no_grad():
+                    t_score, t_length = distill.teacher(batch["input_ids"],
+                                                        batch["attention_mask"])
+                soft = (soft_loss(score, t_score, distill.temperature)
+                        + soft_loss(length, t_length, distill.temperature))
+                loss = (1 - distill.alpha) * loss + distill.alpha * soft
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

