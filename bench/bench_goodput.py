@@ -12,10 +12,12 @@ small/small/large), so it runs once per scale, and its goodput at scale s comes
 from its run at s. Variants: goodput (length predictor + migration), without
 migration, moving only streams the move rescues (`rescue_only`; the paper's rule
 also moves those that still miss), choosing the slowest hardware tier's least-loaded
-backend (`selection: capability`) rather than the largest current d_g, with the oracle
-length (max_tokens, the real answer length here).
-Writes `docs/results/goodput.json` and, per fleet, `docs/results/goodput/<fleet>/`
-(table.md, goodput_vs_scale.png, the harness report of the baselines).
+backend (`selection: capability`) rather than the largest current d_g, routing with a
+margin below the deadline (`headroom: 0.25`), both of these, with the oracle length
+(max_tokens, the real answer length here). `--only` runs the baselines and the named
+variants alone.
+Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
+it (table.md, goodput_vs_scale.png, the harness report of the baselines).
 """
 
 from __future__ import annotations
@@ -87,8 +89,24 @@ def variants(with_predictor: bool) -> list[Variant]:
                        with_predictor),
                Variant("goodput-capability", "goodput", {"selection": "capability"}, True,
                        with_predictor),
+               Variant("goodput-headroom", "goodput", {"headroom": 0.25}, True,
+                       with_predictor),
+               Variant("goodput-capability-headroom", "goodput",
+                       {"selection": "capability", "headroom": 0.25}, True, with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
+
+
+def select_variants(every: list[Variant], only: str | None) -> list[Variant]:
+    """The baselines, `goodput` (the headline) and the goodput variants named in `only`
+    (comma-separated; None: all)."""
+    if only is None:
+        return every
+    names = {"goodput", *only.split(",")}
+    unknown = names - {v.label for v in every if v.per_scale}
+    if unknown:
+        raise SystemExit(f"--only: unknown variants {', '.join(sorted(unknown))}")
+    return [v for v in every if not v.per_scale or v.label in names]
 
 
 def scale_key(scale: float) -> str:
@@ -268,7 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(the paper's) or the fastest (before 2026-11-24)")
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--shared", default=str(DEFAULT_SHARED))
-    parser.add_argument("--out", default=str(RESULTS / "goodput.json"))
+    parser.add_argument("--out", default=str(RESULTS / "goodput.json"),
+                        help="the JSON; each fleet's table and plots go to goodput/<fleet>/ "
+                        "next to it")
+    every = ", ".join(v.label for v in variants(True) if v.per_scale)
+    parser.add_argument("--only", default=None, metavar="VARIANT,...",
+                        help="the baselines, goodput and only these variants (a quick look; "
+                        f"default: all of {every})")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the whole comparison this many times per fleet; goodput "
                         "is the median, ratios the median of each repeat's (with range)")
@@ -277,11 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     artifact = laneway_home() / "predictors/length-moe-v1"
     have_artifact = (artifact / "meta.json").exists()
+    chosen = select_variants(variants(have_artifact), args.only)
     fleets = []
     for spec in args.fleet or ["emulated:64"]:
         name = spec.replace(":", "-").replace(",", "-").replace("@", "-")
         workload = args.workload or default_workload(spec, args.shared)
-        plan = Plan(workload, variants(have_artifact), list(SCALES), RESULTS / "goodput",
+        plan = Plan(workload, chosen, list(SCALES), Path(args.out).parent / "goodput",
                     args.solo_requests, args.time_limit, artifact if have_artifact else None,
                     solo_tier=args.solo_tier)
         fleet_spec = spec.partition("@")[0]

@@ -24,6 +24,7 @@ import numpy as np
 from bench.vllm_server import Running
 from policies.base import Policy
 from predictors.base import Prediction
+from proxy.eldr_stage import eldr_record
 from proxy.types import Backend, ClusterView, RequestContext
 
 Embed = Callable[[np.ndarray], Prediction]
@@ -174,7 +175,8 @@ async def fetch_probe(server: Running, streams: int = 8, samples: int = 40
     (keep-alive aiohttp, `proxy/eldr_stage.py`): a quiet client, the server decoding
     `streams` requests (the in-run figure also holds the bench client's busy event loop).
     """
-    url = f"{server.eldr_url}/eldr/requests/"
+    if server.eldr_url is None:
+        raise ValueError(f"{server.name}: started without the ELDR plugin's side endpoint")
     async with httpx.AsyncClient(timeout=120) as client, aiohttp.ClientSession() as lookups:
         request_id, _ = await _complete(client, server, "hello there", 1)
         load = [asyncio.create_task(_complete(client, server, "x " * 50, 300))
@@ -183,9 +185,7 @@ async def fetch_probe(server: Running, streams: int = 8, samples: int = 40
         latencies = []
         for _ in range(samples):
             started = time.perf_counter()
-            async with lookups.get(url + request_id) as response:
-                response.raise_for_status()
-                await response.json()
+            await eldr_record(lookups, server.eldr_url, request_id)
             latencies.append((time.perf_counter() - started) * 1e3)
         await asyncio.gather(*load)
     return {"p50": float(np.percentile(latencies, 50)),

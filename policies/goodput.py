@@ -83,6 +83,8 @@ class GoodputParams(BaseModel):
         "(Algorithm 1), or the slowest hardware tier, least in flight within it")
     tier_tolerance: float = Field(0.2, ge=0, description="selection capability: backends "
                                   "within this fraction of the slowest capability form its tier")
+    headroom: float = Field(0.0, ge=0, lt=1, description="routing only: a backend is "
+                            "feasible when T(r,g) <= (1 - headroom) x D_r (Algorithm 1: 0)")
 
 
 @register
@@ -107,7 +109,7 @@ class Goodput:
             backend, load = self._least.pick(view)
             return self._chosen(ctx, backend, f"no SLO: least in-flight ({load})")
         times = self.estimates(ctx, self._output_tokens(ctx, pred), view)
-        backend, reason = self._select(times, deadline, view)
+        backend, reason = self._select(times, deadline * (1 - self._p.headroom), view)
         return self._chosen(ctx, backend, reason)
 
     def estimates(self, ctx: RequestContext, output_tokens: float, view: ClusterView,

@@ -1,7 +1,9 @@
 """`laneway train buckets` and `laneway evaluate buckets`.
 
 Train fine-tunes the MiniLM bucket predictor on the training split (ids % 5 != 0) and
-writes a versioned artifact (default `$LANEWAY_HOME/predictors/buckets-minilm-v1`).
+writes a versioned artifact (default `$LANEWAY_HOME/predictors/buckets-minilm-v1`);
+with `--distill-from` it distils a trained artifact into a smaller student instead
+(default `.../buckets-minilm-l3-distilled`, what qos_drl decides with).
 Evaluate scores it on the held-out split against the paper's figures and a TF-IDF +
 logistic regression baseline, times it on CPU (PyTorch float, and each `--runtime`
 asked for: `METHODS` names its row), and writes docs/results/bucket_predictor.{json,md}.

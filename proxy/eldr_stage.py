@@ -92,8 +92,7 @@ class PrefillStage:
         try:
             counts = routed_counts(body, self._policy.counts_shape)
             if counts is None:  # no routed_experts field: ask the plugin's side endpoint
-                record = await self._lookup(
-                    f"{backend.labels['eldr_url']}/eldr/requests/{ctx.request_id}")
+                record = await self._lookup(backend.labels["eldr_url"], ctx.request_id)
                 counts = np.array(record["prefill"], float)
         except (httpx.HTTPError, aiohttp.ClientError, TimeoutError, KeyError, TypeError,
                 ValueError) as exc:
@@ -102,16 +101,11 @@ class PrefillStage:
             return None
         return self._policy.signature(counts)
 
-    async def _lookup(self, url: str) -> Any:
-        """The plugin's record of the leg, over keep-alive aiohttp as the relay uses: it
-        is on every request's path (against a server decoding 8 streams, p50 0.4 ms;
-        httpx took 0.7-0.9)."""
+    async def _lookup(self, eldr_url: str, request_id: str) -> Any:
         if self._lookups is None:
             self._lookups = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self._timeout_s))
-        async with self._lookups.get(url) as response:
-            response.raise_for_status()
-            return await response.json()
+        return await eldr_record(self._lookups, eldr_url, request_id)
 
     @staticmethod
     def _with_handle(ctx: RequestContext, backend: Backend, body: dict[str, Any],
@@ -123,6 +117,15 @@ class PrefillStage:
                         ctx.request_id, backend.name)
             return pred
         return PrefilledPrediction.of(pred, handle)
+
+
+async def eldr_record(session: aiohttp.ClientSession, eldr_url: str, request_id: str) -> Any:
+    """The plugin's record of a request (`GET <eldr_url>/eldr/requests/<id>`), over
+    keep-alive aiohttp as the relay uses: it is on every PD request's path (against a
+    server decoding 8 streams, p50 0.4 ms; httpx took 0.7-0.9)."""
+    async with session.get(f"{eldr_url}/eldr/requests/{request_id}") as response:
+        response.raise_for_status()
+        return await response.json()
 
 
 def routed_counts(response: dict[str, Any], shape: tuple[int, int]) -> np.ndarray | None:

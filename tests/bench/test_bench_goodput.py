@@ -181,3 +181,14 @@ def test_slo_base_is_a_mid_tier_backend_as_in_the_paper(tmp_path: Path,
     assert targets == ["http://mid", "http://fast"]
     with pytest.raises(SystemExit):  # only the two tiers
         bench_goodput.main(["--solo-tier", "slowest"])
+
+
+def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
+    from bench.bench_goodput import BASELINES, select_variants, variants
+
+    every = variants(True)
+    assert select_variants(every, None) == every
+    chosen = [v.label for v in select_variants(every, "goodput-headroom")]
+    assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline
+    with pytest.raises(SystemExit, match="unknown variants nope"):
+        select_variants(every, "goodput,nope")

@@ -212,3 +212,13 @@ def test_capability_is_the_lowest_d_seen_from_real_samples() -> None:
     model.observe_tpot("x", 0.01)  # 0.025
     model.observe_tpot("x", 0.05)  # 0.0375
     assert model.capability("x") == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize(("slo_s", "chosen"), [
+    (4.5, "b1"),  # b2's T = 4 s is within D but not within 0.75 D = 3.4 s
+    (5.5, "b2"),  # 0.75 D = 4.1 s: b2 fits again
+    (1.2, "b0"),  # nobody fits 0.9 s: the least overrun is still the fastest
+])
+def test_headroom_keeps_a_margin_below_the_deadline(slo_s: float, chosen: str) -> None:
+    decision = policy(headroom=0.25).pick(request(slo_s), HUNDRED, view(FLEET, stats=stats()))
+    assert decision.backend.name == chosen, decision.reason
