@@ -109,7 +109,10 @@ class Goodput:
             backend, load = self._least.pick(view)
             return self._chosen(ctx, backend, f"no SLO: least in-flight ({load})")
         times = self.estimates(ctx, self._output_tokens(ctx, pred), view)
-        backend, reason = self._select(times, deadline * (1 - self._p.headroom), view)
+        budget = deadline * (1 - self._p.headroom)
+        backend, reason = self._select(times, budget, view)
+        if self._p.headroom:  # the D in the reason is the budget: say of which deadline
+            reason += f" (headroom {self._p.headroom:.0%} of D_r={deadline:.3f}s)"
         return self._chosen(ctx, backend, reason)
 
     def estimates(self, ctx: RequestContext, output_tokens: float, view: ClusterView,

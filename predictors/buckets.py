@@ -83,19 +83,29 @@ def new_model(experts: Sequence[str], layers: int | None = None) -> tuple[Bucket
     tokenizer.add_special_tokens({"additional_special_tokens": expert_tokens(len(experts))})
     encoder = AutoModel.from_pretrained(base_encoder_dir(), local_files_only=True)
     if layers is not None:
-        if not 1 <= layers <= len(encoder.encoder.layer):
-            raise ValueError(f"layers {layers}: 1 to {len(encoder.encoder.layer)}")
-        encoder.encoder.layer = encoder.encoder.layer[:layers]
-        encoder.config.num_hidden_layers = layers
+        check_layers(layers, len(encoder.encoder.layer))
+        keep_layers(encoder, range(layers))
     encoder.resize_token_embeddings(len(tokenizer))
     return BucketModel(encoder, len(experts)), tokenizer
+
+
+def check_layers(layers: int, available: int) -> None:
+    if not 1 <= layers <= available:
+        raise ValueError(f"layers {layers}: 1 to {available}")
+
+
+def keep_layers(encoder: Any, keep: Sequence[int]) -> None:
+    """Cut `encoder` to its transformer layers `keep`, in that order; its config says
+    so, so the artifact saves and loads as that many."""
+    layers = encoder.encoder.layer
+    encoder.encoder.layer = nn.ModuleList([layers[i] for i in keep])
+    encoder.config.num_hidden_layers = len(keep)
 
 
 def spread_layers(teacher_layers: int, layers: int) -> list[int]:
     """`layers` of a teacher's layer indices, evenly spread, first and last kept (as
     DistilBERT initialises its student from one teacher layer in two)."""
-    if not 1 <= layers <= teacher_layers:
-        raise ValueError(f"layers {layers}: 1 to {teacher_layers}")
+    check_layers(layers, teacher_layers)
     if layers == 1:
         return [teacher_layers - 1]
     return [round(i * (teacher_layers - 1) / (layers - 1)) for i in range(layers)]
@@ -105,9 +115,7 @@ def student_of(teacher: BucketModel, keep: Sequence[int]) -> BucketModel:
     """A copy of a fine-tuned `teacher` with only its layers `keep` (in that order), its
     embeddings and heads: the starting point of distillation."""
     student = copy.deepcopy(teacher)
-    layers = student.encoder.encoder.layer
-    student.encoder.encoder.layer = nn.ModuleList([layers[i] for i in keep])
-    student.encoder.config.num_hidden_layers = len(keep)
+    keep_layers(student.encoder, keep)
     return student
 
 
