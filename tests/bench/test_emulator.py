@@ -337,8 +337,9 @@ def test_calibration_against_real_vllm_at_reduced_size(tmp_path: Path) -> None:
     """The calibration pipeline, smaller: fit a fresh profile on a real server, then run
     the check load on both. The 15 % accuracy target is the benchmark's (`make
     bench-calibrate`, docs/results/emulator_calibration.json), not a timed test's:
-    here the bound only catches a broken fit (off by multiples), since the suite may
-    share the machine with other load."""
+    here the bound only catches a broken fit (off by a factor of two or more, either
+    way), since the suite may share the machine with other load: in one CI run the
+    real server's own two passes differed by 45 % in TTFT."""
     profile = tmp_path / "tiny-llama-small.yaml"
     result = calibrate_variant("small", profile, refit=True, url=None, model="tiny-llama",
                                load=CheckLoad(requests_per_worker=3, passes=2, min_requests=0),
@@ -346,8 +347,10 @@ def test_calibration_against_real_vllm_at_reduced_size(tmp_path: Path) -> None:
     fitted = load_profile(str(profile))
     assert fitted.fit is not None and fitted.kv_blocks > 0 and fitted.step.base_s > 0
     assert [level["concurrency"] for level in result["levels"]] == [1, 4, 16]
-    assert result["max_rel_error_ttft"] <= 0.5, result
-    assert result["max_rel_error_tpot"] <= 0.5, result
+    for level in result["levels"]:
+        for metric in ("ttft_s", "tpot_s"):
+            ratio = level["emulated"][metric] / level["real"][metric]
+            assert 0.5 < ratio < 2.0, (metric, level, result)
 
 
 def test_a_decode_probe_counts_only_steps_after_the_waves_prefills() -> None:
