@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live train-qos-drl-tiny bench-qos-real install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -157,3 +157,29 @@ bench-qos: install
 # it → docs/results/qos_live.{json,md}, merged into qos_drl.json (~1 h; a quiet machine)
 bench-qos-live: install
 	$(PY) -m bench.qos_live --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+# both agents again for the real vLLM-CPU fleet (bench-qos-real): the six experts on the
+# tiny models' fitted profiles (bench.qos_setup.TINY_FLEET) sharing this machine's two
+# cores, λ = 1/s, L = 10 ms, 152 k decisions each (~50 min together)
+QOS_TINY := $${LANEWAY_HOME:-.laneway}/policies
+train-qos-drl-tiny: install
+	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 152000 \
+		--minutes 75 --data $(SHARED)/data/alpaca_eval_experts.jsonl --out $(QOS_TINY)/qos-drl-tiny
+	$(VENV)/bin/laneway train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
+		--steps 152000 --minutes 75 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--out $(QOS_TINY)/qos-baseline-rl-tiny
+
+# the tiny-fleet agents against the baselines: in the simulator at λ = 0.7/1/1.5 →
+# docs/results/qos_drl_tiny.{json,md}, then live through `laneway serve` on six real
+# vLLM-CPU servers (one per expert, ~13 GB) → docs/results/qos_live_real.{json,md},
+# merged into qos_drl.json as live_real (~1 h; a quiet machine)
+bench-qos-real: install
+	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
+		--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny/best.pt \
+		--rates 0.7 1 1.5 --reference-rate 1 --out docs/results/qos_drl_tiny.json
+	$(PY) -m bench.qos_live --fleet real --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
+		--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny/best.pt \
+		--rates 0.7 1 1.5 --reference-rate 1 --arrivals 200 \
+		--out docs/results/qos_live_real.json

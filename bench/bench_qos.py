@@ -30,7 +30,7 @@ from bench.qos_eval import (
     shortest_queue,
 )
 from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS
-from bench.qos_setup import fleet, load_pools
+from bench.qos_setup import fleet, load_pools, trained_fleet
 from bench.qos_sim import QosSim
 from bench.qos_train import default_dir
 from policies.qos_sac import load_checkpoint
@@ -54,12 +54,16 @@ def routers(args: argparse.Namespace) -> dict[str, Router]:
             "shortest_queue": shortest_queue}
 
 
-def run_simulator(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def run_simulator(args: argparse.Namespace) -> dict[str, Any]:
+    """Every router on the fleet qos_drl's checkpoint was trained on."""
     experts, _, heldout, source = load_pools(args.data, args.buckets)
-    specs = fleet(experts)
+    mapping, cores = trained_fleet(load_checkpoint(args.checkpoint)[1])
+    if trained_fleet(load_checkpoint(args.baseline_checkpoint)[1]) != (mapping, cores):
+        raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
+    specs = fleet(experts, mapping)
     table: dict[str, dict[str, Any]] = {}
     for rate in args.rates:
-        sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed)
+        sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed, cores=cores)
         row: dict[str, Any] = {}
         for name, router in routers(args).items():
             result: EvalResult = evaluate(sim, router, args.arrivals)
@@ -67,7 +71,8 @@ def run_simulator(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             print(f"λ={rate:g} {name:15s} QoS {result.avg_qos:.3f} drop "
                   f"{result.drop_rate:.1%} lpt p50 {result.lpt_p50_ms:.1f} ms", flush=True)
         table[f"{rate:g}"] = row
-    return {"predictions": {"source": source}, "table": table}
+    return {"predictions": {"source": source}, "fleet": mapping, "cores": cores,
+            "table": table}
 
 
 BUCKET_KEYS = ("top1_score", "top3_score", "top1_length", "top3_length")
@@ -128,7 +133,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['training_steps']} steps (best checkpoint at "
              f"{result['checkpoint_steps']}), Baseline RL "
              f"{result['baseline_rl_training_steps']} (best at "
-             f"{result['baseline_rl_checkpoint_steps']}).\n",
+             f"{result['baseline_rl_checkpoint_steps']}).",
+             f"Fleet: {fleet_line(result['simulator'])}.\n",
              "| λ | policy | avg QoS | drop | lpt p50 ms | lpt p90 ms | within L |",
              "|---|---|---|---|---|---|---|"]
     for rate, row in result["simulator"]["table"].items():
@@ -143,6 +149,12 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"Beats every baseline at every λ: {result['beats_all_baselines_every_lambda']}")
     lines.append(qos_latency.markdown(result))
     return "\n".join(lines) + "\n"
+
+
+def fleet_line(sim: dict[str, Any]) -> str:
+    mapping = sim.get("fleet") or {}
+    shared = f"; the experts share {sim['cores']} CPU cores" if sim.get("cores") else ""
+    return ", ".join(f"{expert} on {profile}" for expert, profile in mapping.items()) + shared
 
 
 def plot(result: dict[str, Any], out: Path) -> None:
@@ -184,12 +196,14 @@ def main(argv: list[str] | None = None) -> int:
                         "only if it is of the --buckets artifact")
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
     parser.add_argument("--reference-rate", type=float, default=5.0)
-    parser.add_argument("--limit-ms", type=float, default=30.0)
+    parser.add_argument("--limit-ms", type=float,
+                        help="L (default: the one qos_drl's checkpoint was trained with)")
     parser.add_argument("--arrivals", type=int, default=600)
     parser.add_argument("--seed", type=int, default=7)
     qos_latency.add_runtime_argument(parser)  # the encoder's, for the decision latency
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json")
     args = parser.parse_args(argv)
+    args.limit_ms = args.limit_ms or load_checkpoint(args.checkpoint)[1].get("limit_ms", 30.0)
     import torch
 
     torch.set_num_threads(1)  # one small graph per decision: more threads only contend

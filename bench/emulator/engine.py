@@ -54,6 +54,9 @@ class Engine:
         self.on_busy: Callable[[bool, float], None] | None = None
         # manual: no timers; `advance()` runs the next step at once (tests, simulation)
         self._manual = manual
+        # steps started from now last this many times the profile's: a simulator of
+        # engines sharing too few CPU cores sets it (bench.qos_sim)
+        self.slowdown = 1.0
         self.now = 0.0
 
     # -- requests ---------------------------------------------------------------
@@ -190,7 +193,7 @@ class Engine:
         if self._step_end is None and self.on_busy is not None:
             self.on_busy(True, start)
         self._batch = batch
-        duration = self.step_seconds(batch)
+        duration = self.step_seconds(batch) * self.slowdown
         self.busy_s += duration
         self._step_end = start + duration
         if not self._manual:

@@ -12,7 +12,13 @@ import orjson
 import pytest
 
 from bench.emulator.profile import load_profile
-from bench.qos_live import emulated_fleet, evaluate_live, policy_config, proxy_config
+from bench.qos_live import (
+    emulated_fleet,
+    evaluate_live,
+    policy_config,
+    proxy_config,
+    real_variants,
+)
 from bench.qos_live_client import (
     LiveRecord,
     account,
@@ -124,8 +130,9 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
     args = argparse.Namespace(reference_rate=None, fleet="emulated", variants="small",
                               limit_ms=30.0, arrivals=4, seed=7)
     table = {"2": row(0.3, 0.2), "5": row(0.3, 0.4), "8": row(0.1, 0.1)}
-    result = report(args, EXPERTS, table, None)
+    result = report(args, EXPERTS, table, None, {e: "t4" for e in EXPERTS})
     assert result["reference_lambda"] == 5.0
+    assert result["fleet"] == {"kind": "emulated", "backends": {e: "t4" for e in EXPERTS}}
     assert result["qos_gain_vs_baseline_rl_live"] == pytest.approx(-0.25)
     assert result["avg_qos"]["2"] == {"qos_drl": 0.3, "baseline_rl": 0.2}
     simulated = tmp_path / "qos_drl.json"
@@ -141,6 +148,12 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
     assert beats_all({"2": row(0.3, 0.2), "8": row(0.2, 0.1)}) is True
     assert beats_all({"2": row(0.3, 0.3)}) is False and beats_all({}) is None
     assert merged["live"]["table"]["5"]["baseline_rl"]["avg_qos"] == 0.4
+    real = {**result, "qos_gain_vs_baseline_rl_live": 0.5}
+    merge(simulated, real, "live_real")  # the real fleet's run sits beside the emulated one
+    merged = json.loads(simulated.read_text())
+    assert merged["qos_gain_vs_baseline_rl_live_real"] == 0.5
+    assert merged["qos_gain_vs_baseline_rl"] == pytest.approx(-0.25)
+    assert "live" in merged and "live_real" in merged
     text = markdown(result)
     assert "| 5 | qos_drl | 0.300 | 25.0% | 25.0% |" in text and "-25.0%" in text
 
@@ -192,3 +205,11 @@ def test_the_rl_agents_and_the_bert_router_are_the_qos_drl_policy(tmp_path: Path
     args.checkpoint = tmp_path / "missing.pt"
     with pytest.raises(SystemExit, match="no checkpoint"):
         policy_config("qos_drl", args)
+
+
+def test_real_variants_follow_the_trained_fleet_or_the_cycle() -> None:
+    tiny = {"fast": "tiny-llama-small", "slow": "tiny-llama-large"}
+    assert real_variants(EXPERTS, tiny, None) == [tiny[e].split("-")[-1] for e in EXPERTS]
+    assert real_variants(EXPERTS, {"fast": "t4", "slow": "t4"}, "large") == ["large"] * 2
+    with pytest.raises(SystemExit, match="GPU profiles"):
+        real_variants(EXPERTS, {"fast": "t4", "slow": "tiny-llama-large"}, None)

@@ -97,3 +97,23 @@ def test_baseline_routers_and_evaluation() -> None:
     assert rr.expert_share == [0.5, 0.5] and rr.avg_qos == pytest.approx(0.55)
     sqf = evaluate(sim, shortest_queue, 30)
     assert sqf.arrivals == 30 and sum(sqf.expert_share) == pytest.approx(1.0)
+
+
+def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
+    def lpt(cores: int | None, actions: tuple[int, ...]) -> dict[int, float]:
+        sim = QosSim(specs(), pool(), rate=1000.0, limit_s=1.0, seed=5, cores=cores)
+        for action in actions:
+            sim.arrive()
+            sim.route(action)
+        sim.drain()
+        return {r.expert: r.latency_per_token or 0.0 for r in sim.finished}
+
+    alone = lpt(None, (1,))[0]
+    assert lpt(1, (1,))[0] == pytest.approx(alone)  # one engine busy: no contention
+    together = lpt(None, (1, 2))
+    assert lpt(2, (1, 2)) == pytest.approx(together)  # two engines, two cores
+    shared = lpt(1, (1, 2))
+    # on one core each step of either lasts twice as long while both have work
+    assert shared[1] == pytest.approx(2 * together[1], rel=0.1)
+    # the slow expert (60 tokens) loses the time the fast one (30 tokens) worked alone
+    assert shared[0] * 60 == pytest.approx(together[0] * 60 + together[1] * 30, rel=0.1)

@@ -1,0 +1,43 @@
+"""`laneway train qos-drl`, briefly, on the real alpaca_eval prompts: the checkpoint
+records the fleet it was trained on, which the benches then evaluate on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.qos_setup import TINY_CORES, TINY_FLEET, trained_fleet
+from bench.qos_train import train
+from bench.tiny_models import DEFAULT_SHARED
+from policies.qos_sac import load_checkpoint
+
+DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
+@pytest.mark.parametrize("baseline", [False, True])
+def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool) -> None:
+    args = argparse.Namespace(
+        data=DATA, buckets=tmp_path / "none", out=tmp_path / "run", baseline=baseline,
+        steps=240, minutes=5.0, fleet="tiny", rate=1.0, limit_ms=10.0, episode=100,
+        warmup=100, batch=16, update_every=4, buffer=1000, eval_every=120,
+        eval_arrivals=10, resume=False, seed=0, threads=1)
+    assert train(args) == 0
+    meta = load_checkpoint(tmp_path / "run" / "last.pt")[1]
+    assert meta["steps"] == 240 and meta["limit_ms"] == 10.0 and meta["baseline"] is baseline
+    assert trained_fleet(meta) == (TINY_FLEET, TINY_CORES)
+    assert meta["predictions"] == "oracle buckets"  # no artifact at --buckets
+    curve = json.loads((tmp_path / "run" / "curve.json").read_text())
+    assert curve["eval_step"] == [120, 240] and len(curve["step"]) == 2  # two episodes
+    assert (tmp_path / "run" / "best.pt").exists()
+    assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 0
+
+
+def test_a_checkpoint_from_before_the_fleet_option_is_the_gpu_fleet() -> None:
+    from bench.qos_setup import DEFAULT_FLEET
+
+    assert trained_fleet({"fleet": dict(DEFAULT_FLEET)}) == (DEFAULT_FLEET, None)
+    assert trained_fleet({}) == (DEFAULT_FLEET, None)
