@@ -54,11 +54,12 @@ def routers(args: argparse.Namespace) -> dict[str, Router]:
             "shortest_queue": shortest_queue}
 
 
-def run_simulator(args: argparse.Namespace) -> dict[str, Any]:
+def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
+                  baseline_meta: dict[str, Any]) -> dict[str, Any]:
     """Every router on the fleet qos_drl's checkpoint was trained on."""
     experts, _, heldout, source = load_pools(args.data, args.buckets)
-    mapping, cores = trained_fleet(load_checkpoint(args.checkpoint)[1])
-    if trained_fleet(load_checkpoint(args.baseline_checkpoint)[1]) != (mapping, cores):
+    mapping, cores = trained_fleet(qos_meta)
+    if trained_fleet(baseline_meta) != (mapping, cores):
         raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
     specs = fleet(experts, mapping)
     table: dict[str, dict[str, Any]] = {}
@@ -96,8 +97,8 @@ def total_steps(checkpoint: Path) -> int | None:
     return load_checkpoint(last)[1].get("steps") if last.exists() else None
 
 
-def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, float]
-            ) -> dict[str, Any]:
+def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, float],
+            qos_meta: dict[str, Any], baseline_meta: dict[str, Any]) -> dict[str, Any]:
     table = sim["table"]
     qos_at = {rate: {name: row[name]["avg_qos"] for name in row} for rate, row in table.items()}
     beats = beats_every_baseline(qos_at)
@@ -105,7 +106,6 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
     gain = qos_at[ref]["qos_drl"] / qos_at[ref]["baseline_rl"] - 1 \
         if qos_at[ref]["baseline_rl"] > 0 else None
     buckets = bucket_accuracy(args.bucket_results, args.buckets)
-    qos_meta = load_checkpoint(args.checkpoint)[1]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     return {
@@ -118,7 +118,7 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
         **latency, "training_steps": total_steps(args.checkpoint),
         "checkpoint_steps": qos_meta.get("steps"),
         "baseline_rl_training_steps": total_steps(args.baseline_checkpoint),
-        "baseline_rl_checkpoint_steps": load_checkpoint(args.baseline_checkpoint)[1].get("steps"),
+        "baseline_rl_checkpoint_steps": baseline_meta.get("steps"),
         "training": qos_meta, "limit_ms": args.limit_ms, "arrivals_per_run": args.arrivals,
         "lambdas": args.rates, "avg_qos": qos_at, "simulator": sim,
         "command": " ".join(["python -m bench.bench_qos", *sys.argv[1:]]), "commit": commit,
@@ -203,15 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     qos_latency.add_runtime_argument(parser)  # the encoder's, for the decision latency
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json")
     args = parser.parse_args(argv)
-    args.limit_ms = args.limit_ms or load_checkpoint(args.checkpoint)[1].get("limit_ms", 30.0)
+    qos_meta = load_checkpoint(args.checkpoint)[1]  # its fleet, L and training figures
+    baseline_meta = load_checkpoint(args.baseline_checkpoint)[1]
+    args.limit_ms = args.limit_ms or qos_meta.get("limit_ms", 30.0)
     import torch
 
     torch.set_num_threads(1)  # one small graph per decision: more threads only contend
-    sim = run_simulator(args)
+    sim = run_simulator(args, qos_meta, baseline_meta)
     latency = qos_latency.measure(
         qos_latency.heldout_prompts(args.data, 160), args.checkpoint, args.buckets,
         args.runtime, qos_latency.RATES, args.reference_rate)
-    result = summary(args, sim, latency)
+    result = summary(args, sim, latency, qos_meta, baseline_meta)
     if args.out.exists():  # the live run's keys (bench.qos_live) survive a simulator re-run
         previous = json.loads(args.out.read_text())
         result |= {k: previous[k] for k in LIVE_KEYS if k in previous}

@@ -19,11 +19,16 @@ from bench.qos_eval import EvalResult, beats_every_baseline
 from bench.qos_live_client import LiveRecord
 from predictors.cli import REPO
 
+
+def live_keys(name: str) -> tuple[str, str, str]:
+    """(gain vs Baseline RL, beats every baseline, the run) keys of live run `name`."""
+    return (f"qos_gain_vs_baseline_rl_{name}", f"beats_all_baselines_every_lambda_{name}",
+            name)
+
+
 # what the live runs add to qos_drl.json (and a simulator re-run keeps): the emulated
 # fleet's as "live" (the issue's qos_gain_vs_baseline_rl), the real fleet's as "live_real"
-LIVE_KEYS = tuple(key for name in ("live", "live_real")
-                  for key in (f"qos_gain_vs_baseline_rl_{name}",
-                              f"beats_all_baselines_every_lambda_{name}", name))
+LIVE_KEYS = (*live_keys("live"), *live_keys("live_real"))
 GAIN_NOTE = ("qos_gain_vs_baseline_rl is the live run's (make bench-qos-live, "
              "= qos_gain_vs_baseline_rl_live); the simulator's: qos_gain_vs_baseline_rl_sim")
 
@@ -76,15 +81,16 @@ def merge(path: Path, result: dict[str, Any], name: str = "live") -> None:
     """Add the live keys (`name`: "live" or "live_real") to the simulator's results,
     keeping every existing key; only "live" sets the issue's qos_gain_vs_baseline_rl."""
     data = json.loads(path.read_text()) if path.exists() else {}
-    data[f"qos_gain_vs_baseline_rl_{name}"] = result["qos_gain_vs_baseline_rl_live"]
-    data[f"beats_all_baselines_every_lambda_{name}"] = beats_all(result["table"])
+    gain_key, beats_key, run_key = live_keys(name)
+    data[gain_key] = result["qos_gain_vs_baseline_rl_live"]
+    data[beats_key] = beats_all(result["table"])
     if name == "live":
         data["qos_gain_vs_baseline_rl"] = result["qos_gain_vs_baseline_rl_live"]
         if "qos_gain_vs_baseline_rl_note" in data:  # it said the live run was not done
             data["qos_gain_vs_baseline_rl_note"] = GAIN_NOTE
-    data[name] = {k: result[k] for k in ("reference_lambda", "fleet", "limit_ms",
-                                           "arrivals_per_run", "lambdas", "table",
-                                           "command", "commit")}
+    data[run_key] = {k: result[k] for k in ("reference_lambda", "fleet", "limit_ms",
+                                            "arrivals_per_run", "lambdas", "table",
+                                            "command", "commit")}
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
