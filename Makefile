@@ -90,9 +90,12 @@ bench-policies: install
 	$(PY) -m bench.bench_policies --fleet emulated:64 --fleet real:small,small,large --shared $(SHARED)
 
 # goodput (GoodServe) vs the baselines at SLO scales 1-3 → docs/results/goodput.json,
-# docs/results/goodput/ (uses the length predictor of `make train-length` if built)
+# docs/results/goodput/ (with the length predictor of `make train-length`, trained here
+# first if it is not built)
 bench-goodput: install
 	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
+	test -f $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1/meta.json || \
+		$(VENV)/bin/laneway train length --data $(SHARED)/data/alpaca_eval_experts.jsonl
 	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large \
 		--fleet real:small,small,large@mooncake --shared $(SHARED)
@@ -159,8 +162,9 @@ bench-qos-live: install
 	$(PY) -m bench.qos_live --data $(SHARED)/data/alpaca_eval_experts.jsonl
 
 # both agents again for the real vLLM-CPU fleet (bench-qos-real): the six experts on the
-# tiny models' fitted profiles (bench.qos_setup.TINY_FLEET) sharing this machine's two
-# cores, λ = 1/s, L = 10 ms, 152 k decisions each (~50 min together)
+# tiny models' fitted profiles (bench.qos_setup.TINY_FLEET) sharing the 1.35 of this
+# machine's two cores left to them (TINY_CORES), λ = 1/s, L = 10 ms, 152 k decisions
+# each (~45 min one after the other)
 QOS_TINY := $${LANEWAY_HOME:-.laneway}/policies
 train-qos-drl-tiny: install
 	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 152000 \

@@ -296,11 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the whole comparison this many times per fleet; goodput "
                         "is the median, ratios the median of each repeat's (with range)")
+    parser.add_argument("--no-predictor", action="store_true",
+                        help="run the goodput variants without the length predictor (L_out "
+                        "= the policy's default_output_tokens); without this flag a missing "
+                        "artifact is an error")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     artifact = laneway_home() / "predictors/length-moe-v1"
-    have_artifact = (artifact / "meta.json").exists()
+    have_artifact = (artifact / "meta.json").exists() and not args.no_predictor
+    if not have_artifact and not args.no_predictor:
+        # the goodput variants would silently route on a constant output length
+        parser.error(f"no length predictor at {artifact}: run `make train-length` "
+                     "(or pass --no-predictor)")
     chosen = select_variants(variants(have_artifact), args.only)
     fleets = []
     for spec in args.fleet or ["emulated:64"]:

@@ -12,7 +12,8 @@ expert's real answer length (counted by the project) and judge win rate.
 `completed` holds φ of every request finished since the last call to `take_completed`.
 
 `cores`: the experts share that many CPU cores (the vLLM-CPU tiny fleet on one
-machine, each engine stepping on one core): a step that starts while k engines have
+machine, each engine stepping on one core; fractional when other processes take part
+of the machine, see bench.qos_setup.TINY_CORES): a step that starts while k engines have
 work lasts max(1, k / cores) times the profile's. None (the GPU fleet): every expert
 has its own hardware.
 """
@@ -69,7 +70,7 @@ class Expert:
 
 class QosSim:
     def __init__(self, experts: Sequence[ExpertSpec], pool: Sequence[PoolPrompt],
-                 rate: float, limit_s: float, seed: int = 0, cores: int | None = None
+                 rate: float, limit_s: float, seed: int = 0, cores: float | None = None
                  ) -> None:
         self.specs, self.pool, self.rate, self.limit = list(experts), list(pool), rate, limit_s
         self.seed, self.cores = seed, cores

@@ -192,3 +192,13 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
     assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline
     with pytest.raises(SystemExit, match="unknown variants nope"):
         select_variants(every, "goodput,nope")
+
+
+def test_a_missing_length_predictor_is_an_error_not_a_silent_constant(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LANEWAY_HOME", str(tmp_path))  # no predictors/length-moe-v1 here
+    with pytest.raises(SystemExit):
+        bench_goodput.main(["--out", str(tmp_path / "goodput.json")])
+    assert "make train-length" in capsys.readouterr().err
+    assert not (tmp_path / "goodput.json").exists()

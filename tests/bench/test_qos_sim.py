@@ -100,7 +100,7 @@ def test_baseline_routers_and_evaluation() -> None:
 
 
 def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
-    def lpt(cores: int | None, actions: tuple[int, ...]) -> dict[int, float]:
+    def lpt(cores: float | None, actions: tuple[int, ...]) -> dict[int, float]:
         sim = QosSim(specs(), pool(), rate=1000.0, limit_s=1.0, seed=5, cores=cores)
         for action in actions:
             sim.arrive()
@@ -117,3 +117,6 @@ def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
     assert shared[1] == pytest.approx(2 * together[1], rel=0.1)
     # the slow expert (60 tokens) loses the time the fast one (30 tokens) worked alone
     assert shared[0] * 60 == pytest.approx(together[0] * 60 + together[1] * 30, rel=0.1)
+    # the part of the machine left to the engines (bench.qos_setup.TINY_CORES)
+    assert lpt(1.35, (1,))[0] == pytest.approx(alone)
+    assert lpt(1.6, (1, 2))[1] == pytest.approx(2 / 1.6 * together[1], rel=0.1)
