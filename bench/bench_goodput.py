@@ -304,18 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     artifact = laneway_home() / "predictors/length-moe-v1"
-    have_artifact = (artifact / "meta.json").exists() and not args.no_predictor
-    if not have_artifact and not args.no_predictor:
+    if not (artifact / "meta.json").exists() and not args.no_predictor:
         # the goodput variants would silently route on a constant output length
         parser.error(f"no length predictor at {artifact}: run `make train-length` "
                      "(or pass --no-predictor)")
-    chosen = select_variants(variants(have_artifact), args.only)
+    use_predictor = not args.no_predictor
+    chosen = select_variants(variants(use_predictor), args.only)
     fleets = []
     for spec in args.fleet or ["emulated:64"]:
         name = spec.replace(":", "-").replace(",", "-").replace("@", "-")
         workload = args.workload or default_workload(spec, args.shared)
         plan = Plan(workload, chosen, list(SCALES), Path(args.out).parent / "goodput",
-                    args.solo_requests, args.time_limit, artifact if have_artifact else None,
+                    args.solo_requests, args.time_limit, artifact if use_predictor else None,
                     solo_tier=args.solo_tier)
         fleet_spec = spec.partition("@")[0]
         with tempfile.TemporaryDirectory() as tmp, \
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     primary = fleets[0]  # the first fleet ever written (the make target's: emulated-64)
     out = {"goodput_ratio_vs_best_baseline": primary["goodput_ratio_vs_best_baseline"],
            "best_baseline": primary["best_baseline"], "primary_fleet": primary["fleet"],
-           **side_figures(), "length_predictor_loaded": have_artifact,
+           **side_figures(), "length_predictor_loaded": use_predictor,
            # the headline is the primary fleet's, so are its command and commit
            "command": primary["command"], "commit": primary["commit"], "fleets": fleets}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
