@@ -95,7 +95,7 @@ bench-policies: install
 bench-goodput: install
 	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
 	test -f $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1/meta.json || \
-		$(VENV)/bin/laneway train length --data $(SHARED)/data/alpaca_eval_experts.jsonl
+		$(MAKE) train-length SHARED=$(SHARED)
 	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large \
 		--fleet real:small,small,large@mooncake --shared $(SHARED)
