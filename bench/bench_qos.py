@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -55,18 +57,23 @@ def routers(args: argparse.Namespace) -> dict[str, Router]:
 
 
 def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
-                  baseline_meta: dict[str, Any]) -> dict[str, Any]:
-    """Every router on the fleet qos_drl's checkpoint was trained on."""
+                  baseline_meta: dict[str, Any], only: Sequence[str] | None = None
+                  ) -> dict[str, Any]:
+    """Every router (or those in `only`) on the fleet qos_drl's checkpoint was trained
+    on; on `args.cores` shared cores instead of the checkpoint's when given."""
     experts, _, heldout, source = load_pools(args.data, args.buckets)
     mapping, cores = trained_fleet(qos_meta)
     if trained_fleet(baseline_meta) != (mapping, cores):
         raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
+    cores = args.cores if args.cores is not None else cores
     specs = fleet(experts, mapping)
     table: dict[str, dict[str, Any]] = {}
     for rate in args.rates:
         sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed, cores=cores)
         row: dict[str, Any] = {}
         for name, router in routers(args).items():
+            if only is not None and name not in only:
+                continue
             result: EvalResult = evaluate(sim, router, args.arrivals)
             row[name] = asdict(result)
             print(f"λ={rate:g} {name:15s} QoS {result.avg_qos:.3f} drop "
@@ -74,6 +81,45 @@ def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
         table[f"{rate:g}"] = row
     return {"predictions": {"source": source}, "fleet": mapping, "cores": cores,
             "table": table}
+
+
+def fit_cores(args: argparse.Namespace, qos_meta: dict[str, Any],
+              baseline_meta: dict[str, Any]) -> dict[str, Any]:
+    """How far the simulator's average QoS per (policy, λ) is from a live run's
+    (`bench.qos_live`'s JSON, `args.live`) on each of `args.fit_cores` shared cores: the
+    RMS over the live run's cells, and the share that fits best (what TINY_CORES was set
+    from). The live run's λs and policies; the same agents as the live run should be."""
+    live = json.loads(args.live.read_text())
+    args.rates = [float(rate) for rate in live["avg_qos"]]
+    fits: dict[str, Any] = {}
+    for cores in args.fit_cores:
+        args.cores = cores
+        table = run_simulator(args, qos_meta, baseline_meta, live["policies"])["table"]
+        simulated = {rate: {name: r["avg_qos"] for name, r in row.items()}
+                     for rate, row in table.items()}
+        fits[f"{cores:g}"] = {"rms": qos_rms(simulated, live["avg_qos"]), "avg_qos": simulated}
+        print(f"{cores:g} cores: RMS {fits[f'{cores:g}']['rms']:.3f}", flush=True)
+    return {"live": repo_path(args.live), "live_commit": live.get("commit"),
+            "checkpoint": repo_path(args.checkpoint),
+            "baseline_checkpoint": repo_path(args.baseline_checkpoint),
+            "arrivals_per_run": args.arrivals,
+            "best_cores": float(min(fits, key=lambda c: fits[c]["rms"])), "fits": fits,
+            "command": " ".join(["python -m bench.bench_qos", *sys.argv[1:]]),
+            "commit": git_commit()}
+
+
+def qos_rms(simulated: Mapping[str, Mapping[str, float]],
+            live: Mapping[str, Mapping[str, float]]) -> float:
+    """{λ: {policy: avg QoS}}: the RMS difference over the live run's cells (each must
+    be simulated)."""
+    errors = [simulated[rate][name] - qos for rate, row in live.items()
+              for name, qos in row.items()]
+    return math.sqrt(sum(e * e for e in errors) / len(errors))
+
+
+def git_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=REPO).stdout.strip()
 
 
 BUCKET_KEYS = ("top1_score", "top3_score", "top1_length", "top3_length")
@@ -106,23 +152,27 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
     gain = qos_at[ref]["qos_drl"] / qos_at[ref]["baseline_rl"] - 1 \
         if qos_at[ref]["baseline_rl"] > 0 else None
     buckets = bucket_accuracy(args.bucket_results, args.buckets)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
     return {
         "qos_gain_vs_baseline_rl": None,
         "qos_gain_vs_baseline_rl_note": GAIN_NOTE,
         "qos_gain_vs_baseline_rl_sim": gain, "qos_gain_reference_lambda": args.reference_rate,
         "beats_all_baselines_every_lambda": beats,
         **{f"bucket_{key}": buckets.get(key) for key in BUCKET_KEYS},
-        "bucket_results": str(args.bucket_results) if buckets else None,
+        "bucket_results": repo_path(args.bucket_results) if buckets else None,
         **latency, "training_steps": total_steps(args.checkpoint),
         "checkpoint_steps": qos_meta.get("steps"),
         "baseline_rl_training_steps": total_steps(args.baseline_checkpoint),
         "baseline_rl_checkpoint_steps": baseline_meta.get("steps"),
         "training": qos_meta, "limit_ms": args.limit_ms, "arrivals_per_run": args.arrivals,
         "lambdas": args.rates, "avg_qos": qos_at, "simulator": sim,
-        "command": " ".join(["python -m bench.bench_qos", *sys.argv[1:]]), "commit": commit,
+        "command": " ".join(["python -m bench.bench_qos", *sys.argv[1:]]), "commit": git_commit(),
     }
+
+
+def repo_path(path: Path) -> str:
+    """`path` relative to the repository when it is inside it (results name no machine)."""
+    return str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) \
+        else str(path)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -200,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="L (default: the one qos_drl's checkpoint was trained with)")
     parser.add_argument("--arrivals", type=int, default=600)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--cores", type=float, default=None,
+                        help="the experts share this many CPU cores in the simulator "
+                        "(default: as the checkpoints were trained, their `cores`)")
+    parser.add_argument("--fit-cores", type=float, nargs="+", metavar="C",
+                        help="only compare the simulator on each C shared cores with the "
+                        "live run --live (RMS of average QoS per policy and λ) → --fit-out")
+    parser.add_argument("--live", type=Path, default=RESULTS / "qos_live_real.json")
+    parser.add_argument("--fit-out", type=Path, default=RESULTS / "qos_cores_fit.json")
     qos_latency.add_runtime_argument(parser)  # the encoder's, for the decision latency
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_drl.json")
     args = parser.parse_args(argv)
@@ -209,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # one small graph per decision: more threads only contend
+    if args.fit_cores:
+        fitted = fit_cores(args, qos_meta, baseline_meta)
+        args.fit_out.write_text(json.dumps(fitted, indent=1) + "\n")
+        print(f"best fit: {fitted['best_cores']:g} cores; wrote {args.fit_out}")
+        return 0
     sim = run_simulator(args, qos_meta, baseline_meta)
     latency = qos_latency.measure(
         qos_latency.heldout_prompts(args.data, 160), args.checkpoint, args.buckets,
