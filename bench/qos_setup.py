@@ -13,6 +13,7 @@ time vs prompt tokens) and decode steps (step time vs Σ(p_i + d_{i,t}) of the b
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,11 @@ def predictions_model(artifact: Path, rows: Sequence[PromptRow], cache: Path
         for row, pred in zip(chunk, predictor.predict_batch([r.prompt for r in chunk]),
                              strict=True):
             out[row.id] = (list(pred.score), list(pred.length))
-    cache.write_text(json.dumps({"version": version, "predictions": out}))
+    # written whole, then renamed: two trainers started together (make
+    # train-qos-drl-tiny) may both compute it, and neither reads the other's half
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}")
+    partial.write_text(json.dumps({"version": version, "predictions": out}))
+    os.replace(partial, cache)
     return out
 
 

@@ -3,6 +3,8 @@ impact coefficients from the step model, and the baseline routers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.emulator.profile import load_profile
@@ -120,3 +122,34 @@ def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
     # the part of the machine left to the engines (bench.qos_setup.TINY_CORES)
     assert lpt(1.35, (1,))[0] == pytest.approx(alone)
     assert lpt(1.6, (1, 2))[1] == pytest.approx(2 / 1.6 * together[1], rel=0.1)
+
+
+def test_predictions_are_cached_whole_next_to_the_artifact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache is written under another name and renamed (two trainers may start
+    together), then read back instead of running the predictor again."""
+    import json
+    from types import SimpleNamespace
+
+    import predictors.buckets
+    from bench.qos_setup import predictions_model
+    from predictors.buckets_data import PromptRow
+
+    calls: list[int] = []
+
+    class Predictor:
+        def predict_batch(self, prompts: list[str]) -> list[SimpleNamespace]:
+            calls.append(len(prompts))
+            return [SimpleNamespace(score=[0.5, 0.1], length=[len(p), 9.0]) for p in prompts]
+
+    monkeypatch.setattr(predictors.buckets, "load_artifact", lambda artifact: Predictor())
+    (tmp_path / "meta.json").write_text(json.dumps({"version": "v1"}))
+    rows = [PromptRow(i, "x" * i, (0.0, 0.0), (1, 1)) for i in range(40)]
+    cache = tmp_path / "predictions.json"
+    first = predictions_model(tmp_path, rows, cache)
+    assert calls == [32, 8] and first[7] == ([0.5, 0.1], [7.0, 9.0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "predictions.json"]
+    assert predictions_model(tmp_path, rows, cache) == first and calls == [32, 8]
+    (tmp_path / "meta.json").write_text(json.dumps({"version": "v2"}))  # retrained
+    predictions_model(tmp_path, rows, cache)
+    assert calls == [32, 8, 32, 8]
