@@ -141,14 +141,16 @@ evaluate-buckets: install
 		--artifact $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-l3-distilled \
 		--runtime onnx-int8 --out docs/results/bucket_predictor_distilled.json
 
-# HAN + discrete SAC and the Baseline RL agent on the simulator, 152 k decisions each
-# (the same number: ~25 min and ~6 min here), on the 6-layer predictor's predictions
+# HAN + discrete SAC and the Baseline RL agent on the simulator, 400 k decisions each
+# (the same number: ~55 min and ~15 min here, side by side on one core each), on the
+# 6-layer predictor's predictions
 # → .laneway/policies/qos-drl-v1, qos-baseline-rl-v1 (checkpoints, learning curve PNG)
 train-qos-drl: install
 	$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--steps 152000 --minutes 45
+		--steps 400000 --minutes 240 & \
 	$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--steps 152000 --minutes 45
+		--steps 400000 --minutes 240; \
+	status=$$?; wait $$! && exit $$status
 
 # qos_drl vs Baseline RL, BERT router, round robin, shortest queue at λ = 2/5/8 on the
 # simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png

@@ -88,9 +88,12 @@ def fit_cores(args: argparse.Namespace, qos_meta: dict[str, Any],
     """How far the simulator's average QoS per (policy, λ) is from a live run's
     (`bench.qos_live`'s JSON, `args.live`) on each of `args.fit_cores` shared cores: the
     RMS over the live run's cells, and the share that fits best (what TINY_CORES was set
-    from). The live run's λs and policies; the same agents as the live run should be."""
+    from). The live run's λs, policies and arrivals (its first N: a run of N arrivals
+    from a fresh fleet, as live, not the first N of a longer run, whose later arrivals
+    slow the earlier ones); the same agents as the live run should be."""
     live = json.loads(args.live.read_text())
     args.rates = [float(rate) for rate in live["avg_qos"]]
+    args.arrivals = int(live["arrivals_per_run"])
     fits: dict[str, Any] = {}
     for cores in args.fit_cores:
         args.cores = cores
