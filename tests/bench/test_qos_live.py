@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import orjson
@@ -13,6 +14,7 @@ import pytest
 
 from bench.emulator.profile import load_profile
 from bench.qos_live import (
+    cores_used,
     emulated_fleet,
     evaluate_live,
     policy_config,
@@ -179,6 +181,19 @@ def test_a_small_live_run_through_the_proxy(tmp_path: Path) -> None:
     assert served["emulator_lag_ms_per_step"] >= 0
     assert dropped["drop_rate"] == 1 and dropped["avg_qos"] == 0
     assert dropped["expert_share"] == [0, 0]
+    # the CPU account names the emulator, the proxy, the client and the machine
+    cpu = served["cpu_cores"]
+    assert {"emulator", "emulator+", "proxy", "proxy+", "client", "machine",
+            "other"} <= set(cpu)
+    assert cpu["emulator"] > 0 and cpu["proxy"] > 0 and cpu["client"] > 0
+    assert 0 < cpu["machine"] <= (os.cpu_count() or 1) + 0.1
+
+
+def test_cores_used_per_part_and_the_rest_of_the_machine() -> None:
+    before = {"a": 1.0, "a+": 0.0, "client": 2.0, "machine": 10.0}
+    after = {"a": 3.0, "a+": 1.0, "client": 2.5, "machine": 16.0}
+    assert cores_used(before, after, wall=4.0) == {
+        "a": 0.5, "a+": 0.25, "client": 0.125, "machine": 1.5, "other": 0.625}
 
 
 def test_proxy_config_groups_the_experts_without_migration() -> None:
