@@ -165,8 +165,9 @@ bench-qos-live: install
 
 # both agents again for the real vLLM-CPU fleet (bench-qos-real): the six experts on the
 # tiny models' fitted profiles (bench.qos_setup.TINY_FLEET) sharing the 1.35 of this
-# machine's two cores left to them (TINY_CORES), λ = 1/s, L = 10 ms, 400 k decisions
-# each (~75 and ~30 min; they run side by side, one core each)
+# machine's two cores left to them (TINY_CORES), an engine busy alone 1.09 times slower
+# than its profile (TINY_SOLO_SLOWDOWN), λ = 1/s, L = 10 ms, 400 k decisions each (~75
+# and ~30 min; they run side by side, one core each)
 QOS_TINY := $${LANEWAY_HOME:-.laneway}/policies
 train-qos-drl-tiny: install
 	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
@@ -180,7 +181,9 @@ train-qos-drl-tiny: install
 # the tiny-fleet agents against the baselines: in the simulator at λ = 0.7/1/1.5 →
 # docs/results/qos_drl_tiny.{json,md}, then live through `laneway serve` on six real
 # vLLM-CPU servers (one per expert, ~13 GB) → docs/results/qos_live_real.{json,md},
-# merged into qos_drl.json as live_real (~1 h; a quiet machine)
+# merged into qos_drl.json as live_real (~1 h; a quiet machine); then the live runs' own
+# decisions replayed in the simulator, request by request → docs/results/qos_replay_live.json
+QOS_RECORDS := $${LANEWAY_HOME:-.laneway}/records/qos-live-real
 bench-qos-real: install
 	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
@@ -190,4 +193,7 @@ bench-qos-real: install
 		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
 		--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny/best.pt \
 		--rates 0.7 1 1.5 --reference-rate 1 --arrivals 200 \
-		--out docs/results/qos_live_real.json
+		--out docs/results/qos_live_real.json --records $(QOS_RECORDS)
+	$(PY) -m bench.qos_replay_live --records $(QOS_RECORDS) \
+		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt --out docs/results/qos_replay_live.json

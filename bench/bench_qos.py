@@ -62,14 +62,15 @@ def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
     """Every router (or those in `only`) on the fleet qos_drl's checkpoint was trained
     on; on `args.cores` shared cores instead of the checkpoint's when given."""
     experts, _, heldout, source = load_pools(args.data, args.buckets)
-    mapping, cores = trained_fleet(qos_meta)
-    if trained_fleet(baseline_meta) != (mapping, cores):
+    mapping, cores, solo = trained = trained_fleet(qos_meta)
+    if trained_fleet(baseline_meta) != trained:
         raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
     cores = args.cores if args.cores is not None else cores
     specs = fleet(experts, mapping)
     table: dict[str, dict[str, Any]] = {}
     for rate in args.rates:
-        sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed, cores=cores)
+        sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed, cores=cores,
+                     solo=solo)
         row: dict[str, Any] = {}
         for name, router in routers(args).items():
             if only is not None and name not in only:
@@ -80,7 +81,7 @@ def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
                   f"{result.drop_rate:.1%} lpt p50 {result.lpt_p50_ms:.1f} ms", flush=True)
         table[f"{rate:g}"] = row
     return {"predictions": {"source": source}, "fleet": mapping, "cores": cores,
-            "table": table}
+            "solo_slowdown": solo, "table": table}
 
 
 def fit_cores(args: argparse.Namespace, qos_meta: dict[str, Any],
@@ -207,6 +208,8 @@ def markdown(result: dict[str, Any]) -> str:
 def fleet_line(sim: dict[str, Any]) -> str:
     mapping = sim.get("fleet") or {}
     shared = f"; the experts share {sim['cores']} CPU cores" if sim.get("cores") else ""
+    if (sim.get("solo_slowdown") or 1.0) != 1.0:
+        shared += f", one busy alone runs {sim['solo_slowdown']} times slower than its profile"
     return ", ".join(f"{expert} on {profile}" for expert, profile in mapping.items()) + shared
 
 

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = {name: policy_config(name, args) for name in args.policies.split(",")}
     requests = {rate: schedule(heldout, texts, rate, args.arrivals, args.seed, cap)
                 for rate in args.rates}
-    mapping, _ = trained_fleet(trained)
+    mapping = trained_fleet(trained).mapping
     hardware = mapping if args.fleet == "emulated" else dict(
         zip(experts, real_variants(experts, mapping, args.variants), strict=True))
     with fleets(args, experts, hardware) as fresh:

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.emulator.profile import Profile, load_profile
 from bench.qos_sim import ExpertSpec, PoolPrompt
@@ -50,6 +50,17 @@ TINY_FLEET = {
 # trained at 2 cores): the simulator's average QoS per (policy, λ) was off by an RMS of
 # 0.145 at 1 core, 0.077 at 1.25, 0.044 at 1.35, 0.083 at 1.5 and more at 2.
 TINY_CORES = 1.35
+# How much slower than its profile an engine runs while it is the only one with work.
+# `bench.qos_replay_live` replayed a live run's own decisions in the simulator (qos_drl
+# and Baseline RL at λ = 1.5 on the real fleet, 2026-11-25, `bench.qos_live --records`):
+# with solo 1, the same requests on the same experts ran 1.13 times slower live (median per
+# request) on the one busy 12-layer server of qos_drl (its engine process at 0.94 of a
+# core, its API server at 0.14, the other five servers, the proxy and the client 0.3
+# between them) and QoS was 0.334 live against 0.453 simulated; with 1.09 the ratio is
+# 0.99 and QoS 0.332 (the two busy servers of Baseline RL: 1.09 and 0.99, unchanged by
+# it). Near saturation latency grows faster than the step time, so 1.09, not 1.13.
+# Checkpoints trained before it record none (1).
+TINY_SOLO_SLOWDOWN = 1.09
 FLEETS = {"gpu": DEFAULT_FLEET, "tiny": TINY_FLEET}
 
 
@@ -78,13 +89,22 @@ def fleet(experts: Sequence[str], mapping: Mapping[str, str] | None = None
 
 def fleet_meta(name: str) -> dict[str, Any]:
     """What a checkpoint records of the fleet it was trained on."""
+    tiny = name == "tiny"
     return {"fleet": FLEETS[name], "fleet_name": name,
-            "cores": TINY_CORES if name == "tiny" else None}
+            "cores": TINY_CORES if tiny else None,
+            "solo_slowdown": TINY_SOLO_SLOWDOWN if tiny else None}
 
 
-def trained_fleet(meta: Mapping[str, Any]) -> tuple[dict[str, str], float | None]:
-    """(expert -> profile, shared cores) of the fleet a checkpoint was trained on."""
-    return dict(meta.get("fleet") or DEFAULT_FLEET), meta.get("cores")
+class TrainedFleet(NamedTuple):
+    mapping: dict[str, str]  # expert -> emulator profile
+    cores: float | None  # the cores the engines share (None: hardware of their own)
+    solo: float  # QosSim's `solo`: an engine busy alone runs this many times slower
+
+
+def trained_fleet(meta: Mapping[str, Any]) -> TrainedFleet:
+    """The fleet a checkpoint was trained on (the GPU fleet before the option)."""
+    return TrainedFleet(dict(meta.get("fleet") or DEFAULT_FLEET), meta.get("cores"),
+                        float(meta.get("solo_slowdown") or 1.0))
 
 
 def predictions_oracle(rows: Sequence[PromptRow]) -> dict[int, tuple[list[float], list[float]]]:

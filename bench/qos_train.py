@@ -47,8 +47,10 @@ def train(args: argparse.Namespace) -> int:
     hardware = fleet_meta(args.fleet)
     specs = fleet(experts, hardware["fleet"])
     limit, cores = args.limit_ms / 1000, hardware["cores"]
-    sim = QosSim(specs, train_pool, args.rate, limit, seed=args.seed, cores=cores)
-    eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores)
+    solo = hardware["solo_slowdown"] or 1.0
+    sim = QosSim(specs, train_pool, args.rate, limit, seed=args.seed, cores=cores, solo=solo)
+    eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores,
+                      solo=solo)
     agent = SacAgent(SacConfig(n_experts=len(experts), graph=not args.baseline))
     sim.arrive()
     state = sim.state()

@@ -10,20 +10,9 @@ import pytest
 from bench.emulator.profile import load_profile
 from bench.qos_eval import bert_router, evaluate, round_robin, shortest_queue
 from bench.qos_setup import fit_coefficients
-from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim
+from bench.qos_sim import QosSim
 from policies.qos_impact import impact
-
-
-def pool(n: int = 20) -> list[PoolPrompt]:
-    return [PoolPrompt(i, 20 + i, (0.9, 0.2), (60, 30), (0.85, 0.25), (55.0, 35.0))
-            for i in range(n)]
-
-
-def specs() -> list[ExpertSpec]:
-    small = load_profile("tiny-llama-small")
-    return [ExpertSpec("slow", load_profile("tiny-llama-large"),
-                       fit_coefficients(load_profile("tiny-llama-large"))),
-            ExpertSpec("fast", small, fit_coefficients(small))]
+from tests.bench.qos_helpers import pool, specs
 
 
 def test_coefficients_are_the_step_models_slopes() -> None:
@@ -102,8 +91,10 @@ def test_baseline_routers_and_evaluation() -> None:
 
 
 def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
-    def lpt(cores: float | None, actions: tuple[int, ...]) -> dict[int, float]:
-        sim = QosSim(specs(), pool(), rate=1000.0, limit_s=1.0, seed=5, cores=cores)
+    def lpt(cores: float | None, actions: tuple[int, ...], solo: float = 1.0
+            ) -> dict[int, float]:
+        sim = QosSim(specs(), pool(), rate=1000.0, limit_s=1.0, seed=5, cores=cores,
+                     solo=solo)
         for action in actions:
             sim.arrive()
             sim.route(action)
@@ -122,6 +113,12 @@ def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
     # the part of the machine left to the engines (bench.qos_setup.TINY_CORES)
     assert lpt(1.35, (1,))[0] == pytest.approx(alone)
     assert lpt(1.6, (1, 2))[1] == pytest.approx(2 / 1.6 * together[1], rel=0.1)
+    # an engine busy alone on a core not quite its own (bench.qos_setup.TINY_SOLO_SLOWDOWN)
+    assert lpt(1.35, (1,), solo=1.5)[0] == pytest.approx(1.5 * alone, rel=0.05)
+    # while both have work k / cores (2) rules; the slow one's tail alone runs at solo
+    contended = lpt(1, (1, 2), solo=1.5)
+    assert contended[1] == pytest.approx(shared[1])
+    assert contended[0] > shared[0] * 1.1
 
 
 def test_predictions_are_cached_whole_next_to_the_artifact(

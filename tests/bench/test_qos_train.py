@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.qos_setup import TINY_CORES, TINY_FLEET, trained_fleet
+from bench.qos_setup import TINY_CORES, TINY_FLEET, TINY_SOLO_SLOWDOWN, trained_fleet
 from bench.qos_train import train
 from bench.tiny_models import DEFAULT_SHARED
 from policies.qos_sac import load_checkpoint
@@ -28,7 +28,7 @@ def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool
     assert train(args) == 0
     meta = load_checkpoint(tmp_path / "run" / "last.pt")[1]
     assert meta["steps"] == 240 and meta["limit_ms"] == 10.0 and meta["baseline"] is baseline
-    assert trained_fleet(meta) == (TINY_FLEET, TINY_CORES)
+    assert trained_fleet(meta) == (TINY_FLEET, TINY_CORES, TINY_SOLO_SLOWDOWN)
     assert meta["predictions"] == "oracle buckets"  # no artifact at --buckets
     curve = json.loads((tmp_path / "run" / "curve.json").read_text())
     assert curve["eval_step"] == [120, 240] and len(curve["step"]) == 2  # two episodes
@@ -36,8 +36,10 @@ def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 0
 
 
-def test_a_checkpoint_from_before_the_fleet_option_is_the_gpu_fleet() -> None:
+def test_checkpoints_from_before_an_option_keep_the_fleet_they_were_trained_on() -> None:
     from bench.qos_setup import DEFAULT_FLEET
 
-    assert trained_fleet({"fleet": dict(DEFAULT_FLEET)}) == (DEFAULT_FLEET, None)
-    assert trained_fleet({}) == (DEFAULT_FLEET, None)
+    assert trained_fleet({"fleet": dict(DEFAULT_FLEET)}) == (DEFAULT_FLEET, None, 1.0)
+    assert trained_fleet({}) == (DEFAULT_FLEET, None, 1.0)
+    # a tiny-fleet checkpoint from before the solo slowdown was simulated at 1
+    assert trained_fleet({"fleet": TINY_FLEET, "cores": TINY_CORES}).solo == 1.0
