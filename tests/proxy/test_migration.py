@@ -64,7 +64,7 @@ def continuation_bodies(fake: Any, warm: bool = False) -> list[dict[str, Any]]:
 async def test_forced_move_of_a_chat_stream_loses_and_repeats_nothing(
     after: int, greedy: bool
 ) -> None:
-    slow = FakeConfig(tpot_s=0.02)  # a warm-up ends before the source's next token
+    slow = FakeConfig(tpot_s=0.05)  # a warm-up ends before the source's next token
     async with fleet(slow, slow, **FORCED) as (proxy, fakes):
         body = {**CHAT, "stream": True, "max_tokens": 12,
                 "stream_options": {"include_usage": True}}
@@ -262,7 +262,7 @@ async def test_rerouting_policy_is_asked_every_tau_tokens_and_can_move() -> None
 
 
 async def test_move_to_another_tokenizer_retokenizes_prompt_and_text() -> None:
-    async with fleet(FakeConfig(tpot_s=0.01), FakeConfig(), **FORCED) as (proxy, fakes):
+    async with fleet(FakeConfig(tpot_s=0.03), FakeConfig(), **FORCED) as (proxy, fakes):
         runtime = proxy.app.runtime
         assert runtime is not None
         other = runtime.registry.remove("f1")
