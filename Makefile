@@ -142,7 +142,7 @@ evaluate-buckets: install
 		--runtime onnx-int8 --out docs/results/bucket_predictor_distilled.json
 
 # HAN + discrete SAC and the Baseline RL agent on the simulator, 400 k decisions each
-# (the same number: ~55 min and ~15 min here, side by side on one core each), on the
+# (the same number: ~60 min and ~17 min here, side by side on one core each), on the
 # 6-layer predictor's predictions
 # → .laneway/policies/qos-drl-v1, qos-baseline-rl-v1 (checkpoints, learning curve PNG)
 train-qos-drl: install
