@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.qos_eval import agent_router, evaluate
-from bench.qos_setup import fleet, fleet_meta, load_pools
+from bench.qos_setup import fleet, fleet_meta, load_pools, trained_fleet
 from bench.qos_sim import QosSim
 from bench.tiny_models import laneway_home
 from policies.qos_impact import reward
@@ -45,9 +45,8 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     experts, train_pool, heldout, source = load_pools(args.data, args.buckets)
     hardware = fleet_meta(args.fleet)
-    specs = fleet(experts, hardware["fleet"])
-    limit, cores = args.limit_ms / 1000, hardware["cores"]
-    solo = hardware["solo_slowdown"] or 1.0
+    mapping, cores, solo = trained_fleet(hardware)  # as evaluations will read it back
+    specs, limit = fleet(experts, mapping), args.limit_ms / 1000
     sim = QosSim(specs, train_pool, args.rate, limit, seed=args.seed, cores=cores, solo=solo)
     eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores,
                       solo=solo)

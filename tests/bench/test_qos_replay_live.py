@@ -4,12 +4,12 @@ request by request."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.qos_live_client import schedule
 from bench.qos_replay_live import action, capped_pool, compare, read_records, replay, run_name
 from tests.bench.qos_helpers import pool, specs
 
@@ -18,14 +18,15 @@ RATE, SEED = 5.0, 3
 
 def records(actions: list[int], lpt_s: list[float | None] | None = None
             ) -> list[dict[str, Any]]:
-    """Live records of the simulator's arrivals (seed SEED) sent as `actions`."""
-    rng, out = random.Random(SEED), []
-    for seq, chosen in enumerate(actions):
-        rng.expovariate(RATE)
-        prompt = rng.choice(pool())
-        out.append({"seq": seq, "prompt_id": prompt.id, "expert": chosen - 1,
+    """Live records of the live client's arrivals (seed SEED) sent as `actions`."""
+    texts = {p.id: "" for p in pool()}
+    out = []
+    for request, chosen in zip(schedule(pool(), texts, RATE, len(actions), SEED), actions,
+                               strict=True):
+        prompt = request.prompt
+        out.append({"seq": request.seq, "prompt_id": prompt.id, "expert": chosen - 1,
                     "dropped": chosen == 0, "error": None, "needed": 10,
-                    "lpt_s": None if lpt_s is None else lpt_s[seq],
+                    "lpt_s": None if lpt_s is None else lpt_s[request.seq],
                     "score": prompt.scores[max(0, chosen - 1)],
                     "qos": 0.0 if chosen == 0 else prompt.scores[chosen - 1]})
     return out
