@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live train-qos-drl-tiny bench-qos-real install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live train-qos-drl-tiny bench-qos-real bench-qos-headroom install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -197,3 +197,19 @@ bench-qos-real: install
 	$(PY) -m bench.qos_replay_live --records $(QOS_RECORDS) \
 		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt --out docs/results/qos_replay_live.json
+
+# How much QoS is there to gain over Baseline RL (README, qos_drl): clairvoyant lookahead
+# routers and qos_drl with oracle buckets in the simulator, GPU and tiny fleets
+# → docs/results/qos_headroom*.json (~1 h)
+QOS_HEADROOM := $(PY) -m bench.qos_headroom --data $(SHARED)/data/alpaca_eval_experts.jsonl
+QOS_TINY_AGENTS := --checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
+	--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny/best.pt --rates 0.7 1 1.5
+bench-qos-headroom: install
+	$(QOS_HEADROOM)
+	$(QOS_HEADROOM) --oracle-buckets --only baseline_rl qos_drl \
+		--out docs/results/qos_headroom_oracle_buckets.json
+	$(QOS_HEADROOM) --oracle-buckets --rates 5 --only lookahead_predicted_score \
+		--out docs/results/qos_headroom_oracle_buckets.json
+	$(QOS_HEADROOM) $(QOS_TINY_AGENTS) --out docs/results/qos_headroom_tiny.json
+	$(QOS_HEADROOM) $(QOS_TINY_AGENTS) --oracle-buckets --only baseline_rl qos_drl \
+		--out docs/results/qos_headroom_tiny_oracle_buckets.json

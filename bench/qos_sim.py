@@ -21,6 +21,7 @@ None (the GPU fleet): every expert has its own hardware.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -154,6 +155,21 @@ class QosSim:
             busy += 1
         for expert in self.experts:
             expert.engine.slowdown = max(self.solo, busy / self.cores)
+
+    def what_if(self, action: int) -> list[SimRequest]:
+        """Every request in the fleet now, `current` sent by `action`, as it would finish
+        with no further arrivals (φ, latency per token): on a copy, this one untouched."""
+        keep = self.pool, self.finished, self.completed  # not needed there: not copied
+        self.pool, self.finished, self.completed = [], [], []
+        try:
+            twin = copy.deepcopy(self)  # its own generators too: this one's stay as they are
+        finally:
+            self.pool, self.finished, self.completed = keep
+        for expert in twin.experts:  # keyed by id(seq): the copies' ids
+            expert.requests = {id(r.seq): r for r in expert.requests.values()}
+        twin.route(action)
+        twin.drain()
+        return twin.finished
 
     def drain(self) -> None:
         """Run every engine until idle (end of an evaluation)."""

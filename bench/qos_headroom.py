@@ -1,0 +1,137 @@
+"""How much average QoS is there to gain over Baseline RL in the qos_drl simulator?
+(issue 8, diagnosis of the ≥ 30 % target).
+
+Beside qos_drl and Baseline RL, on the same fleet, arrivals and held-out prompts as
+`bench.bench_qos`, two routers that know more than any deployable one:
+
+* `lookahead_oracle`: for each arrival, every expert is tried on a copy of the
+  simulator (`QosSim.what_if`), which runs everything in the fleet to completion with no
+  further arrivals; the expert with the largest total φ of those requests wins. It
+  knows every request's true score and answer length on every expert and the exact
+  latency model: a one-step clairvoyant greedy, not an optimum (it ignores the
+  requests still to come), but far better informed than the paper's agent.
+* `lookahead_predicted_score`: the same, judging each outcome by the bucket
+  predictor's score (what a router can know of quality) * 1[latency per token ≤ L],
+  still with the true lengths and latency model.
+
+Neither is a policy laneway could deploy; they bound what better routing could buy
+here. If the clairvoyant one barely clears +30 % over Baseline RL, an agent that sees
+predicted buckets cannot be expected to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.qos_eval import Router, agent_router, evaluate
+from bench.qos_setup import fleet, load_pools, trained_fleet
+from bench.qos_sim import QosSim, SimRequest
+from bench.qos_train import default_dir
+from policies.qos_sac import load_checkpoint
+from predictors.buckets_cli import distilled_artifact
+from predictors.cli import DEFAULT_DATA, REPO
+
+RESULTS = REPO / "docs" / "results"
+Judge = Callable[[SimRequest, float], float]  # (finished request, L) -> its value
+
+
+def true_qos(req: SimRequest, limit: float) -> float:
+    return req.qos or 0.0
+
+
+def predicted_qos(req: SimRequest, limit: float) -> float:
+    """φ with the bucket predictor's score in place of the judge's."""
+    if req.expert < 0 or req.latency_per_token is None:
+        return 0.0
+    return req.prompt.pred_scores[req.expert] * (req.latency_per_token <= limit)
+
+
+def lookahead(judge: Judge) -> Router:
+    """The expert whose `what_if` finishes the fleet's requests with the most value
+    (the first on ties; never a drop: a drop cannot add value)."""
+    def route(sim: QosSim) -> int:
+        values = [sum(judge(r, sim.limit) for r in sim.what_if(action))
+                  for action in range(1, len(sim.experts) + 1)]
+        return 1 + max(range(len(values)), key=lambda n: (values[n], -n))
+
+    return route
+
+
+def previous_table(out: Path, setup: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The rows already in `out` when it was made with the same setup (so runs with
+    `--only` or other `--rates` add to it); else none."""
+    if not out.exists():
+        return {}
+    previous = json.loads(out.read_text())
+    if any(previous.get(key) != value for key, value in setup.items()):
+        return {}
+    table: dict[str, dict[str, Any]] = previous.get("table", {})
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--buckets", type=Path, default=distilled_artifact())
+    parser.add_argument("--oracle-buckets", action="store_true",
+                        help="give every router the midpoints of the true score and "
+                        "length buckets instead of --buckets' predictions")
+    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
+    parser.add_argument("--baseline-checkpoint", type=Path,
+                        default=default_dir(True) / "best.pt")
+    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
+    parser.add_argument("--arrivals", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=7, help="bench.bench_qos's")
+    parser.add_argument("--only", nargs="+", default=None, metavar="ROUTER")
+    parser.add_argument("--out", type=Path, default=RESULTS / "qos_headroom.json")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    qos_agent, qos_meta = load_checkpoint(args.checkpoint)
+    baseline_agent, baseline_meta = load_checkpoint(args.baseline_checkpoint)
+    trained = trained_fleet(qos_meta)
+    if trained_fleet(baseline_meta) != trained:
+        raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
+    buckets = None if args.oracle_buckets else args.buckets  # None: the true buckets
+    experts, _, heldout, source = load_pools(args.data, buckets)
+    limit = qos_meta.get("limit_ms", 30.0) / 1000
+    routers: dict[str, Router] = {
+        "baseline_rl": agent_router(baseline_agent), "qos_drl": agent_router(qos_agent),
+        "lookahead_oracle": lookahead(true_qos),
+        "lookahead_predicted_score": lookahead(predicted_qos)}
+    setup = {"fleet": trained.mapping, "cores": trained.cores, "solo_slowdown": trained.solo,
+             "limit_ms": limit * 1000, "arrivals": args.arrivals, "seed": args.seed,
+             "predictions": source, "checkpoint": str(args.checkpoint),
+             "baseline_checkpoint": str(args.baseline_checkpoint)}
+    table = previous_table(args.out, setup)
+    for rate in args.rates:
+        sim = QosSim(fleet(experts, trained.mapping), heldout, rate, limit, seed=args.seed,
+                     cores=trained.cores, solo=trained.solo)
+        row = table.setdefault(f"{rate:g}", {})
+        for name, router in routers.items():
+            if args.only and name not in args.only:
+                continue
+            started = time.perf_counter()
+            row[name] = asdict(evaluate(sim, router, args.arrivals))
+            row[name]["seconds"] = round(time.perf_counter() - started, 1)
+            print(f"λ={rate:g} {name:26s} QoS {row[name]['avg_qos']:.3f} "
+                  f"({row[name]['seconds']:.0f} s)", flush=True)
+        base = row.get("baseline_rl", {}).get("avg_qos")
+        for result in row.values():
+            result["gain_vs_baseline_rl"] = (result["avg_qos"] / base - 1) if base else None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table = dict(sorted(table.items(), key=lambda item: float(item[0])))
+    args.out.write_text(json.dumps(setup | {"table": table}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""The clairvoyant lookahead routers of bench.qos_headroom and QosSim.what_if."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from bench.qos_eval import evaluate, round_robin
+from bench.qos_headroom import lookahead, predicted_qos, previous_table, true_qos
+from bench.qos_sim import QosSim
+from tests.bench.qos_helpers import pool, specs
+
+
+def test_what_if_finishes_the_fleet_on_a_copy_and_leaves_the_simulator_as_it_was() -> None:
+    sim = QosSim(specs(), pool(), rate=20.0, limit_s=0.03, seed=3)
+    for action in (1, 2, 1):
+        sim.arrive()
+        sim.route(action)
+    current = sim.arrive()
+    outcome = sim.what_if(2)
+    assert len(outcome) == 4 and all(r.qos is not None for r in outcome)
+    assert [r.prompt.id for r in outcome if r.expert == 1][-1] == current.prompt.id
+    assert sim.finished == [] and current.expert == -1  # nothing here moved on
+    # the same arrivals afterwards as a simulator that never looked ahead
+    twin = QosSim(specs(), pool(), rate=20.0, limit_s=0.03, seed=3)
+    for action in (1, 2, 1):
+        twin.arrive()
+        twin.route(action)
+    twin.arrive()
+    sim.route(1)
+    twin.route(1)
+    assert (sim.arrive().prompt.id, sim.now) == (twin.arrive().prompt.id, twin.now)
+    sim.drain()
+    twin.drain()
+    assert [r.qos for r in sim.finished] == [r.qos for r in twin.finished]
+
+
+def test_lookahead_takes_the_better_expert_while_it_meets_the_limit_then_the_other() -> None:
+    # every prompt: 0.9 on the slow expert, 0.2 on the fast one (tests.bench.qos_helpers)
+    idle = QosSim(specs(), pool(), rate=0.5, limit_s=1.0, seed=1)
+    idle.arrive()
+    assert lookahead(true_qos)(idle) == 1
+    # L = 3 ms: a lone request on the 12-layer profile misses it (~5.3 ms per token),
+    # on the 2-layer one meets it (~1.7 ms)
+    tight = QosSim(specs(), pool(), rate=0.5, limit_s=0.003, seed=1)
+    tight.arrive()
+    assert [r.qos for r in tight.what_if(1)] == [0.0]
+    assert lookahead(true_qos)(tight) == 2
+
+
+def test_the_predicted_score_judge_reads_the_predictor_not_the_judge() -> None:
+    sim = QosSim(specs(), [replace(p, pred_scores=(0.1, 0.3)) for p in pool()],
+                 rate=0.5, limit_s=1.0, seed=1)
+    sim.arrive()
+    assert lookahead(true_qos)(sim) == 1  # true 0.9 vs 0.2
+    assert lookahead(predicted_qos)(sim) == 2  # predicted 0.1 vs 0.3
+    done = sim.what_if(2)
+    assert predicted_qos(done[0], sim.limit) == 0.3 and true_qos(done[0], sim.limit) == 0.2
+
+
+def test_lookahead_beats_round_robin_in_the_simulator() -> None:
+    sim = QosSim(specs(), pool(), rate=4.0, limit_s=0.06, seed=5)
+    assert evaluate(sim, lookahead(true_qos), 30).avg_qos > evaluate(
+        sim, round_robin(), 30).avg_qos
+
+
+def test_a_run_adds_to_the_rows_of_one_made_with_the_same_setup(tmp_path: Path) -> None:
+    out = tmp_path / "headroom.json"
+    setup = {"fleet": {"a": "t4"}, "cores": None, "limit_ms": 30.0, "seed": 7}
+    assert previous_table(out, setup) == {}
+    row = {"5": {"baseline_rl": {"avg_qos": 0.4}}}
+    out.write_text(json.dumps(setup | {"table": row}))
+    assert previous_table(out, setup) == row
+    assert previous_table(out, setup | {"seed": 8}) == {}  # another setup: start afresh
