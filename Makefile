@@ -200,7 +200,8 @@ bench-qos-real: install
 
 # How much QoS is there to gain over Baseline RL (README, qos_drl): clairvoyant lookahead
 # routers and qos_drl with oracle buckets in the simulator, GPU and tiny fleets
-# → docs/results/qos_headroom*.json (~1 h)
+# → docs/results/qos_headroom*.json (~1 h); how predictable quality is from the prompt,
+# for the judge's win rate and a BERTScore-style F1 → docs/results/qos_score_signal.json
 QOS_HEADROOM := $(PY) -m bench.qos_headroom --data $(SHARED)/data/alpaca_eval_experts.jsonl
 QOS_TINY_AGENTS := --checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
 	--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny/best.pt --rates 0.7 1 1.5
@@ -213,3 +214,4 @@ bench-qos-headroom: install
 	$(QOS_HEADROOM) $(QOS_TINY_AGENTS) --out docs/results/qos_headroom_tiny.json
 	$(QOS_HEADROOM) $(QOS_TINY_AGENTS) --oracle-buckets --only baseline_rl qos_drl \
 		--out docs/results/qos_headroom_tiny_oracle_buckets.json
+	$(PY) -m bench.qos_score_signal --data $(SHARED)/data/alpaca_eval_experts.jsonl

@@ -1,0 +1,129 @@
+"""How much a router could gain from knowing each request's quality per expert, and how
+much of it the prompt reveals (issue 8, diagnosis of the ≥ 30 % target).
+
+For the two generation scores the issue allows: the judge's win rate against the
+reference (`win_rate_vs_reference`, the one laneway uses) and a BERTScore-style F1
+against the reference (greedy matching of all-MiniLM-L6-v2's contextual token
+embeddings, as BERTScore does with its encoder; answers and reference cut to 256
+tokens, no idf weighting, no baseline rescaling), on the held-out split (ids % 5 == 0):
+
+* per-expert means, and how far per-prompt choice could lift quality above always
+  sending to the best expert (the per-prompt best answer's mean / the best expert's);
+* a TF-IDF + ridge regression per expert, trained on the other ids: Spearman
+  correlation of its predictions with the score (per expert), of its *within-prompt*
+  deviations with the true ones (can it rank the experts for one prompt?), and the
+  mean true score of the expert it would pick per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bench.tiny_models import laneway_home
+from predictors.cli import DEFAULT_DATA, REPO
+
+RESULTS = REPO / "docs" / "results"
+MAX_TOKENS = 256
+
+
+def bertscore_f1(rows: list[dict[str, Any]], experts: list[str]) -> NDArray[np.float64]:
+    """(prompt, expert) -> F1 of the expert's answer against the reference."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from predictors.buckets import base_encoder_dir
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(base_encoder_dir())
+    model = AutoModel.from_pretrained(base_encoder_dir()).eval()
+
+    def tokens(text: str) -> torch.Tensor:
+        batch = tokenizer(text, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
+        with torch.no_grad():
+            hidden = model(**batch).last_hidden_state[0, 1:-1]  # without [CLS], [SEP]
+        return torch.nn.functional.normalize(hidden, dim=-1)
+
+    out = np.zeros((len(rows), len(experts)))
+    for i, row in enumerate(rows):
+        reference = tokens(row["reference"])
+        for j, name in enumerate(experts):
+            answer = tokens(row["experts"][name]["output"] or " ")
+            if len(answer) == 0 or len(reference) == 0:
+                continue  # an empty answer scores 0
+            sim = answer @ reference.T
+            precision = sim.max(1).values.mean().item()
+            recall = sim.max(0).values.mean().item()
+            out[i, j] = 2 * precision * recall / (precision + recall)
+    return out
+
+
+def signal(scores: NDArray[np.float64], prompts: list[str], heldout: NDArray[np.bool_],
+           experts: list[str]) -> dict[str, Any]:
+    from scipy.stats import spearmanr
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import Ridge
+
+    train = ~heldout
+    vectorizer = TfidfVectorizer(sublinear_tf=True, min_df=2, ngram_range=(1, 2))
+    vectorizer.fit([p for p, t in zip(prompts, train, strict=True) if t])
+    x = vectorizer.transform(prompts)
+    truth = scores[heldout]
+    pred = np.column_stack([Ridge(alpha=3.0).fit(x[train], scores[train, j]).predict(x[heldout])
+                            for j in range(len(experts))])
+    means = truth.mean(0)
+    deviation_true = truth - truth.mean(1, keepdims=True)
+    deviation_pred = pred - pred.mean(1, keepdims=True)
+    rows = np.arange(len(truth))
+    return {
+        "mean_per_expert": dict(zip(experts, means.round(4).tolist(), strict=True)),
+        "best_expert": experts[int(means.argmax())], "best_expert_mean": float(means.max()),
+        "per_prompt_best_mean": float(truth.max(1).mean()),
+        "per_prompt_gain": float(truth.max(1).mean() / means.max() - 1),
+        "within_prompt_std": float(truth.std(1).mean()),
+        "ridge_spearman_per_expert": float(np.mean(
+            [spearmanr(pred[:, j], truth[:, j]).correlation for j in range(len(experts))])),
+        "ridge_spearman_within_prompt": float(np.mean(
+            [spearmanr(deviation_pred[:, j], deviation_true[:, j]).correlation
+             for j in range(len(experts))])),
+        "ridge_argmax_pick_mean": float(truth[rows, pred.argmax(1)].mean()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--cache", type=Path,
+                        default=laneway_home() / "cache" / "bertscore_minilm.npy",
+                        help="the BERTScore matrix (~10 min on one core to compute)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "qos_score_signal.json")
+    args = parser.parse_args(argv)
+    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
+    experts = list(rows[0]["experts"])
+    if args.cache.exists():
+        f1 = np.load(args.cache)
+    else:
+        f1 = bertscore_f1(rows, experts)
+        args.cache.parent.mkdir(parents=True, exist_ok=True)
+        np.save(args.cache, f1)
+    win = np.array([[r["experts"][n]["win_rate_vs_reference"] for n in experts] for r in rows])
+    heldout = np.array([r["id"] % 5 == 0 for r in rows])
+    prompts = [r["instruction"] for r in rows]
+    result = {"heldout_prompts": int(heldout.sum()),
+              "win_rate": signal(win, prompts, heldout, experts),
+              "bertscore_minilm": signal(f1, prompts, heldout, experts),
+              "correlation_win_rate_bertscore": dict(zip(experts, [
+                  round(float(np.corrcoef(win[:, j], f1[:, j])[0, 1]), 3)
+                  for j in range(len(experts))], strict=True))}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""bench.qos_score_signal: the per-prompt headroom and the prompt's signal about it, and
+the BERTScore-style F1 on the real MiniLM encoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.qos_score_signal import bertscore_f1, signal
+
+
+def test_signal_finds_a_score_the_prompt_gives_away_and_the_per_prompt_headroom() -> None:
+    rng = np.random.default_rng(0)
+    topics = ["python code bug fix", "poem about the sea", "recipe for bread"]
+    prompts = [f"{topics[i % 3]} number {i}" for i in range(300)]
+    # expert a is good at code, expert b at everything else; c is mediocre everywhere
+    scores = np.array([[0.9, 0.2, 0.5] if i % 3 == 0 else [0.2, 0.8, 0.5]
+                       for i in range(300)]) + rng.normal(0, 0.02, (300, 3))
+    heldout = np.array([i % 5 == 0 for i in range(300)])
+    out = signal(scores, prompts, heldout, ["a", "b", "c"])
+    assert out["best_expert"] == "b"
+    truth = scores[heldout]
+    assert out["per_prompt_best_mean"] == pytest.approx(truth.max(1).mean())
+    assert out["per_prompt_gain"] > 0.1  # code prompts to a: well above always b
+    assert out["ridge_spearman_within_prompt"] > 0.5  # the topic words rank the experts
+    assert out["ridge_argmax_pick_mean"] == pytest.approx(out["per_prompt_best_mean"], abs=0.03)
+    # a score the prompt says nothing about: no signal
+    noise = rng.uniform(0, 1, (300, 3))
+    blind = signal(noise, prompts, heldout, ["a", "b", "c"])
+    assert abs(blind["ridge_spearman_within_prompt"]) < 0.3
+
+
+def test_bertscore_is_one_for_the_reference_itself_and_lower_for_another_answer() -> None:
+    rows = [{"reference": "Paris is the capital of France.",
+             "experts": {"same": {"output": "Paris is the capital of France."},
+                         "other": {"output": "Bananas are rich in potassium."},
+                         "empty": {"output": ""}}}]
+    f1 = bertscore_f1(rows, ["same", "other", "empty"])
+    assert f1[0, 0] == pytest.approx(1.0, abs=1e-4)
+    assert 0.0 < f1[0, 1] < 0.9
+    assert f1[0, 2] == 0.0
