@@ -32,7 +32,7 @@ from bench.qos_eval import (
     shortest_queue,
 )
 from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS
-from bench.qos_setup import fleet, load_pools, trained_fleet
+from bench.qos_setup import agents_fleet, fleet, load_pools
 from bench.qos_sim import QosSim
 from bench.qos_train import default_dir
 from policies.qos_sac import load_checkpoint
@@ -56,15 +56,25 @@ def routers(args: argparse.Namespace) -> dict[str, Router]:
             "shortest_queue": shortest_queue}
 
 
+def add_simulator_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompts, predictions, agents, λs and arrivals of a simulator comparison."""
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--buckets", type=Path, default=distilled_artifact())
+    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
+    parser.add_argument("--baseline-checkpoint", type=Path,
+                        default=default_dir(True) / "best.pt")
+    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
+    parser.add_argument("--arrivals", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=7)
+
+
 def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
                   baseline_meta: dict[str, Any], only: Sequence[str] | None = None
                   ) -> dict[str, Any]:
     """Every router (or those in `only`) on the fleet qos_drl's checkpoint was trained
     on; on `args.cores` shared cores instead of the checkpoint's when given."""
     experts, _, heldout, source = load_pools(args.data, args.buckets)
-    mapping, cores, solo = trained = trained_fleet(qos_meta)
-    if trained_fleet(baseline_meta) != trained:
-        raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
+    mapping, cores, solo = agents_fleet(qos_meta, baseline_meta)
     cores = args.cores if args.cores is not None else cores
     specs = fleet(experts, mapping)
     table: dict[str, dict[str, Any]] = {}
@@ -241,21 +251,14 @@ def plot(result: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--buckets", type=Path, default=distilled_artifact())
-    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
-    parser.add_argument("--baseline-checkpoint", type=Path,
-                        default=default_dir(True) / "best.pt")
+    add_simulator_arguments(parser)
     parser.add_argument("--bucket-results", type=Path,
                         default=RESULTS / "bucket_predictor_distilled.json",
                         help="`laneway evaluate buckets` output; its accuracy is reported "
                         "only if it is of the --buckets artifact")
-    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
     parser.add_argument("--reference-rate", type=float, default=5.0)
     parser.add_argument("--limit-ms", type=float,
                         help="L (default: the one qos_drl's checkpoint was trained with)")
-    parser.add_argument("--arrivals", type=int, default=600)
-    parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--cores", type=float, default=None,
                         help="the experts share this many CPU cores in the simulator "
                         "(default: as the checkpoints were trained, their `cores`)")

@@ -29,13 +29,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.bench_qos import add_simulator_arguments
 from bench.qos_eval import Router, agent_router, evaluate
-from bench.qos_setup import fleet, load_pools, trained_fleet
+from bench.qos_setup import agents_fleet, fleet, load_pools
 from bench.qos_sim import QosSim, SimRequest
-from bench.qos_train import default_dir
 from policies.qos_sac import load_checkpoint
-from predictors.buckets_cli import distilled_artifact
-from predictors.cli import DEFAULT_DATA, REPO
+from predictors.cli import REPO
 
 RESULTS = REPO / "docs" / "results"
 Judge = Callable[[SimRequest, float], float]  # (finished request, L) -> its value
@@ -77,17 +76,10 @@ def previous_table(out: Path, setup: dict[str, Any]) -> dict[str, dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--buckets", type=Path, default=distilled_artifact())
+    add_simulator_arguments(parser)  # bench.bench_qos's, with its defaults
     parser.add_argument("--oracle-buckets", action="store_true",
                         help="give every router the midpoints of the true score and "
                         "length buckets instead of --buckets' predictions")
-    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
-    parser.add_argument("--baseline-checkpoint", type=Path,
-                        default=default_dir(True) / "best.pt")
-    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
-    parser.add_argument("--arrivals", type=int, default=600)
-    parser.add_argument("--seed", type=int, default=7, help="bench.bench_qos's")
     parser.add_argument("--only", nargs="+", default=None, metavar="ROUTER")
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_headroom.json")
     args = parser.parse_args(argv)
@@ -96,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     qos_agent, qos_meta = load_checkpoint(args.checkpoint)
     baseline_agent, baseline_meta = load_checkpoint(args.baseline_checkpoint)
-    trained = trained_fleet(qos_meta)
-    if trained_fleet(baseline_meta) != trained:
-        raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
+    trained = agents_fleet(qos_meta, baseline_meta)
     buckets = None if args.oracle_buckets else args.buckets  # None: the true buckets
     experts, _, heldout, source = load_pools(args.data, buckets)
     limit = qos_meta.get("limit_ms", 30.0) / 1000

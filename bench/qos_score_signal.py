@@ -27,6 +27,7 @@ from numpy.typing import NDArray
 
 from bench.tiny_models import laneway_home
 from predictors.cli import DEFAULT_DATA, REPO
+from predictors.length_data import is_heldout
 
 RESULTS = REPO / "docs" / "results"
 MAX_TOKENS = 256
@@ -40,8 +41,9 @@ def bertscore_f1(rows: list[dict[str, Any]], experts: list[str]) -> NDArray[np.f
     from predictors.buckets import base_encoder_dir
 
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(base_encoder_dir())
-    model = AutoModel.from_pretrained(base_encoder_dir()).eval()
+    encoder = base_encoder_dir()
+    tokenizer = AutoTokenizer.from_pretrained(encoder)
+    model = AutoModel.from_pretrained(encoder).eval()
 
     def tokens(text: str) -> torch.Tensor:
         batch = tokenizer(text, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cache.parent.mkdir(parents=True, exist_ok=True)
         np.save(args.cache, f1)
     win = np.array([[r["experts"][n]["win_rate_vs_reference"] for n in experts] for r in rows])
-    heldout = np.array([r["id"] % 5 == 0 for r in rows])
+    heldout = np.array([is_heldout(r["id"]) for r in rows])
     prompts = [r["instruction"] for r in rows]
     result = {"heldout_prompts": int(heldout.sum()),
               "win_rate": signal(win, prompts, heldout, experts),

@@ -107,6 +107,16 @@ def trained_fleet(meta: Mapping[str, Any]) -> TrainedFleet:
                         float(meta.get("solo_slowdown") or 1.0))
 
 
+def agents_fleet(qos_meta: Mapping[str, Any], baseline_meta: Mapping[str, Any]
+                 ) -> TrainedFleet:
+    """The fleet qos_drl's and Baseline RL's checkpoints were both trained on (they are
+    compared on it, so they must agree)."""
+    trained = trained_fleet(qos_meta)
+    if trained_fleet(baseline_meta) != trained:
+        raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
+    return trained
+
+
 def predictions_oracle(rows: Sequence[PromptRow]) -> dict[int, tuple[list[float], list[float]]]:
     """Bucket midpoints of the true values (an upper bound for the predictors)."""
     score_b, length_b = fit_buckets(split(rows)[0])
