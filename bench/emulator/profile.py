@@ -93,6 +93,28 @@ class Profile(BaseModel):
         return self.kv_blocks * self.block_size
 
 
+def dilated(profile: Profile, factor: float) -> Profile:
+    """`profile` with every duration `factor` times longer: step-time coefficients and
+    the API server's per-request and per-chunk costs (limits unchanged). A fleet too
+    large for this machine at real speed runs dilated, with arrivals `factor` times
+    sparser: what the fleet does is the same, only slower, and the proxy, the load
+    generator and the emulator get `factor` times the CPU per event (`bench_goodput
+    --time-dilation`)."""
+    if factor <= 0:
+        raise ValueError(f"time dilation must be positive, got {factor}")
+    if factor == 1:
+        return profile
+    step = profile.step
+    times = {name: getattr(step, name) * factor for name in
+             ("base_s", "per_token_s", "per_seq_s", "per_context_s", "per_pair_s")}
+    return profile.model_copy(update={
+        "step": step.model_copy(update=times),
+        "request_overhead_s": profile.request_overhead_s * factor,
+        "request_latency_s": profile.request_latency_s * factor,
+        "chunk_overhead_s": profile.chunk_overhead_s * factor,
+        "description": f"{profile.description} (time dilated {factor:g}x)".strip()})
+
+
 def profile_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():

@@ -91,6 +91,40 @@ def test_an_emulated_fleet_gets_load_in_proportion_to_its_size() -> None:
     assert (large["--rate"], large["--requests"], large["--max-output"]) == ("128", "1920", "256")
 
 
+def test_a_dilated_fleet_gets_the_same_work_k_times_sparser() -> None:
+    def args(spec: str, k: float) -> dict[str, str]:
+        given = bench_goodput.default_workload(spec, "/s", k)
+        return dict(zip(given[::2], given[1::2], strict=True))
+
+    plain, slow = args("emulated:512", 1), args("emulated:512", 8)
+    assert (slow["--rate"], slow["--requests"], slow["--max-output"]) == ("16", "1920", "256")
+    assert plain["--requests"] == slow["--requests"]
+    assert args("emulated:4@mooncake", 4)["--time-scale"] == "2"
+
+
+def test_dilation_stretches_goodputs_clocks_and_leaves_the_baselines() -> None:
+    chosen = bench_goodput.dilated_variants(variants(with_predictor=True), 8)
+    by_label = {v.label: v for v in chosen}
+    assert by_label["round_robin"].params == {}
+    headroom = by_label["goodput-headroom"].params
+    assert headroom["headroom"] == 0.25 and headroom["handoff_s"] == pytest.approx(0.4)
+    assert headroom["default_tpot_s"] == pytest.approx(0.24)
+    assert by_label["goodput-no-migration"].params["migrate"] is False
+    assert bench_goodput.dilated_variants(chosen, 1) == chosen
+
+
+def test_dilation_reaches_the_proxy_config() -> None:
+    from bench.compare import EMULATED_POLLER, MIGRATION_CLOCKS, Fleet, dilate, proxy_config
+    from bench.compare import Variant as V
+
+    fleet = Fleet([], "u", "u", dilate(EMULATED_POLLER, 8), dilate(MIGRATION_CLOCKS, 8), 8)
+    config = proxy_config(fleet, V("rr", "round_robin"), None, "e")
+    assert config["poller"]["interval_s"] == pytest.approx(0.8)
+    assert config["migration"]["pace_timeout_s"] == pytest.approx(24)
+    assert "migration" not in proxy_config(Fleet([], "u", "u"), V("rr", "round_robin"),
+                                           None, "e")
+
+
 def test_the_mooncake_tag_replays_the_trace_with_longer_answers(tmp_path: Path) -> None:
     from bench.tiny_models import DEFAULT_SHARED
     from bench.workloads import load

@@ -16,7 +16,7 @@ from bench.emulator.calibrate import CheckLoad, calibrate_variant
 from bench.emulator.engine import Engine, Sequence
 from bench.emulator.fit import TERMS, best_fit, probes
 from bench.emulator.kv import KvCache
-from bench.emulator.profile import Profile, StepModel, available_profiles, load_profile
+from bench.emulator.profile import Profile, StepModel, available_profiles, dilated, load_profile
 from bench.emulator.server import Instance, RunningFleet, serve_fleet
 from bench.fake_metrics import FakeStats
 from bench.fake_wire import GEN_BASE
@@ -318,6 +318,42 @@ async def test_many_instances_in_one_process() -> None:
         served = [app.stats.finished for app in fleet.apps]
     assert len(set(fleet.urls)) == 64 and all(a.status_code == 200 for a in answers)
     assert served == [1] * 64  # each instance answered its own request
+
+
+def test_a_dilated_profile_runs_the_same_schedule_k_times_slower() -> None:
+    base = profile(request_overhead_s=0.002, request_latency_s=0.001, chunk_overhead_s=1e-4)
+    slow = dilated(base, 8)
+    assert (slow.request_overhead_s, slow.request_latency_s, slow.chunk_overhead_s) == (
+        pytest.approx(0.016), pytest.approx(0.008), pytest.approx(8e-4))
+    assert (slow.max_num_seqs, slow.kv_blocks, slow.max_model_len) == (8, 256, 1024)
+    assert dilated(base, 1) is base
+    with pytest.raises(ValueError, match="positive"):
+        dilated(base, 0)
+    engines = [Engine(p, FakeStats(keep_bodies=False), manual=True) for p in (base, slow)]
+    for eng in engines:  # prefills, a chunked one, decodes, a preemption-free mix
+        eng.add_all([seq(300, 20, first=1000), seq(1500, 5, first=5000), seq(40, 60)])
+    steps = []
+    for eng in engines:
+        times = []
+        while eng.advance():
+            times.append(eng.now)
+        steps.append(times)
+    assert len(steps[0]) == len(steps[1]) >= 60
+    assert steps[1] == pytest.approx([8 * t for t in steps[0]])
+
+
+async def test_a_dilated_instance_streams_k_times_slower_over_http() -> None:
+    step = StepModel(base_s=0.004, per_token_s=0.0)
+    times = []
+    for factor in (1, 5):
+        async with serve_fleet([Instance("a", dilated(profile(step=step), factor),
+                                         "m")]) as fleet:
+            start = asyncio.get_running_loop().time()
+            answer = await fleet_post(fleet, {"prompt": [1, 2, 3], "max_tokens": 10})
+            times.append(asyncio.get_running_loop().time() - start)
+        assert answer.json()["usage"]["completion_tokens"] == 10
+    # 10 steps of 4 ms, then of 20 ms (plus HTTP, the same in both)
+    assert times[0] < 0.2 and times[1] - times[0] == pytest.approx(0.16, abs=0.05)
 
 
 def test_shipped_profiles_load() -> None:
