@@ -118,6 +118,7 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
     own value, else the policy's default)."""
     if factor == 1:
         return chosen
+    from bench.emulator.profile import dilated_fields
     from policies.goodput import GoodputParams
 
     out = []
@@ -125,7 +126,7 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
         if v.policy == "goodput":
             params = GoodputParams.model_validate(v.params)
             v = dataclasses.replace(v, params={
-                **v.params, **{k: getattr(params, k) * factor for k in GOODPUT_CLOCKS}})
+                **v.params, **dilated_fields(params, GOODPUT_CLOCKS, factor)})
         out.append(v)
     return out
 

@@ -27,10 +27,12 @@ import yaml
 from bench import results
 from bench.backends import Spec, fleet
 from bench.commands import read_solo
+from bench.emulator.profile import dilated_fields
 from bench.overhead_procs import child, wait_ok
 from bench.ports import free_port_range
 from bench.report import Summary, summarize
 from bench.tiny_models import REPO
+from proxy.config import MigrationConfig
 
 MODEL = "tiny-llama"
 GPU_PROFILES = ("h100-80gb", "a100-40gb", "l40s", "t4")  # fastest first
@@ -54,10 +56,10 @@ class Variant:
 # instance's engine. The emulated fleets are scraped at 100 ms, as when their figures
 # in docs/results were first taken.
 EMULATED_POLLER = {"interval_s": 0.1}
-# The proxy's own clocks that pace a fleet's events; a time-dilated fleet (`emulated`)
-# gets them dilated too, so it is scraped as often per emulated step and a migration
-# catch-up waits as many tokens.
-MIGRATION_CLOCKS = {"pace_timeout_s": 3.0, "pace_default_tpot_s": 0.03}
+# The migration clocks that pace a stream's catch-up; a time-dilated fleet (`emulated`)
+# gets them dilated from their defaults, as it gets the scrape interval, so a catch-up
+# waits as many emulated tokens.
+MIGRATION_CLOCKS = ("pace_timeout_s", "pace_default_tpot_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,6 @@ class Fleet:
     mid_url: str  # a mid-tier backend: the median speed class, rounded to the faster
     poller: dict[str, Any] = field(default_factory=dict)  # laneway config `poller`
     migration: dict[str, Any] = field(default_factory=dict)  # laneway config `migration`
-    time_dilation: float = 1.0  # emulated: every duration this many times the profile's
 
     def solo_url(self, tier: SoloTier) -> str:
         return self.fastest_url if tier == "fastest" else self.mid_url
@@ -77,10 +78,6 @@ def mid_index(n_classes: int) -> int:
     """The middle of n speed classes listed fastest first (of an even count, the faster
     of the two middle ones): a100 of h100/a100/l40s/t4, small of small/small/large."""
     return (n_classes - 1) // 2
-
-
-def dilate(clocks: dict[str, float], factor: float) -> dict[str, float]:
-    return {name: value * factor for name, value in clocks.items()}
 
 
 @contextlib.contextmanager
@@ -97,11 +94,12 @@ def emulated(n: int, profiles: Sequence[str] = GPU_PROFILES, time_dilation: floa
              "--config-out", f"{tmp}/emulated.yaml"], f"{urls[0]}/health") as proc:
         wait_ok(f"{urls[-1]}/health", proc)
         config = yaml.safe_load(Path(f"{tmp}/emulated.yaml").read_text())
-        dilated = time_dilation != 1
+        poller = {"interval_s": EMULATED_POLLER["interval_s"] * time_dilation}
+        migration = dilated_fields(MigrationConfig(), MIGRATION_CLOCKS, time_dilation) \
+            if time_dilation != 1 else {}
         # instance i has profile i mod len(profiles)
         yield Fleet(config["backends"], urls[0], urls[min(mid_index(len(profiles)), n - 1)],
-                    dilate(EMULATED_POLLER, time_dilation),
-                    dilate(MIGRATION_CLOCKS, time_dilation) if dilated else {}, time_dilation)
+                    poller, migration)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ Profiles are YAML files in `profiles/`; `load_profile("a100-40gb")` or a path.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,12 @@ class Profile(BaseModel):
         return self.kv_blocks * self.block_size
 
 
+def dilated_fields(model: BaseModel, names: Iterable[str], factor: float) -> dict[str, float]:
+    """`model`'s durations `names`, `factor` times longer (a `model_copy` update, or
+    config values)."""
+    return {name: getattr(model, name) * factor for name in names}
+
+
 def dilated(profile: Profile, factor: float) -> Profile:
     """`profile` with every duration `factor` times longer: step-time coefficients and
     the API server's per-request and per-chunk costs (limits unchanged). A fleet too
@@ -104,14 +111,13 @@ def dilated(profile: Profile, factor: float) -> Profile:
         raise ValueError(f"time dilation must be positive, got {factor}")
     if factor == 1:
         return profile
-    step = profile.step
-    times = {name: getattr(step, name) * factor for name in
-             ("base_s", "per_token_s", "per_seq_s", "per_context_s", "per_pair_s")}
+    step = profile.step.model_copy(update=dilated_fields(
+        profile.step, ("base_s", "per_token_s", "per_seq_s", "per_context_s", "per_pair_s"),
+        factor))
+    overheads = dilated_fields(
+        profile, ("request_overhead_s", "request_latency_s", "chunk_overhead_s"), factor)
     return profile.model_copy(update={
-        "step": step.model_copy(update=times),
-        "request_overhead_s": profile.request_overhead_s * factor,
-        "request_latency_s": profile.request_latency_s * factor,
-        "chunk_overhead_s": profile.chunk_overhead_s * factor,
+        "step": step, **overheads,
         "description": f"{profile.description} (time dilated {factor:g}x)".strip()})
 
 

@@ -114,10 +114,13 @@ def test_dilation_stretches_goodputs_clocks_and_leaves_the_baselines() -> None:
 
 
 def test_dilation_reaches_the_proxy_config() -> None:
-    from bench.compare import EMULATED_POLLER, MIGRATION_CLOCKS, Fleet, dilate, proxy_config
+    from bench.compare import MIGRATION_CLOCKS, Fleet, proxy_config
     from bench.compare import Variant as V
+    from bench.emulator.profile import dilated_fields
+    from proxy.config import MigrationConfig
 
-    fleet = Fleet([], "u", "u", dilate(EMULATED_POLLER, 8), dilate(MIGRATION_CLOCKS, 8), 8)
+    fleet = Fleet([], "u", "u", {"interval_s": 0.8},
+                  dilated_fields(MigrationConfig(), MIGRATION_CLOCKS, 8))
     config = proxy_config(fleet, V("rr", "round_robin"), None, "e")
     assert config["poller"]["interval_s"] == pytest.approx(0.8)
     assert config["migration"]["pace_timeout_s"] == pytest.approx(24)
