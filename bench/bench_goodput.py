@@ -17,7 +17,8 @@ margin below the deadline (`headroom: 0.25`), both of these, with the oracle len
 (max_tokens, the real answer length here). `--only` runs the baselines and the named
 variants alone.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
-it (table.md, goodput_vs_scale.png, the harness report of the baselines).
+it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
+keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
 
 `--time-dilation k` runs an emulated fleet k times slower (every step and API-server
 cost, `laneway emulate --time-dilation`) under a workload k times sparser, with the
@@ -291,6 +292,18 @@ def open_fleet(spec: str, shared: Path, time_dilation: float = 1.0) -> Iterator[
             yield fleet
 
 
+@contextlib.contextmanager
+def work_dir(keep: str | None, fleet_name: str) -> Iterator[Path]:
+    """Where a fleet's runs write: `keep`/<fleet>, kept, or a temporary directory."""
+    if keep is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield Path(tmp)
+        return
+    path = Path(keep) / fleet_name
+    path.mkdir(parents=True, exist_ok=True)
+    yield path
+
+
 def merged_fleets(path: Path, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The fleets of an earlier results file with the ones just run replaced (a run of
     one fleet keeps the others' figures; each entry names its command and commit)."""
@@ -341,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the goodput variants without the length predictor (L_out "
                         "= the policy's default_output_tokens); without this flag a missing "
                         "artifact is an error")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="keep every run's files (solo, configs, per-request JSONL) "
+                        "under DIR/<fleet>/repeat-<r>/ instead of a temporary directory; "
+                        "`python -m bench.goodput_breakdown` reads them")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -363,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
                     args.solo_requests, args.time_limit * dilation,
                     artifact if use_predictor else None, solo_tier=args.solo_tier)
         fleet_spec = spec.partition("@")[0]
-        with tempfile.TemporaryDirectory() as tmp, \
+        with work_dir(args.keep, name) as work, \
                 open_fleet(fleet_spec, Path(args.shared), dilation) as f:
-            fleets.append(evaluate(name, f, plan, Path(tmp), args.repeats))
+            fleets.append(evaluate(name, f, plan, work, args.repeats))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     command = "python -m bench.bench_goodput " + " ".join(sys.argv[1:] if argv is None else argv)

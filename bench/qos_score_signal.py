@@ -5,7 +5,8 @@ For the two generation scores the issue allows: the judge's win rate against the
 reference (`win_rate_vs_reference`, the one laneway uses) and a BERTScore-style F1
 against the reference (greedy matching of all-MiniLM-L6-v2's contextual token
 embeddings, as BERTScore does with its encoder; answers and reference cut to 256
-tokens, no idf weighting, no baseline rescaling), on the held-out split (ids % 5 == 0):
+tokens, no idf weighting, no baseline rescaling), on the project's held-out split
+(`length_data.is_heldout`):
 
 * per-expert means, and how far per-prompt choice could lift quality above always
   sending to the best expert (the per-prompt best answer's mean / the best expert's);

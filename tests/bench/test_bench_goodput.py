@@ -239,3 +239,13 @@ def test_a_missing_length_predictor_is_an_error_not_a_silent_constant(
         bench_goodput.main(["--out", str(tmp_path / "goodput.json")])
     assert "make train-length" in capsys.readouterr().err
     assert not (tmp_path / "goodput.json").exists()
+
+
+def test_keep_leaves_the_runs_files_per_fleet(tmp_path: Path) -> None:
+    with bench_goodput.work_dir(str(tmp_path / "kept"), "emulated-8") as work:
+        (work / "solo.jsonl").write_text("{}\n")
+    assert (tmp_path / "kept/emulated-8/solo.jsonl").exists()
+    with bench_goodput.work_dir(None, "emulated-8") as work:
+        temporary = work
+        (work / "solo.jsonl").write_text("{}\n")
+    assert not temporary.exists()

@@ -1,0 +1,104 @@
+"""bench/goodput_breakdown.py: a kept goodput run broken down by GPU tier."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench import goodput_breakdown
+from bench.goodput_breakdown import breakdown, peak_inflight, run_files, segments
+from bench.results import Migration, RequestResult, writing
+from bench.solo import SoloLatencies
+
+TIERS = {"h-0": "h100", "h-1": "h100", "t-0": "t4"}
+SOLO = SoloLatencies({"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0})
+
+
+def _r(rid: str, backend: str, sent: float, e2e: float,
+       moves: tuple[Migration, ...] = ()) -> RequestResult:
+    return RequestResult(0, rid, "m", sent, sent, e2e, 0.1, 0.01, (0.1,), 10, 50, 50,
+                         backend, 200, migrations=moves)
+
+
+MOVE = Migration("t-0", "h-1", 20, "SLO risk", 0.5)
+RUN = [_r("a", "t-0", 0.0, 3.0, (MOVE,)),  # on t-0 0-0.5, then on h-1 0.5-3
+       _r("b", "t-0", 0.2, 1.5),  # t-0 0.2-1.7
+       _r("c", "h-0", 0.0, 0.9),
+       _r("d", "h-1", 0.4, 2.5)]  # h-1 0.4-2.9
+
+
+def test_a_moved_request_counts_on_each_backend_for_its_own_leg() -> None:
+    assert segments(RUN[0]) == [("t-0", 0.0, 0.5), ("h-1", 0.5, 3.0)]
+    assert segments(RUN[1]) == [("t-0", 0.2, 1.7)]
+
+
+def test_peak_in_flight_per_backend() -> None:
+    # t-0: a (0-0.5) overlaps b (0.2-1.7): 2; h-1: d (0.4-2.9) and a (0.5-3): 2
+    assert peak_inflight(RUN) == {"t-0": 2, "h-1": 2, "h-0": 1}
+    # a request that ends as another starts on the same backend: never both at once
+    back_to_back = [_r("a", "t-0", 0.0, 1.0), _r("b", "t-0", 1.0, 1.0)]
+    assert peak_inflight(back_to_back) == {"t-0": 1}
+
+
+def test_rows_by_first_placement_tier() -> None:
+    rows = {row.tier: row for row in breakdown(RUN, TIERS, SOLO, scale=2.0)}
+    t4, h100 = rows["t4"], rows["h100"]
+    # a (3.0 s) misses 2 x 1.0, b (1.5 s) meets it; a moved, and ended on the H100 tier
+    assert (t4.instances, t4.placed, t4.met, t4.moved, t4.ended_here) == (1, 2, 1, 1, 1)
+    assert (h100.instances, h100.placed, h100.met, h100.moved, h100.ended_here) == \
+        (2, 2, 1, 0, 3)
+    assert (t4.moves_out, t4.moves_within, h100.moves_out) == (1, 0, 0)
+    assert (h100.peak_inflight_mean, h100.peak_inflight_max) == (1.5, 2)
+
+
+def test_moves_between_instances_of_one_tier_are_counted_apart() -> None:
+    there = Migration("h-0", "h-1", 50, "SLO risk", 0.4)
+    back = Migration("h-1", "h-0", 100, "SLO risk", 0.8)
+    up = Migration("t-0", "h-0", 50, "SLO risk", 0.4)
+    run = [_r("a", "h-0", 0.0, 1.0, (there, back)), _r("b", "t-0", 0.0, 1.0, (up,))]
+    rows = {row.tier: row for row in breakdown(run, TIERS, SOLO, scale=2.0)}
+    assert (rows["h100"].moves_out, rows["h100"].moves_within) == (2, 2)
+    assert (rows["t4"].moves_out, rows["t4"].moves_within) == (1, 0)
+
+
+def test_a_failed_request_never_meets_its_slo() -> None:
+    failed = [RequestResult(0, "a", "m", 0.0, 0.0, 0.5, None, None, (), None, None, 50,
+                            "h-0", 502, "upstream")]
+    rows = {row.tier: row for row in breakdown(failed, TIERS, SOLO, scale=3.0)}
+    assert (rows["h100"].placed, rows["h100"].met) == (1, 0)
+
+
+def _write(path: Path, label: str, rs: list[RequestResult]) -> None:
+    with writing(path / f"{label}.jsonl") as w:
+        w.header({"label": label, "policy": label.partition("@")[0]})
+        for r in rs:
+            w(r)
+    backends = [{"name": n, "url": f"http://x/{n}", "model": "m", "labels": {"profile": t}}
+                for n, t in TIERS.items()]
+    (path / f"{label}.yaml").write_text(yaml.safe_dump({"backends": backends}))
+
+
+def test_a_baseline_run_and_a_variants_run_at_the_scale(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    _write(tmp_path, "solo", [_r(k, "h-0", 0.0, 1.0) for k in "abcd"])
+    _write(tmp_path, "least_request", RUN)
+    _write(tmp_path, "goodput@2", RUN[:2])
+    _write(tmp_path, "goodput@3", RUN[2:])
+    assert set(run_files(tmp_path, 2.0)) == {"least_request", "goodput"}
+    assert run_files(tmp_path, 2.0)["goodput"].name == "goodput@2.jsonl"
+    out = tmp_path / "b.json"
+    assert goodput_breakdown.main([str(tmp_path), "--scale", "2", "--out", str(out)]) == 0
+    policies = json.loads(out.read_text())["policies"]
+    assert sum(row["placed"] for row in policies["goodput"]) == 2
+    row = "| least_request | t4 | 1 | 50% | 50% | 50% | 1 | 1 (0) | 2.0 / 2 |"
+    assert row in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"goodput \(ran at 2, 3\)"):
+        run_files(tmp_path, 1.5)  # the baselines serve every scale, the variant did not
+    with pytest.raises(SystemExit):
+        goodput_breakdown.main([str(tmp_path), "--scale", "1.5"])
+    with pytest.raises(SystemExit):
+        goodput_breakdown.main([str(tmp_path / "nowhere")])
