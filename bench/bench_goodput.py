@@ -15,7 +15,8 @@ also moves those that still miss), choosing the slowest hardware tier's least-lo
 backend (`selection: capability`) rather than the largest current d_g, routing with a
 margin below the deadline (`headroom: 0.25`), both of these, with the oracle length
 (max_tokens, the real answer length here). `--only` runs the baselines and the named
-variants alone.
+variants alone; `goodput-risk-estimate` (the τ check judging a stream by its backend's
+EMA d_g rather than its own TPOT) runs only when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -105,6 +106,8 @@ def variants(with_predictor: bool) -> list[Variant]:
                        with_predictor),
                Variant("goodput-capability-headroom", "goodput",
                        {"selection": "capability", "headroom": 0.25}, True, with_predictor),
+               Variant("goodput-risk-estimate", "goodput", {"risk_speed": "estimate"}, True,
+                       with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -132,11 +135,15 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
     return out
 
 
+# variants that answered one question and run only when named in --only (README, Goodput)
+ON_REQUEST = frozenset({"goodput-risk-estimate"})
+
+
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:
     """The baselines, `goodput` (the headline) and the goodput variants named in `only`
-    (comma-separated; None: all)."""
+    (comma-separated; None: all but those run on request only)."""
     if only is None:
-        return every
+        return [v for v in every if v.label not in ON_REQUEST]
     names = {"goodput", *only.split(",")}
     unknown = names - {v.label for v in every if v.per_scale}
     if unknown:
@@ -343,10 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "goodput.json"),
                         help="the JSON; each fleet's table and plots go to goodput/<fleet>/ "
                         "next to it")
-    every = ", ".join(v.label for v in variants(True) if v.per_scale)
+    every = ", ".join(v.label for v in variants(True)
+                      if v.per_scale and v.label not in ON_REQUEST)
     parser.add_argument("--only", default=None, metavar="VARIANT,...",
                         help="the baselines, goodput and only these variants (a quick look; "
-                        f"default: all of {every})")
+                        f"default: all of {every}; {', '.join(sorted(ON_REQUEST))} only "
+                        "when named)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the whole comparison this many times per fleet; goodput "
                         "is the median, ratios the median of each repeat's (with range)")

@@ -28,6 +28,11 @@ prompt + answer on the target (0.1-0.4 s on vLLM-CPU; negligible on the paper's
 GPUs). Measured side by side (README, Goodput) the two rules are within run-to-run
 noise, the paper's ahead more often, so it stays the default.
 
+At the τ check the stream's expected speed where it runs is, by default, its own mean
+TPOT on that backend so far; `risk_speed: estimate` takes the backend's EMA d_g instead
+(§3.4 re-estimates "the GPU processing speed with the methods in Sec. 3.3"); either is
+also the bar a target's d_g must beat to count as faster.
+
 `selection: capability` (off by default) reads §3.4's "the instance with the worst
 computing capability" as hardware rather than current TPOT: among the feasible
 backends it keeps those whose lightly loaded d_g (`SpeedModel.capability`) is within
@@ -85,6 +90,9 @@ class GoodputParams(BaseModel):
                                   "within this fraction of the slowest capability form its tier")
     headroom: float = Field(0.0, ge=0, lt=1, description="routing only: a backend is "
                             "feasible when T(r,g) <= (1 - headroom) x D_r (Algorithm 1: 0)")
+    risk_speed: Literal["stream", "estimate"] = Field(
+        "stream", description="the τ check's speed for a stream where it runs: its own "
+        "TPOT on that backend so far, or the backend's EMA d_g (§3.4's 'methods in Sec. 3.3')")
 
 
 @register
@@ -179,7 +187,8 @@ class Goodput:
             return None
         remaining = self._remaining(ctx, pred, progress)
         here = self._speeds.of(progress.backend.name, view.stats_of(progress.backend))
-        tpot_here = progress.tpot_s or here.tpot_s
+        tpot_here = (here.tpot_s if self._p.risk_speed == "estimate"
+                     else progress.tpot_s or here.tpot_s)
         finish_here = progress.elapsed_s + tpot_here * remaining
         if finish_here <= deadline:
             return None

@@ -224,7 +224,10 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
     from bench.bench_goodput import BASELINES, select_variants, variants
 
     every = variants(True)
-    assert select_variants(every, None) == every
+    assert [v.label for v in select_variants(every, None)] == [
+        v.label for v in every if v.label != "goodput-risk-estimate"]  # on request only
+    assert select_variants(every, "goodput-risk-estimate")[-1].params == {
+        "risk_speed": "estimate"}
     chosen = [v.label for v in select_variants(every, "goodput-headroom")]
     assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline
     with pytest.raises(SystemExit, match="unknown variants nope"):

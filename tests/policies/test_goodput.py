@@ -150,6 +150,19 @@ def test_rescue_only_skips_moves_that_still_miss_the_slo() -> None:
     assert rescued is not None and rescued.backend.name == "b0"
 
 
+def test_risk_speed_estimate_judges_the_stream_by_its_backends_ema() -> None:
+    # On b2 the stream ran at 40 ms/token so far; b2's EMA d_g says 15 ms now (the
+    # scrape after a burst drained). 350 tokens left, SLO 10 s, 2 s elapsed: by its own
+    # TPOT it finishes at 16 s (at risk, b1 is faster: moves); by the estimate at 7.25 s
+    # (on track: stays).
+    fleet_stats = stats({"b0": 0.010, "b1": 0.020, "b2": 0.015})
+    args = (request(10.0, max_tokens=400), Prediction(output_tokens=400),
+            progress(FLEET[2], 50, 2.0, 0.040), view(FLEET[:2], stats=fleet_stats))
+    moved = policy(handoff_s=0.0).reroute(*args)
+    assert moved is not None and moved.backend.name == "b1"
+    assert policy(handoff_s=0.0, risk_speed="estimate").reroute(*args) is None
+
+
 def test_running_streams_are_speed_samples_per_window() -> None:
     """Each τ check's window (tokens since the previous check, on the same backend) is
     an EMA sample of d_g; a window that spans a move is not; an outcome forgets it."""
