@@ -144,6 +144,17 @@ class Plan:
     solo_tier: SoloTier = "fastest"  # the backend whose solo latency is the SLO base
 
 
+def run_name(label: str, scale: float | None) -> str:
+    """A run's file stem: the variant's label, `@<scale>` for a per-scale run."""
+    return label + ("" if scale is None else f"@{scale:g}")
+
+
+def split_run_name(stem: str) -> tuple[str, float | None]:
+    """`run_name` backwards: (label, scale or None)."""
+    label, _, at = stem.partition("@")
+    return label, float(at) if at else None
+
+
 def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
     """Solo, then every variant (per scale where asked); result files by label."""
     solo = work / "solo.jsonl"
@@ -152,7 +163,7 @@ def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
     files: dict[str, list[Path]] = {}
     for variant in plan.variants:
         for scale in plan.scales if variant.per_scale else [None]:
-            name = variant.label + ("" if scale is None else f"@{scale:g}")
+            name = run_name(variant.label, scale)
             config = work / f"{name}.yaml"
             config.write_text(yaml.safe_dump(
                 proxy_config(fleet_, variant, plan.artifact, plan.expert)))

@@ -6,7 +6,7 @@ first sent to.
 
 Per policy (the baselines' single run, judged at the scale; a goodput variant's run at
 that scale) and tier: the share of requests first placed there, how many of those met
-their SLO (e2e <= scale x solo latency, as `bench.report`), how many were moved
+their SLO (`bench.report.meets_slo`: e2e <= scale x solo latency), how many were moved
 (token-ID migration) and where they ended, how many moves left the tier's instances
 and how many of those went to another instance of the same tier; and how evenly the
 tier's instances were loaded: each instance's peak number of requests in flight (a
@@ -31,6 +31,8 @@ import yaml
 
 from bench import results
 from bench.commands import read_solo
+from bench.compare import split_run_name
+from bench.report import meets_slo
 from bench.results import RequestResult
 from bench.solo import SoloLatencies
 
@@ -86,11 +88,6 @@ def peak_inflight(rs: Sequence[RequestResult]) -> Counter[str]:
     return peaks
 
 
-def met_slo(r: RequestResult, solo: SoloLatencies, scale: float) -> bool:
-    base = solo.of(r)
-    return r.ok and base is not None and r.e2e_s <= scale * base
-
-
 def breakdown(rs: Sequence[RequestResult], tiers: Mapping[str, str], solo: SoloLatencies,
               scale: float) -> list[TierRow]:
     peaks = peak_inflight(rs)
@@ -101,12 +98,13 @@ def breakdown(rs: Sequence[RequestResult], tiers: Mapping[str, str], solo: SoloL
         by_tier[tier].append(name)
     rows = []
     for tier, names in sorted(by_tier.items()):
-        placed = [r for r in rs if r.backend in names]
+        placed = [r for r in rs if tiers.get(r.backend or "") == tier]
         tier_peaks = [peaks.get(n, 0) for n in names]
         rows.append(TierRow(
-            tier, len(names), len(placed), sum(met_slo(r, solo, scale) for r in placed),
+            tier, len(names), len(placed),
+            sum(meets_slo(r, solo.of(r), scale) for r in placed),
             sum(1 for r in placed if r.migrations),
-            sum(1 for r in rs if r.final_backend in names),
+            sum(1 for r in rs if tiers.get(r.final_backend or "") == tier),
             sum(1 for src, _ in moves if src == tier),
             sum(1 for src, dst in moves if src == dst == tier),
             round(statistics.fmean(tier_peaks), 2), max(tier_peaks)))
@@ -120,10 +118,10 @@ def run_files(directory: Path, scale: float) -> dict[str, Path]:
     for path in sorted(directory.glob("*.jsonl")):
         if path.stem == "solo":
             continue
-        label, _, at = path.stem.partition("@")
-        if at:
-            scales[label].append(float(at))
-        if not at or float(at) == scale:
+        label, at = split_run_name(path.stem)
+        if at is not None:
+            scales[label].append(at)
+        if at is None or at == scale:
             out[label] = path
     missing = [f"{label} (ran at {', '.join(f'{s:g}' for s in sorted(ran))})"
                for label, ran in scales.items() if label not in out]

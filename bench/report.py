@@ -91,6 +91,11 @@ def offered_rate(results: Sequence[RequestResult]) -> float | None:
     return (len(arrivals) - 1) / span if span > 0 else None
 
 
+def meets_slo(result: RequestResult, base: float | None, scale: float) -> bool:
+    """The request succeeded within `scale` x its solo latency `base` (None: unknown)."""
+    return result.ok and base is not None and result.e2e_s <= scale * base
+
+
 def slo_points(results: Sequence[RequestResult], solo: SoloLatencies | None,
                scales: Sequence[float], seconds: float) -> tuple[int, tuple[SloPoint, ...]]:
     if solo is None:
@@ -99,7 +104,7 @@ def slo_points(results: Sequence[RequestResult], solo: SoloLatencies | None,
     judged = [(r, base) for r, base in bases if base is not None or not r.ok]
     points = []
     for scale in scales:
-        met = sum(1 for r, base in judged if r.ok and base is not None and r.e2e_s <= scale * base)
+        met = sum(1 for r, base in judged if meets_slo(r, base, scale))
         points.append(SloPoint(scale, met / len(judged) if judged else None,
                                met / seconds if seconds > 0 else 0.0))
     return len(judged), tuple(points)
