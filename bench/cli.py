@@ -83,10 +83,13 @@ def _run_parser(sub: Any) -> None:
 
 
 def _solo_parser(sub: Any) -> None:
-    solo = sub.add_parser("solo", help="solo latencies: requests one at a time, one backend")
+    solo = sub.add_parser("solo", help="solo latencies: each request alone on a backend")
     _workload_options(solo)
     _send_options(solo, "solo.jsonl")
-    solo.add_argument("--target", required=True, help="URL of the (fastest) backend")
+    solo.add_argument("--target", action="append", required=True,
+                      help="URL of an idle backend (the SLO's base kind); repeat with "
+                      "identical idle backends to measure on all at once, one request at "
+                      "a time on each")
     solo.add_argument("--repeats", type=int, default=1, help="measurements per request")
     solo.set_defaults(func=_command("solo"))
 

@@ -97,12 +97,17 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         yield proxy.url, config.get("policy", {}).get("name", "round_robin")
 
 
-def _send(requests: Sequence[WorkloadRequest], target: Target, limits: loadgen.Limits,
-          out: Path, header: dict[str, object], quiet: bool) -> loadgen.RunSummary:
+def _send(requests: Sequence[WorkloadRequest], targets: Sequence[Target],
+          limits: loadgen.Limits | None, out: Path, header: dict[str, object], quiet: bool
+          ) -> loadgen.RunSummary:
+    """A load run on `targets[0]` within `limits`, or with `limits` None solo latencies
+    over every target (`loadgen.run_solo`)."""
     with results.writing(out) as writer:
         writer.header({**header, "started_unix": time.time(), "limits": limits})
-        summary = asyncio.run(loadgen.run(requests, target, limits, writer,
-                                          None if quiet else sys.stderr))
+        progress = None if quiet else sys.stderr
+        sending = (loadgen.run_solo(requests, targets, writer, progress) if limits is None
+                   else loadgen.run(requests, targets[0], limits, writer, progress))
+        summary = asyncio.run(sending)
     print(f"{summary.sent} sent ({summary.skipped} skipped), {summary.errors} errors, "
           f"{summary.wall_s:.1f}s; results: {out}")
     return summary
@@ -120,19 +125,19 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else laneway_home() / "bench" / f"{label}.jsonl"
         header = {"mode": "load", "label": label, "policy": policy, "target": url,
                   "model": args.model, "workload": built.meta}
-        summary = _send(requests, target(url, args), limits, out, header, args.no_progress)
+        summary = _send(requests, [target(url, args)], limits, out, header,
+                        args.no_progress)
     return 0 if summary.sent else 1
 
 
 def solo(args: argparse.Namespace) -> int:
     built = load_workload(args)
     chosen = loadgen.Limits(args.max_requests, args.duration).select(built.requests)
-    limits = loadgen.Limits(sequential=True)
     out = Path(args.out) if args.out else laneway_home() / "bench" / "solo.jsonl"
     header = {"mode": "solo", "label": "solo", "policy": "-", "target": args.target,
               "model": args.model, "repeats": args.repeats, "workload": built.meta}
-    summary = _send(chosen * args.repeats, target(args.target, args), limits, out, header,
-                    args.no_progress)
+    summary = _send(chosen * args.repeats, [target(url, args) for url in args.target], None,
+                    out, header, args.no_progress)
     return 0 if summary.sent and not summary.errors else 1
 
 

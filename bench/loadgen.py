@@ -3,17 +3,19 @@
 Bounded in count (`max_requests`), in schedule (`duration_s`: nothing is sent after
 this offset) and in wall time (`time_limit_s`: requests still open are cut and
 recorded as errors, requests not yet sent are skipped). `concurrency` caps the
-requests open at once (late ones wait); `sequential` sends one at a time with no
-pauses, for solo latencies. Every result goes to `sink` as soon as it completes.
+requests open at once (late ones wait). `run_solo` measures solo latencies instead:
+one request at a time on each of one or more identical idle backends, in workload
+order, with no pauses. Every result goes to `sink` as soon as it completes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -30,7 +32,6 @@ class Limits:
     duration_s: float | None = None
     time_limit_s: float | None = None
     concurrency: int | None = None
-    sequential: bool = False
 
     def select(self, requests: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
         chosen = [r for r in requests if self.duration_s is None or r.arrival_s <= self.duration_s]
@@ -100,15 +101,13 @@ async def run(requests: Sequence[WorkloadRequest], target: Target, limits: Limit
     start_loop, start_perf = loop.time(), time.perf_counter()
     deadline = start_loop + limits.time_limit_s if limits.time_limit_s is not None else None
     gate = asyncio.Semaphore(limits.concurrency) if limits.concurrency else None
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, read_bufsize=1 << 20) as session:
+    async with _session() as session:
 
         async def one(request: WorkloadRequest) -> None:
-            if not limits.sequential:
-                due = start_loop + request.arrival_s
-                if deadline is not None and due >= deadline:
-                    return  # skipped: due after the run's time limit
-                await asyncio.sleep(max(0.0, due - loop.time()))
+            due = start_loop + request.arrival_s
+            if deadline is not None and due >= deadline:
+                return  # skipped: due after the run's time limit
+            await asyncio.sleep(max(0.0, due - loop.time()))
             async with gate or contextlib.nullcontext():
                 if deadline is not None and loop.time() >= deadline:
                     return  # skipped: the run is over
@@ -117,11 +116,42 @@ async def run(requests: Sequence[WorkloadRequest], target: Target, limits: Limit
             sink(result)
             progress.on_done(result.ok)
 
-        if limits.sequential:
-            for request in chosen:
-                await one(request)
-        else:
-            await asyncio.gather(*(one(r) for r in chosen))
+        await asyncio.gather(*(one(r) for r in chosen))
     progress.finish()
     return RunSummary(len(chosen), progress.sent, progress.errors,
                       time.perf_counter() - start_perf)
+
+
+async def run_solo(requests: Sequence[WorkloadRequest], targets: Sequence[Target],
+                   sink: Callable[[RequestResult], None],
+                   progress_stream: TextIO | None = sys.stderr) -> RunSummary:
+    """Each request alone on a backend: one lane per target, each sending the next
+    request of the workload as soon as its last one ended (arrival times ignored). The
+    targets must be identical and otherwise idle, so that a request's latency does not
+    depend on its lane; several of them only make the measurement shorter."""
+    if not targets:
+        raise ValueError("run_solo needs at least one target")
+    progress = Progress(len(requests), progress_stream)
+    start_perf = time.perf_counter()
+    pending = collections.deque(requests)
+    async with _session() as session:
+
+        async def lane(target: Target) -> None:
+            while pending:
+                request = pending.popleft()
+                progress.on_sent()
+                result = await stream_one(session, target, request, start_perf, None)
+                sink(result)
+                progress.on_done(result.ok)
+
+        await asyncio.gather(*(lane(t) for t in targets))
+    progress.finish()
+    return RunSummary(len(requests), progress.sent, progress.errors,
+                      time.perf_counter() - start_perf)
+
+
+@contextlib.asynccontextmanager
+async def _session() -> AsyncIterator[aiohttp.ClientSession]:
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, read_bufsize=1 << 20) as session:
+        yield session

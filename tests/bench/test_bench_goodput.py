@@ -119,12 +119,12 @@ def test_dilation_reaches_the_proxy_config() -> None:
     from bench.emulator.profile import dilated_fields
     from proxy.config import MigrationConfig
 
-    fleet = Fleet([], "u", "u", {"interval_s": 0.8},
+    fleet = Fleet([], ["u"], ["u"], {"interval_s": 0.8},
                   dilated_fields(MigrationConfig(), MIGRATION_CLOCKS, 8))
     config = proxy_config(fleet, V("rr", "round_robin"), None, "e")
     assert config["poller"]["interval_s"] == pytest.approx(0.8)
     assert config["migration"]["pace_timeout_s"] == pytest.approx(24)
-    assert "migration" not in proxy_config(Fleet([], "u", "u"), V("rr", "round_robin"),
+    assert "migration" not in proxy_config(Fleet([], ["u"], ["u"]), V("rr", "round_robin"),
                                            None, "e")
 
 
@@ -204,18 +204,21 @@ def test_slo_base_is_a_mid_tier_backend_as_in_the_paper(tmp_path: Path,
     from bench.compare import Fleet, Plan
 
     assert [compare.mid_index(n) for n in (1, 2, 3, 4, 5)] == [0, 0, 1, 1, 2]
+    urls = [f"u{i}" for i in range(10)]  # four profiles cycled: u1, u5, u9 are A100s
+    assert compare.instances_of(urls, 4, 1) == ["u1", "u5", "u9"]
+    assert compare.instances_of(urls, 4, 0) == ["u0", "u4", "u8"]
     assert compare.GPU_PROFILES[compare.mid_index(len(compare.GPU_PROFILES))] == "a100-40gb"
-    fleet = Fleet([], "http://fast", "http://mid")
-    targets: list[str] = []
+    fleet = Fleet([], ["http://fast"], ["http://mid-0", "http://mid-1"])
+    targets: list[list[str]] = []
 
-    def cli(*args: str) -> None:
-        targets.append(args[args.index("--target") + 1])
+    def cli(*args: str) -> None:  # every instance of the tier measures, one at a time each
+        targets.append([args[i + 1] for i, arg in enumerate(args) if arg == "--target"])
 
     monkeypatch.setattr(compare, "cli", cli)
     for tier in ("mid", "fastest"):
         plan = Plan([], [], SCALES, tmp_path, 1, 1.0, None, solo_tier=tier)  # type: ignore[arg-type]
         compare.run_all(plan, fleet, tmp_path)
-    assert targets == ["http://mid", "http://fast"]
+    assert targets == [["http://mid-0", "http://mid-1"], ["http://fast"]]
     with pytest.raises(SystemExit):  # only the two tiers
         bench_goodput.main(["--solo-tier", "slowest"])
 

@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from bench.fake_vllm import FakeConfig, serve_fake
-from bench.loadgen import Limits, Progress, run
+from bench.loadgen import Limits, Progress, run, run_solo
 from bench.results import RequestResult
 from bench.sse_client import Target
 from bench.workloads import WorkloadRequest
@@ -99,11 +99,28 @@ async def test_concurrency_caps_open_requests() -> None:
     assert max_overlap(open_loop) == 6
 
 
-async def test_sequential_mode_sends_one_at_a_time_ignoring_arrivals() -> None:
-    async with serve_fake(FakeConfig(tpot_s=0.005)) as fake:
-        results = await collect(requests([0.0, 30.0, 60.0]), fake.url, Limits(sequential=True))
-    assert max_overlap(results) == 1
-    assert results[-1].sent_s < 1.0  # arrivals 30 s and 60 s were not waited for
+async def test_solo_sends_one_at_a_time_per_target_ignoring_arrivals() -> None:
+    async def solo(urls: Sequence[str], reqs: Sequence[WorkloadRequest]) -> list[RequestResult]:
+        got: list[RequestResult] = []
+        summary = await run_solo(reqs, [Target(u, "fake", timeout_s=10) for u in urls],
+                                 got.append, None)
+        assert summary.sent == len(reqs) and summary.errors == 0
+        return sorted(got, key=lambda r: r.seq)
+
+    async with serve_fake(FakeConfig(tpot_s=0.005)) as one, \
+            serve_fake(FakeConfig(tpot_s=0.005)) as two:
+        alone = await solo([one.url], requests([0.0, 30.0, 60.0]))
+        assert max_overlap(alone) == 1 and one.app.stats.requests == 3
+        assert alone[-1].sent_s < 1.0  # arrivals 30 s and 60 s were not waited for
+        both = await solo([one.url, two.url], requests([0.0, 30.0, 60.0, 90.0, 120.0]))
+        # two lanes: never more than one request open on each, every request once,
+        # and both backends used
+        assert max_overlap(both) == 2 and [r.seq for r in both] == [0, 1, 2, 3, 4]
+        assert one.app.stats.requests - 3 >= 2 and two.app.stats.requests >= 2
+        assert one.app.stats.requests - 3 + two.app.stats.requests == 5
+        assert one.app.stats.running == two.app.stats.running == 0
+    with pytest.raises(ValueError, match="at least one target"):
+        await run_solo(requests([0.0]), [], lambda _: None, None)
 
 
 async def test_errors_are_recorded_not_raised() -> None:
