@@ -70,6 +70,16 @@ class Progress:
         self.errors += 0 if ok else 1
         self._draw()
 
+    def record(self, result: RequestResult, sink: Callable[[RequestResult], None]) -> None:
+        """A request ended: hand its result on, then count it."""
+        sink(result)
+        self.on_done(result.ok)
+
+    def summary(self, start_perf: float) -> RunSummary:
+        """The run is over: the last redraw, and its counts."""
+        self.finish()
+        return RunSummary(self.total, self.sent, self.errors, time.perf_counter() - start_perf)
+
     def line(self) -> str:
         filled = self.width * self.done // max(1, self.total)
         return (f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} done, "
@@ -113,13 +123,10 @@ async def run(requests: Sequence[WorkloadRequest], target: Target, limits: Limit
                     return  # skipped: the run is over
                 progress.on_sent()
                 result = await stream_one(session, target, request, start_perf, deadline)
-            sink(result)
-            progress.on_done(result.ok)
+            progress.record(result, sink)
 
         await asyncio.gather(*(one(r) for r in chosen))
-    progress.finish()
-    return RunSummary(len(chosen), progress.sent, progress.errors,
-                      time.perf_counter() - start_perf)
+    return progress.summary(start_perf)
 
 
 async def run_solo(requests: Sequence[WorkloadRequest], targets: Sequence[Target],
@@ -141,13 +148,10 @@ async def run_solo(requests: Sequence[WorkloadRequest], targets: Sequence[Target
                 request = pending.popleft()
                 progress.on_sent()
                 result = await stream_one(session, target, request, start_perf, None)
-                sink(result)
-                progress.on_done(result.ok)
+                progress.record(result, sink)
 
         await asyncio.gather(*(lane(t) for t in targets))
-    progress.finish()
-    return RunSummary(len(requests), progress.sent, progress.errors,
-                      time.perf_counter() - start_perf)
+    return progress.summary(start_perf)
 
 
 @contextlib.asynccontextmanager
