@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,14 +155,16 @@ def scale_key(scale: float) -> str:
     return f"{scale:g}"
 
 
-def per_scale_goodput(label: str, runs: Sequence[Summary], scales: Sequence[float]
+def per_scale_goodput(label: str, runs: Sequence[Summary], scales: Sequence[float],
+                      metric: Callable[[Summary, float], float] = compare.goodput_at
                       ) -> dict[str, float]:
-    """Goodput (req/s) at each scale: one run for all, or the run made at that scale."""
+    """Goodput (req/s; or another `metric`) at each scale: one run for all, or the run
+    made at that scale."""
     if len(runs) == 1:
-        return {scale_key(s): compare.goodput_at(runs[0], s) for s in scales}
+        return {scale_key(s): metric(runs[0], s) for s in scales}
     if len(runs) != len(scales):
         raise ValueError(f"{label}: {len(runs)} runs for {len(scales)} scales")
-    return {scale_key(s): compare.goodput_at(r, s) for r, s in zip(runs, scales, strict=True)}
+    return {scale_key(s): metric(r, s) for r, s in zip(runs, scales, strict=True)}
 
 
 def ratios(goodput: Mapping[str, Mapping[str, float]], baselines: Sequence[str],
@@ -194,6 +196,18 @@ def table(goodput: Mapping[str, Mapping[str, float]], summaries: Mapping[str, li
         lines.append(f"| {label} | " + " | ".join(f"{goodput[label][k]:.2f}" for k in keys)
                      + f" | {p99} | {sum(r.migrations for r in runs)} | "
                      f"{sum(r.errors for r in runs)} |")
+    return "\n".join(lines)
+
+
+def attainment_table(attainment: Mapping[str, Mapping[str, float]], scales: Sequence[float]
+                     ) -> str:
+    """SLO attainment per policy and scale (a per-scale variant's at its own scale):
+    goodput without the run's duration in it."""
+    keys = [scale_key(s) for s in scales]
+    lines = ["| policy | " + " | ".join(f"SLO met @{k}" for k in keys) + " |",
+             "|---" + "|---:" * len(keys) + "|"]
+    lines += [f"| {label} | " + " | ".join(f"{cells[k]:.1%}" for k in keys) + " |"
+              for label, cells in attainment.items()]
     return "\n".join(lines)
 
 
@@ -254,6 +268,7 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
     in reverse order, so a slow drift of the machine's speed does not always favour the
     same policies; each repeat measures its own solo latencies (the SLO basis)."""
     runs: list[dict[str, dict[str, float]]] = []
+    attained: list[dict[str, dict[str, float]]] = []
     for r in range(repeats):
         rep = work / f"repeat-{r}"
         rep.mkdir(parents=True, exist_ok=True)
@@ -262,6 +277,9 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
         summaries = compare.summaries(files, rep / "solo.jsonl", plan.scales)
         runs.append({v.label: per_scale_goodput(v.label, summaries[v.label], plan.scales)
                      for v in plan.variants})
+        attained.append({v.label: per_scale_goodput(v.label, summaries[v.label], plan.scales,
+                                                    compare.attainment_at)
+                         for v in plan.variants})
         print(f"{name}: repeat {r + 1}/{repeats}", flush=True)
         print(table(runs[-1], {v.label: summaries[v.label] for v in plan.variants},
                     plan.scales), flush=True)
@@ -271,9 +289,11 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
     out_dir.mkdir(parents=True, exist_ok=True)
     compare.report(files, rep / "solo.jsonl", out_dir / "baselines")  # the last repeat's
     text = table(goodput, {v.label: summaries[v.label] for v in plan.variants}, plan.scales)
+    attainment = median_goodput(attained)
+    text += "\n\n" + attainment_table(attainment, plan.scales)
     if repeats > 1:
-        text = (f"Goodput: median of {repeats} repeats; p99 E2E, migrations and errors: "
-                "the last repeat.\n\n" + text)
+        text = (f"Goodput and attainment: median of {repeats} repeats; p99 E2E, migrations "
+                "and errors: the last repeat.\n\n" + text)
     (out_dir / "table.md").write_text(text + "\n")
     print(text, flush=True)
     plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name, plan.solo_tier)
@@ -281,7 +301,7 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
                  for v in plan.variants if v.per_scale}
     extra = {"repeats": repeats, "goodput_rps_per_repeat": runs} if repeats > 1 else {}
     return {"fleet": name, "workload": plan.workload, "solo_tier": plan.solo_tier,
-            "goodput_rps": goodput, **extra,
+            "goodput_rps": goodput, "slo_attainment": attainment, **extra,
             "variants": variants_, **variants_["goodput"]}
 
 

@@ -201,6 +201,14 @@ def goodput_at(summary: Summary, scale: float) -> float:
     return next(p.goodput_rps for p in summary.slo if p.scale == scale)
 
 
+def attainment_at(summary: Summary, scale: float) -> float:
+    """The share of requests that met their SLO at `scale` (goodput without the run's
+    duration in it: a run whose last request ends later has less goodput per second
+    at the same attainment); 0 where no request had an SLO, as its goodput is."""
+    met = next(p.attainment for p in summary.slo if p.scale == scale)
+    return 0.0 if met is None else met
+
+
 def report(files: dict[str, list[Path]], solo: Path, out_dir: Path) -> None:
     """`laneway bench report` over the single-run variants: report.md, summary.json, PNGs."""
     single = [str(p[0]) for p in files.values() if len(p) == 1]

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_goodput
+from bench import bench_goodput, compare
 from bench.bench_goodput import per_scale_goodput, ratios, table, variants
 from bench.report import SloPoint, Summary
 
 SCALES = [1.0, 2.0]
 
 
-def _summary(name: str, goodput: dict[float, float], migrations: int = 0) -> Summary:
-    slo = tuple(SloPoint(s, 0.5, g) for s, g in goodput.items())
+def _summary(name: str, goodput: dict[float, float], migrations: int = 0,
+             attainment: float = 0.5) -> Summary:
+    slo = tuple(SloPoint(s, attainment, g) for s, g in goodput.items())
     return Summary(name, name, 10, 0, migrations, 10.0, 1.0, 1.0, 100.0, None, None,
                    (1.0, 2.0, 3.0), 10, slo, None, 0)
 
@@ -28,6 +29,8 @@ def test_a_baseline_run_serves_every_scale() -> None:
 def test_a_per_scale_policy_counts_each_run_at_its_own_scale() -> None:
     runs = [_summary("g@1", {1.0: 0.4, 2.0: 0.1}), _summary("g@2", {1.0: 0.1, 2.0: 0.9})]
     assert per_scale_goodput("g", runs, SCALES) == {"1": 0.4, "2": 0.9}
+    met = [_summary("g@1", {1.0: 0.4}, attainment=0.3), _summary("g@2", {2.0: 0.9}, attainment=0.8)]
+    assert per_scale_goodput("g", met, SCALES, compare.attainment_at) == {"1": 0.3, "2": 0.8}
     with pytest.raises(ValueError):
         per_scale_goodput("g", runs[:1] * 3, SCALES)
 
@@ -193,7 +196,11 @@ def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
     # ratios 2.0, 4/3, 4/3... at scale 1: 0.4/0.2, 0.4/0.3, 0.4/0.4 → median 4/3
     assert out["goodput_ratio_vs_best_baseline"]["1"] == pytest.approx(1.333)
     assert out["goodput_ratio_range"]["2"] == [1.0, 1.4]
-    assert (tmp_path / "out" / "f" / "table.md").read_text().startswith("Goodput: median of 3")
+    text = (tmp_path / "out" / "f" / "table.md").read_text()
+    assert text.startswith("Goodput and attainment: median of 3")
+    # attainment beside goodput: each per-scale run at its own scale (here all 0.5)
+    assert out["slo_attainment"] == {"rr": {"1": 0.5, "2": 0.5}, "goodput": {"1": 0.5, "2": 0.5}}
+    assert "| goodput | 50.0% | 50.0% |" in text
 
 
 def test_slo_base_is_a_mid_tier_backend_as_in_the_paper(tmp_path: Path,
