@@ -100,6 +100,10 @@ bench-goodput: install
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large \
 		--fleet real:small,small,large@mooncake --shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet emulated:4@mooncake --shared $(SHARED)
+	# four GPUs loaded until every baseline misses SLOs at every scale (README, Goodput)
+	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
+		--only goodput-capability-headroom --out docs/results/goodput_heavy4/goodput.json \
+		--shared $(SHARED)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower (README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
 		--only goodput-capability-headroom --shared $(SHARED)

@@ -103,6 +103,13 @@ def test_a_dilated_fleet_gets_the_same_work_k_times_sparser() -> None:
     assert (slow["--rate"], slow["--requests"], slow["--max-output"]) == ("16", "1920", "256")
     assert plain["--requests"] == slow["--requests"]
     assert args("emulated:4@mooncake", 4)["--time-scale"] == "2"
+    # @heavy: 8 req/s per backend for 15 s, as docs/results/goodput_heavy4 was run
+    heavy = args("emulated:4@heavy", 3)
+    assert (heavy["--workload"], heavy["--rate"], heavy["--requests"],
+            heavy["--max-output"]) == ("poisson", "10.6667", "480", "512")
+    for wrong in ("real:small,large@heavy", "emulated:4@nope"):
+        with pytest.raises(SystemExit, match="unknown workload tag"):
+            bench_goodput.default_workload(wrong, "/s")
 
 
 def test_dilation_stretches_goodputs_clocks_and_leaves_the_baselines() -> None:
