@@ -118,6 +118,8 @@ def variants(with_predictor: bool) -> list[Variant]:
                        {"selection": "capability", "headroom": 0.25}, True, with_predictor),
                Variant("goodput-risk-estimate", "goodput", {"risk_speed": "estimate"}, True,
                        with_predictor),
+               Variant("goodput-load", "goodput", {"speed_at_load": True}, True,
+                       with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -146,7 +148,7 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
 
 
 # variants that answered one question and run only when named in --only (README, Goodput)
-ON_REQUEST = frozenset({"goodput-risk-estimate"})
+ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:

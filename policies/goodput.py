@@ -41,6 +41,13 @@ requests in flight. Algorithm 1's largest current d_g is, among backends of one 
 type, the most loaded one, so a burst piles onto a single slow instance until the
 lagging EMA sees it; on a lightly loaded fleet that costs SLOs the load balancers meet
 (README, Goodput).
+
+`speed_at_load` (off by default) prices a request at the speed of the batch it would
+join: d_g in Eq. 2 becomes the backend's TPOT at (its requests in flight + 1), from a
+line fitted to its snapshots' (running requests, TPOT) pairs (`SpeedModel.tpot_at`;
+the EMA d_g until the fit has `load_min_samples` snapshots). Algorithm 1 prices it at
+the EMA of recent samples, which lags a burst: every request of the burst is feasible
+on the same slow backend until its samples catch up.
 """
 
 from __future__ import annotations
@@ -93,6 +100,13 @@ class GoodputParams(BaseModel):
     risk_speed: Literal["stream", "estimate"] = Field(
         "stream", description="the τ check's speed for a stream where it runs: its own "
         "TPOT on that backend so far, or the backend's EMA d_g (§3.4's 'methods in Sec. 3.3')")
+    speed_at_load: bool = Field(False, description="d_g in Eq. 2 at the backend's "
+                                "in-flight requests + 1, from a fit of its TPOT against its "
+                                "running requests (Algorithm 1: the EMA d_g as it stands)")
+    load_fit_alpha: float = Field(0.05, gt=0, le=1, description="speed_at_load: EMA weight "
+                                  "of the newest snapshot in the fit")
+    load_min_samples: int = Field(10, ge=2, description="speed_at_load: snapshots with a "
+                                  "TPOT before the fit is used")
 
 
 @register
@@ -103,7 +117,8 @@ class Goodput:
     def __init__(self, params: GoodputParams) -> None:
         self._p = params
         self._speeds = SpeedModel(params.alpha, Speed(
-            params.default_queue_s, params.default_prefill_s_per_token, params.default_tpot_s))
+            params.default_queue_s, params.default_prefill_s_per_token, params.default_tpot_s),
+            params.load_fit_alpha, params.load_min_samples)
         self._prefixes = PrefixIndex(params.prefix_entries)
         self._least = LeastInflight()
         # running streams' last check: request id -> (backend, generated, elapsed_s)
@@ -135,9 +150,12 @@ class Goodput:
             speed = self._speeds.of(backend.name, view.stats_of(backend))
             cached = hits.get(backend.name, 0) * p.block_chars / p.chars_per_token
             prefill = max(0.0, prompt_tokens - cached)
-            total = (speed.queue_s + speed.prefill_s_per_token * prefill
-                     + speed.tpot_s * output_tokens)
-            out.append((backend, total, speed.tpot_s))
+            tpot = speed.tpot_s
+            if p.speed_at_load:
+                at_load = self._speeds.tpot_at(backend.name, view.inflight_of(backend) + 1)
+                tpot = tpot if at_load is None else at_load
+            total = speed.queue_s + speed.prefill_s_per_token * prefill + tpot * output_tokens
+            out.append((backend, total, tpot))
         return out
 
     @staticmethod

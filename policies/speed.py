@@ -16,6 +16,12 @@ doing recently, without modelling batch sizes or GPU types:
 when lightly loaded, its hardware speed as far as a black box can tell (goodput's
 `selection: capability`).
 
+`tpot_at(g, n)` (goodput's `speed_at_load`, a deviation) is d_g with n requests
+running: a line through the snapshots' (running requests, interval TPOT) pairs, fitted
+by EMA moments with its own slower weight (`LoadFit`), so that routing can see the
+slowdown a request will meet, and cause, on a batch it joins, which the EMA of recent
+samples sees only after it has happened.
+
 Replicas share their estimates (proxy/state): each one's changed estimates are
 averaged into the others' (`blend`), so every replica's EMA also reflects what the
 others saw, and repeated exchanges bring them to one value.
@@ -29,12 +35,45 @@ from proxy.types import BackendStats
 
 
 @dataclass(slots=True)
+class LoadFit:
+    """TPOT against running requests, d ≈ mean_d + slope·(n - mean_n), from EMA
+    moments of the (n, d) samples. The slope is 0 until the samples' running counts
+    spread by at least one request (a standard deviation of 0.5) and never negative:
+    a backend does not get faster by taking more work."""
+
+    weight: float
+    samples: int = 0
+    mean_n: float = 0.0
+    mean_d: float = 0.0
+    mean_nn: float = 0.0
+    mean_nd: float = 0.0
+
+    def add(self, n: float, d: float) -> None:
+        w = 1.0 if self.samples == 0 else self.weight
+        self.samples += 1
+        self.mean_n += w * (n - self.mean_n)
+        self.mean_d += w * (d - self.mean_d)
+        self.mean_nn += w * (n * n - self.mean_nn)
+        self.mean_nd += w * (n * d - self.mean_nd)
+
+    def slope(self) -> float:
+        var = self.mean_nn - self.mean_n ** 2
+        if var < 0.25:
+            return 0.0
+        return max(0.0, (self.mean_nd - self.mean_n * self.mean_d) / var)
+
+    def at(self, n: float) -> float:
+        return max(0.0, self.mean_d + self.slope() * (n - self.mean_n))
+
+
+@dataclass(slots=True)
 class Speed:
     queue_s: float
     prefill_s_per_token: float
     tpot_s: float
     seen_at: float = -1.0  # `updated_at` of the last snapshot folded in
     best_tpot_s: float | None = None  # lowest tpot_s after a real sample (capability)
+    load: LoadFit | None = None  # TPOT against running requests (`tpot_at`)
 
     def set_tpot(self, tpot_s: float) -> None:
         self.tpot_s = tpot_s
@@ -43,9 +82,12 @@ class Speed:
 
 
 class SpeedModel:
-    def __init__(self, alpha: float, default: Speed) -> None:
+    def __init__(self, alpha: float, default: Speed, load_alpha: float = 0.05,
+                 load_min_samples: int = 10) -> None:
         self._alpha = alpha
         self._default = default
+        self._load_alpha = load_alpha
+        self._load_min_samples = load_min_samples
         self._speeds: dict[str, Speed] = {}
         self.changed: set[str] = set()  # backends whose estimate changed here (replication)
 
@@ -57,7 +99,9 @@ class SpeedModel:
             speed = self._speeds[name] = Speed(
                 _or(stats.queue_s, d.queue_s), _or(stats.prefill_s_per_token,
                                                    d.prefill_s_per_token),
-                _or(stats.tpot_s, d.tpot_s), stats.updated_at, best_tpot_s=stats.tpot_s)
+                _or(stats.tpot_s, d.tpot_s), stats.updated_at, best_tpot_s=stats.tpot_s,
+                load=LoadFit(self._load_alpha))
+            self._fit_load(speed, stats)
             self.changed.add(name)
         elif stats.updated_at > speed.seen_at:
             speed.seen_at = stats.updated_at
@@ -69,8 +113,22 @@ class SpeedModel:
                                              + (1 - a) * speed.prefill_s_per_token)
             if stats.tpot_s is not None:
                 speed.set_tpot(a * stats.tpot_s + (1 - a) * speed.tpot_s)
+            self._fit_load(speed, stats)
             self.changed.add(name)
         return speed
+
+    def tpot_at(self, name: str, running: float) -> float | None:
+        """g's d with `running` requests in its batch, from the load fit; None until
+        it has `load_min_samples` snapshots with a TPOT."""
+        speed = self._speeds.get(name)
+        if speed is None or speed.load is None or speed.load.samples < self._load_min_samples:
+            return None
+        return speed.load.at(running)
+
+    @staticmethod
+    def _fit_load(speed: Speed, stats: BackendStats) -> None:
+        if stats.tpot_s is not None and speed.load is not None:
+            speed.load.add(stats.running, stats.tpot_s)
 
     def observe_tpot(self, name: str, tpot_s: float) -> None:
         speed = self._speeds.get(name)

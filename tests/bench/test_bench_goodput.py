@@ -242,9 +242,11 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
 
     every = variants(True)
     assert [v.label for v in select_variants(every, None)] == [
-        v.label for v in every if v.label != "goodput-risk-estimate"]  # on request only
+        v.label for v in every if v.label not in ("goodput-risk-estimate", "goodput-load")
+    ]  # those two on request only
     assert select_variants(every, "goodput-risk-estimate")[-1].params == {
         "risk_speed": "estimate"}
+    assert select_variants(every, "goodput-load")[-1].params == {"speed_at_load": True}
     chosen = [v.label for v in select_variants(every, "goodput-headroom")]
     assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline
     with pytest.raises(SystemExit, match="unknown variants nope"):

@@ -235,3 +235,47 @@ def test_capability_is_the_lowest_d_seen_from_real_samples() -> None:
 def test_headroom_keeps_a_margin_below_the_deadline(slo_s: float, chosen: str) -> None:
     decision = policy(headroom=0.25).pick(request(slo_s), HUNDRED, view(FLEET, stats=stats()))
     assert decision.backend.name == chosen, decision.reason
+
+
+def test_load_fit_is_a_line_through_running_and_tpot() -> None:
+    from policies.speed import LoadFit, Speed, SpeedModel
+
+    fit = LoadFit(weight=0.5)
+    for n in (2, 2, 2):  # one load level: no slope to see
+        fit.add(n, 0.02)
+    assert fit.slope() == 0.0 and fit.at(10) == pytest.approx(0.02)
+    for n in (0, 4, 8, 12, 16, 0, 8, 16):  # d = 10 ms + 1 ms per running request
+        fit.add(n, 0.010 + 0.001 * n)
+    # the first samples (off the line) have all but faded: weight 0.5 over 8 samples
+    assert fit.slope() == pytest.approx(0.001, rel=0.02)
+    assert fit.at(20) == pytest.approx(0.030, rel=0.02)
+    falling = LoadFit(weight=0.5)
+    for n in (0, 10, 0, 10):
+        falling.add(n, 0.02 - 0.001 * n)
+    assert falling.slope() == 0.0  # never faster under more load
+
+    model = SpeedModel(0.3, Speed(0.0, 0.0, 0.03), load_alpha=0.2, load_min_samples=3)
+    for i, n in enumerate((1, 5, 9)):
+        assert model.tpot_at("x", 10) is None  # too few snapshots yet
+        model.of("x", BackendStats(running=n, tpot_s=0.010 + 0.002 * n, healthy=True,
+                                   updated_at=float(i + 1)))
+    model.of("x", BackendStats(running=30, tpot_s=None, healthy=True, updated_at=9.0))
+    assert model.tpot_at("x", 13) == pytest.approx(0.036)  # no TPOT: not a sample
+
+
+def test_speed_at_load_prices_the_batch_a_request_would_join() -> None:
+    """The slow backend's EMA says 40 ms, but with 20 requests in flight its fit says
+    30 ms + 1 ms x 21: Algorithm 1 finds it feasible, speed_at_load does not."""
+    goodput = {on: policy(speed_at_load=on, load_min_samples=3) for on in (False, True)}
+    for i, n in enumerate((0, 5, 10, 15)):  # b2's history: 30 ms + 1 ms per request
+        snapshot = stats({"b0": 0.010, "b1": 0.020, "b2": 0.030 + 0.001 * n}, at=float(i + 1))
+        snapshot["b2"] = dataclasses.replace(snapshot["b2"], running=n)
+        for g in goodput.values():
+            g.estimates(request(9.0), 1, view(FLEET, stats=snapshot))
+    loaded = view(FLEET, inflight={"b2": 20}, stats=stats(
+        {"b0": 0.010, "b1": 0.020, "b2": 0.040}, at=4.0))
+    assert goodput[False].pick(request(4.5), HUNDRED, loaded).backend.name == "b2"
+    decision = goodput[True].pick(request(4.5), HUNDRED, loaded)
+    assert decision.backend.name == "b1", decision.reason  # b2: 51 ms x 100 = 5.1 s > 4.5
+    idle = view(FLEET, stats=stats({"b0": 0.010, "b1": 0.020, "b2": 0.040}, at=4.0))
+    assert goodput[True].pick(request(4.5), HUNDRED, idle).backend.name == "b2"  # 31 ms
