@@ -90,13 +90,13 @@ def default_workload(spec: str, shared: str, time_dilation: float = 1.0) -> list
     if tag not in ("", "heavy") or (tag == "heavy" and real):
         raise SystemExit(f"unknown workload tag {tag!r} in {spec!r}; known: mooncake, "
                          "heavy (emulated fleets)")
+    n = 0 if real else int(fleet.partition(":")[2])
     if real:
         rate, requests, max_output = 4, 120, 256
     elif tag == "heavy":
-        rate = 8 * int(fleet.partition(":")[2])
+        rate = 8 * n
         requests, max_output = 15 * rate, 512
     else:  # 16 req/s per 64 backends, 15 s of arrivals
-        n = int(fleet.partition(":")[2])
         rate = max(1, n // 4)
         requests, max_output = 15 * rate, 512 if n <= 64 else 256
     return ["--workload", "poisson", "--rate", f"{rate / time_dilation:g}",

@@ -32,6 +32,7 @@ import yaml
 from bench import results
 from bench.commands import read_solo
 from bench.compare import split_run_name
+from bench.plots import inflight_series
 from bench.report import meets_slo
 from bench.results import RequestResult
 from bench.solo import SoloLatencies
@@ -61,31 +62,11 @@ def tiers_of(config: Path) -> dict[str, str]:
     return out
 
 
-def segments(r: RequestResult) -> list[tuple[str, float, float]]:
-    """(backend, start, end) in run time for each leg of a request."""
-    if r.backend is None:
-        return []
-    out, backend, start = [], r.backend, r.sent_s
-    for m in r.migrations:
-        out.append((backend, start, r.sent_s + m.at_s))
-        backend, start = m.to_backend, r.sent_s + m.at_s
-    out.append((backend, start, r.sent_s + r.e2e_s))
-    return out
-
-
 def peak_inflight(rs: Sequence[RequestResult]) -> Counter[str]:
-    """Per backend, the most requests it had in flight at once."""
-    events: dict[str, list[tuple[float, int]]] = defaultdict(list)
-    for r in rs:
-        for backend, start, end in segments(r):
-            events[backend] += [(start, 1), (end, -1)]
-    peaks: Counter[str] = Counter()
-    for backend, evs in events.items():
-        now = 0
-        for _, step in sorted(evs):  # an end sorts before a start at the same instant
-            now += step
-            peaks[backend] = max(peaks[backend], now)
-    return peaks
+    """Per backend, the most requests it had in flight at once (`plots.inflight_series`:
+    a moved request counts on each backend for its own leg)."""
+    return Counter({backend: max(count for _, count in points)
+                    for backend, points in inflight_series(rs).items()})
 
 
 def breakdown(rs: Sequence[RequestResult], tiers: Mapping[str, str], solo: SoloLatencies,

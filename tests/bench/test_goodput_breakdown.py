@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from bench import goodput_breakdown
-from bench.goodput_breakdown import breakdown, peak_inflight, run_files, segments
+from bench.goodput_breakdown import breakdown, peak_inflight, run_files
+from bench.plots import inflight_series
 from bench.results import Migration, RequestResult, writing
 from bench.solo import SoloLatencies
 
@@ -31,8 +32,8 @@ RUN = [_r("a", "t-0", 0.0, 3.0, (MOVE,)),  # on t-0 0-0.5, then on h-1 0.5-3
 
 
 def test_a_moved_request_counts_on_each_backend_for_its_own_leg() -> None:
-    assert segments(RUN[0]) == [("t-0", 0.0, 0.5), ("h-1", 0.5, 3.0)]
-    assert segments(RUN[1]) == [("t-0", 0.2, 1.7)]
+    assert inflight_series(RUN[:1]) == {"t-0": [(0.0, 1), (0.5, 0)], "h-1": [(0.5, 1), (3.0, 0)]}
+    assert inflight_series(RUN[1:2]) == {"t-0": [(0.2, 1), (1.7, 0)]}
 
 
 def test_peak_in_flight_per_backend() -> None:
