@@ -118,7 +118,7 @@ class Goodput:
         self._p = params
         self._speeds = SpeedModel(params.alpha, Speed(
             params.default_queue_s, params.default_prefill_s_per_token, params.default_tpot_s),
-            params.load_fit_alpha, params.load_min_samples)
+            params.load_fit_alpha if params.speed_at_load else None, params.load_min_samples)
         self._prefixes = PrefixIndex(params.prefix_entries)
         self._least = LeastInflight()
         # running streams' last check: request id -> (backend, generated, elapsed_s)

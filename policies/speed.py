@@ -20,7 +20,8 @@ when lightly loaded, its hardware speed as far as a black box can tell (goodput'
 running: a line through the snapshots' (running requests, interval TPOT) pairs, fitted
 by EMA moments with its own slower weight (`LoadFit`), so that routing can see the
 slowdown a request will meet, and cause, on a batch it joins, which the EMA of recent
-samples sees only after it has happened.
+samples sees only after it has happened. The fits are kept only when asked for
+(`load_alpha`) and are this replica's own: they are not part of the replicated `Speed`.
 
 Replicas share their estimates (proxy/state): each one's changed estimates are
 averaged into the others' (`blend`), so every replica's EMA also reflects what the
@@ -73,7 +74,6 @@ class Speed:
     tpot_s: float
     seen_at: float = -1.0  # `updated_at` of the last snapshot folded in
     best_tpot_s: float | None = None  # lowest tpot_s after a real sample (capability)
-    load: LoadFit | None = None  # TPOT against running requests (`tpot_at`)
 
     def set_tpot(self, tpot_s: float) -> None:
         self.tpot_s = tpot_s
@@ -82,13 +82,16 @@ class Speed:
 
 
 class SpeedModel:
-    def __init__(self, alpha: float, default: Speed, load_alpha: float = 0.05,
+    def __init__(self, alpha: float, default: Speed, load_alpha: float | None = None,
                  load_min_samples: int = 10) -> None:
+        """`load_alpha`: fit TPOT against running requests per backend with this EMA
+        weight (`tpot_at`); None: no fits."""
         self._alpha = alpha
         self._default = default
         self._load_alpha = load_alpha
         self._load_min_samples = load_min_samples
         self._speeds: dict[str, Speed] = {}
+        self._loads: dict[str, LoadFit] = {}
         self.changed: set[str] = set()  # backends whose estimate changed here (replication)
 
     def of(self, name: str, stats: BackendStats) -> Speed:
@@ -99,9 +102,8 @@ class SpeedModel:
             speed = self._speeds[name] = Speed(
                 _or(stats.queue_s, d.queue_s), _or(stats.prefill_s_per_token,
                                                    d.prefill_s_per_token),
-                _or(stats.tpot_s, d.tpot_s), stats.updated_at, best_tpot_s=stats.tpot_s,
-                load=LoadFit(self._load_alpha))
-            self._fit_load(speed, stats)
+                _or(stats.tpot_s, d.tpot_s), stats.updated_at, best_tpot_s=stats.tpot_s)
+            self._fit_load(name, stats)
             self.changed.add(name)
         elif stats.updated_at > speed.seen_at:
             speed.seen_at = stats.updated_at
@@ -113,22 +115,22 @@ class SpeedModel:
                                              + (1 - a) * speed.prefill_s_per_token)
             if stats.tpot_s is not None:
                 speed.set_tpot(a * stats.tpot_s + (1 - a) * speed.tpot_s)
-            self._fit_load(speed, stats)
+            self._fit_load(name, stats)
             self.changed.add(name)
         return speed
 
     def tpot_at(self, name: str, running: float) -> float | None:
         """g's d with `running` requests in its batch, from the load fit; None until
-        it has `load_min_samples` snapshots with a TPOT."""
-        speed = self._speeds.get(name)
-        if speed is None or speed.load is None or speed.load.samples < self._load_min_samples:
+        it has `load_min_samples` snapshots with a TPOT (or fits are off)."""
+        fit = self._loads.get(name)
+        if fit is None or fit.samples < self._load_min_samples:
             return None
-        return speed.load.at(running)
+        return fit.at(running)
 
-    @staticmethod
-    def _fit_load(speed: Speed, stats: BackendStats) -> None:
-        if stats.tpot_s is not None and speed.load is not None:
-            speed.load.add(stats.running, stats.tpot_s)
+    def _fit_load(self, name: str, stats: BackendStats) -> None:
+        if self._load_alpha is not None and stats.tpot_s is not None:
+            fit = self._loads.setdefault(name, LoadFit(self._load_alpha))
+            fit.add(stats.running, stats.tpot_s)
 
     def observe_tpot(self, name: str, tpot_s: float) -> None:
         speed = self._speeds.get(name)
