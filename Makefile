@@ -104,6 +104,10 @@ bench-goodput: install
 	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
 		--only goodput-capability-headroom --out docs/results/goodput_heavy4/goodput.json \
 		--shared $(SHARED)
+	# the same load with protect (a deviation: no admission that makes a request on the backend miss)
+	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
+		--only goodput-capability-headroom,goodput-protect,goodput-capability-headroom-protect \
+		--out docs/results/goodput_protect/goodput.json --shared $(SHARED)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower (README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
 		--only goodput-capability-headroom --shared $(SHARED)

@@ -16,7 +16,10 @@ backend (`selection: capability`) rather than the largest current d_g, routing w
 margin below the deadline (`headroom: 0.25`), both of these, with the oracle length
 (max_tokens, the real answer length here). `--only` runs the baselines and the named
 variants alone; `goodput-risk-estimate` (the τ check judging a stream by its backend's
-EMA d_g rather than its own TPOT) runs only when named there.
+EMA d_g rather than its own TPOT), `goodput-load` (`speed_at_load`),
+`goodput-protect` and `goodput-capability-headroom-protect` (`protect`: no admission
+that pushes a request already on the backend past its deadline) run only when named
+there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -120,6 +123,10 @@ def variants(with_predictor: bool) -> list[Variant]:
                        with_predictor),
                Variant("goodput-load", "goodput", {"speed_at_load": True}, True,
                        with_predictor),
+               Variant("goodput-protect", "goodput", {"protect": True}, True, with_predictor),
+               Variant("goodput-capability-headroom-protect", "goodput",
+                       {"selection": "capability", "headroom": 0.25, "protect": True}, True,
+                       with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -148,7 +155,8 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
 
 
 # variants that answered one question and run only when named in --only (README, Goodput)
-ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load"})
+ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protect",
+                        "goodput-capability-headroom-protect"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:
@@ -167,11 +175,11 @@ def scale_key(scale: float) -> str:
     return f"{scale:g}"
 
 
-def per_scale_goodput(label: str, runs: Sequence[Summary], scales: Sequence[float],
+def per_scale(label: str, runs: Sequence[Summary], scales: Sequence[float],
                       metric: Callable[[Summary, float], float] = compare.goodput_at
                       ) -> dict[str, float]:
-    """Goodput (req/s; or another `metric`) at each scale: one run for all, or the run
-    made at that scale."""
+    """Goodput (req/s; or another `metric`, e.g. SLO attainment) at each scale: one run
+    for all, or the run made at that scale."""
     if len(runs) == 1:
         return {scale_key(s): metric(runs[0], s) for s in scales}
     if len(runs) != len(scales):
@@ -244,9 +252,10 @@ def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], ou
     plt.close(fig)
 
 
-def median_goodput(runs: Sequence[Mapping[str, Mapping[str, float]]]
+def median_cells(runs: Sequence[Mapping[str, Mapping[str, float]]]
                    ) -> dict[str, dict[str, float]]:
-    """Per policy and scale, the median over repeated runs of the whole comparison."""
+    """Per policy and scale, the median over repeated runs of the whole comparison (of
+    goodput or attainment cells alike)."""
     return {label: {k: round(statistics.median(r[label][k] for r in runs), 4)
                     for k in cells} for label, cells in runs[0].items()}
 
@@ -267,7 +276,7 @@ def repeated_ratios(runs: Sequence[Mapping[str, Mapping[str, float]]], baselines
                    if e["goodput_ratio_vs_best_baseline"][k] is not None]
         median[k] = round(statistics.median(defined), 3) if defined else None
         spread[k] = [min(defined), max(defined)] if defined else [None, None]
-    pooled = ratios(median_goodput(runs), baselines, policy, scales)
+    pooled = ratios(median_cells(runs), baselines, policy, scales)
     return {"goodput_ratio_vs_best_baseline": median, "goodput_ratio_range": spread,
             "goodput_ratio_per_repeat": [e["goodput_ratio_vs_best_baseline"] for e in each],
             "best_baseline": pooled["best_baseline"],
@@ -287,21 +296,21 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
         order = plan.variants if r % 2 == 0 else plan.variants[::-1]
         files = compare.run_all(dataclasses.replace(plan, variants=order), fleet, rep)
         summaries = compare.summaries(files, rep / "solo.jsonl", plan.scales)
-        runs.append({v.label: per_scale_goodput(v.label, summaries[v.label], plan.scales)
+        runs.append({v.label: per_scale(v.label, summaries[v.label], plan.scales)
                      for v in plan.variants})
-        attained.append({v.label: per_scale_goodput(v.label, summaries[v.label], plan.scales,
+        attained.append({v.label: per_scale(v.label, summaries[v.label], plan.scales,
                                                     compare.attainment_at)
                          for v in plan.variants})
         print(f"{name}: repeat {r + 1}/{repeats}", flush=True)
         print(table(runs[-1], {v.label: summaries[v.label] for v in plan.variants},
                     plan.scales), flush=True)
-    goodput = median_goodput(runs)
+    goodput = median_cells(runs)
     baselines = [v.label for v in plan.variants if not v.per_scale]
     out_dir = plan.out_dir / name
     out_dir.mkdir(parents=True, exist_ok=True)
     compare.report(files, rep / "solo.jsonl", out_dir / "baselines")  # the last repeat's
     text = table(goodput, {v.label: summaries[v.label] for v in plan.variants}, plan.scales)
-    attainment = median_goodput(attained)
+    attainment = median_cells(attained)
     text += "\n\n" + attainment_table(attainment, plan.scales)
     if repeats > 1:
         text = (f"Goodput and attainment: median of {repeats} repeats; p99 E2E, migrations "
@@ -400,7 +409,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep every run's files (solo, configs, per-request JSONL) "
                         "under DIR/<fleet>/repeat-<r>/ instead of a temporary directory; "
                         "`python -m bench.goodput_breakdown` reads them")
+    parser.add_argument("--side-figures-only", action="store_true",
+                        help="run nothing: refresh decision_p99_ms_512 (scale.json) and the "
+                        "predictor figures (length_predictor.json) in --out")
     args = parser.parse_args(argv)
+    if args.side_figures_only:
+        path = Path(args.out)
+        path.write_text(json.dumps({**json.loads(path.read_text()), **side_figures()},
+                                   indent=1) + "\n")
+        print(f"refreshed {', '.join(side_figures())} in {path}")
+        return 0
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.time_dilation <= 0:

@@ -4,7 +4,10 @@
 
 The workload is shaped like production traffic, not like the best case: prompts share
 a few system prompts (so the prefix index hits and grows), sessions come from 10k
-users, in-flight counts and scrapes vary between picks, the clock advances, 1% of
+users, 90% of requests carry an end-to-end SLO (`x-laneway-slo-ms`, 1-30 s: goodput
+runs Algorithm 1 over every candidate for them, its least-in-flight fallback for the
+rest), in-flight counts and scrapes (with TTFT/TPOT/queue figures) vary between
+picks, the clock advances, 1% of
 picks are retries that exclude one backend (a new candidate set), and every pick is
 followed by its `observe` as the proxy does. Only `pick` is timed, minus the timer's
 own cost. DESIGN.md's budget is ≤ 50 µs for simple policies at 8 backends and ≤ 0.5 ms
@@ -63,7 +66,8 @@ def _contexts(rng: random.Random) -> list[RequestContext]:
             request_id=f"r{i}", endpoint="chat", model="m", prompt_text=prompt,
             prompt_blocks=prefix_blocks(prompt, BLOCK_CHARS), stream=True,
             max_tokens=rng.choice([None, 64, 256, 1024]),
-            session=f"user-{rng.randrange(10_000)}" if rng.random() < 0.8 else None))
+            session=f"user-{rng.randrange(10_000)}" if rng.random() < 0.8 else None,
+            slo_ms=rng.uniform(1_000, 30_000) if rng.random() < 0.9 else None))
     return contexts
 
 
@@ -72,7 +76,11 @@ def _views(n: int, rng: random.Random) -> list[ClusterView]:
     views = []
     for v in range(VIEWS):
         stats = {b.name: BackendStats(running=rng.randrange(32), waiting=rng.randrange(8),
-                                      kv_usage=rng.random(), healthy=True)
+                                      kv_usage=rng.random(), healthy=True,
+                                      tpot_s=rng.uniform(0.005, 0.08),
+                                      queue_s=rng.uniform(0, 0.5),
+                                      prefill_s_per_token=rng.uniform(1e-5, 1e-3),
+                                      updated_at=float(v))
                  for b in backends}
         inflight = {b.name: rng.randrange(16) for b in backends}
         # Read-only proxies, as the registry hands them out (slower to read than dicts).

@@ -16,8 +16,10 @@ overhead with 8, 64 and 512 emulated backends.
    offered vs achieved requests/s and the added latency (p50/p99 via laneway minus
    direct at the same offered rate).
 
-Writes `docs/results/scale.json`. On a small machine the emulator, the proxy and the
-load generator share the cores, so the achieved rate is the machine's, not laneway's.
+Writes `docs/results/scale.json`; `--decisions-only` measures step 1 alone and replaces
+only its figures there (with `decisions_command`, `decisions_commit`). On a small
+machine the emulator, the proxy and the load generator share the cores, so the
+achieved rate is the machine's, not laneway's.
 """
 
 from __future__ import annotations
@@ -178,6 +180,9 @@ def overhead(rows: Sequence[LoadRow]) -> list[dict[str, Any]]:
     return out
 
 
+DECISION_KEYS = ("decision_p99_ms", "decision_p99_ms_max_512", "decisions")
+
+
 def results_json(decisions: Sequence[policy_latency.Row], staleness: dict[int, dict[str, Any]],
                  rows: Sequence[LoadRow], command: str, commit: str) -> dict[str, Any]:
     decisions_512 = {r.policy: round(r.p99_us / 1e3, 4) for r in decisions if r.backends == 512}
@@ -222,18 +227,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intervals-ms", type=float, nargs="+", default=[100, 50],
                         help="poller.interval_s values to measure staleness at")
     parser.add_argument("--out", default=str(REPO / "docs/results/scale.json"))
+    parser.add_argument("--decisions-only", action="store_true",
+                        help="measure step 1 alone and replace only its figures in --out")
     args = parser.parse_args(argv)
     decisions = [policy_latency.measure(name, n, args.picks, "cpu")
                  for name in policy_latency.without_params() for n in args.backends]
     for row in decisions:
         print(json.dumps(asdict(row)), flush=True)
+    command = "python -m bench.scale " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.decisions_only:
+        out = Path(args.out)
+        report = json.loads(out.read_text()) if out.exists() else {}
+        fresh = results_json(decisions, {}, [], command.strip(), _commit())
+        report.update({k: fresh[k] for k in DECISION_KEYS},
+                      decisions_command=fresh["command"], decisions_commit=fresh["commit"])
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"updated the decision figures in {out}")
+        return 0
     rows: list[LoadRow] = []
     staleness: dict[int, dict[str, Any]] = {}
     for n in args.backends:
         fleet_rows, staleness[n] = fleet_run(n, args.rates, args.seconds, args.sample_ms,
                                              args.staleness_s, args.intervals_ms)
         rows += fleet_rows
-    command = "python -m bench.scale " + " ".join(sys.argv[1:] if argv is None else argv)
     report = results_json(decisions, staleness, rows, command.strip(), _commit())
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -48,6 +48,21 @@ line fitted to its snapshots' (running requests, TPOT) pairs (`SpeedModel.tpot_a
 the EMA d_g until the fit has `load_min_samples` snapshots). Algorithm 1 prices it at
 the EMA of recent samples, which lags a burst: every request of the burst is feasible
 on the same slow backend until its samples catch up.
+
+`protect` (off by default) also prices what an admission does to the requests already
+on a backend. Eq. 2 only asks whether r meets D_r on g; admitting r slows every stream
+on g (its prefill stalls their decode steps for p_g * (L_in - H_rg), and one more
+request in the batch raises d_g by the load fit's slope), so at loose scales, where
+many requests are feasible on the slowest backends, Algorithm 1 keeps admitting onto
+them until the ones already there miss. With `protect`, g is feasible for r only if
+no request on g that is on track (its expected finish, at g's current d, within its
+deadline) would be pushed past it; the selection rule is then applied to those
+backends, a request no backend can take in time goes to the least overrun among the
+backends it harms nobody on (Algorithm 1's fallback, restricted), and only if every
+backend would be harmed to the least overrun of all. τ-check moves are checked the
+same way. The requests on g are the ones this policy routed there with a deadline
+(`policies/placements.py`), their generated tokens counted at each τ check and
+extrapolated at d between checks.
 """
 
 from __future__ import annotations
@@ -59,6 +74,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies._load import LeastInflight
 from policies.base import register
+from policies.placements import Placed, Placements
 from policies.prefix_index import PrefixIndex, blocks_from_wire, blocks_to_wire
 from policies.speed import Speed, SpeedModel
 from predictors.base import Prediction
@@ -107,6 +123,9 @@ class GoodputParams(BaseModel):
                                   "of the newest snapshot in the fit")
     load_min_samples: int = Field(10, ge=2, description="speed_at_load: snapshots with a "
                                   "TPOT before the fit is used")
+    protect: bool = Field(False, description="a backend is feasible only if admitting the "
+                          "request pushes no on-track request already there past its "
+                          "deadline (Algorithm 1: not checked)")
 
 
 @register
@@ -118,11 +137,13 @@ class Goodput:
         self._p = params
         self._speeds = SpeedModel(params.alpha, Speed(
             params.default_queue_s, params.default_prefill_s_per_token, params.default_tpot_s),
-            params.load_fit_alpha if params.speed_at_load else None, params.load_min_samples)
+            params.load_fit_alpha if params.speed_at_load or params.protect else None,
+            params.load_min_samples)
         self._prefixes = PrefixIndex(params.prefix_entries)
         self._least = LeastInflight()
         # running streams' last check: request id -> (backend, generated, elapsed_s)
         self._windows: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        self._placed = Placements(MAX_WINDOWS)  # protect: deadlines on each backend
         self._outbox: deque[list[Any]] | None = None  # prefix writes to replicate
 
     # -- Algorithm 1 -------------------------------------------------------------
@@ -131,31 +152,40 @@ class Goodput:
         if deadline is None:
             backend, load = self._least.pick(view)
             return self._chosen(ctx, backend, f"no SLO: least in-flight ({load})")
-        times = self.estimates(ctx, self._output_tokens(ctx, pred), view)
+        output_tokens = self._output_tokens(ctx, pred)
+        times = self.estimates(ctx, output_tokens, view)
         budget = deadline * (1 - self._p.headroom)
-        backend, reason = self._select(times, budget, view)
+        backend, reason = self._choose(ctx, times, budget, view)
         if self._p.headroom:  # the D in the reason is the budget: say of which deadline
             reason += f" (headroom {self._p.headroom:.0%} of D_r={deadline:.3f}s)"
+        if self._p.protect:
+            self._place(ctx, backend, ctx.arrived_at + deadline, output_tokens, view)
         return self._chosen(ctx, backend, reason)
 
     def estimates(self, ctx: RequestContext, output_tokens: float, view: ClusterView,
                   done_tokens: int = 0) -> list[tuple[Backend, float, float]]:
-        """(g, T(r, g), d_g) for every candidate: Eq. 2."""
+        """(g, T(r, g), d_g) for every candidate: Eq. 2. One pass over the candidates
+        with the per-backend work inlined: at 512 backends this loop is the decision."""
         p = self._p
         prompt_tokens = len(ctx.prompt_text) / p.chars_per_token + done_tokens
-        names = [b.name for b in view.candidates]
-        hits = self._prefixes.matched_blocks(ctx.prompt_blocks, names)
+        candidates = view.candidates
+        hits = self._prefixes.matched_blocks(ctx.prompt_blocks) if ctx.prompt_blocks else {}
+        tokens_per_block = p.block_chars / p.chars_per_token
+        speeds = self._speeds.current(candidates, view.stats)
+        at_load = ([self._speeds.tpot_at(b.name, view.inflight_of(b) + 1) for b in candidates]
+                   if p.speed_at_load else None)
         out = []
-        for backend in view.candidates:
-            speed = self._speeds.of(backend.name, view.stats_of(backend))
-            cached = hits.get(backend.name, 0) * p.block_chars / p.chars_per_token
-            prefill = max(0.0, prompt_tokens - cached)
+        for i, backend in enumerate(candidates):
+            speed = speeds[i]
+            blocks = hits.get(backend.name) if hits else None
+            prefill = (prompt_tokens if blocks is None
+                       else max(0.0, prompt_tokens - blocks * tokens_per_block))
             tpot = speed.tpot_s
-            if p.speed_at_load:
-                at_load = self._speeds.tpot_at(backend.name, view.inflight_of(backend) + 1)
-                tpot = tpot if at_load is None else at_load
-            total = speed.queue_s + speed.prefill_s_per_token * prefill + tpot * output_tokens
-            out.append((backend, total, tpot))
+            if at_load is not None:
+                fitted = at_load[i]
+                tpot = tpot if fitted is None else fitted
+            out.append((backend, speed.queue_s + speed.prefill_s_per_token * prefill
+                        + tpot * output_tokens, tpot))
         return out
 
     @staticmethod
@@ -190,6 +220,66 @@ class Goodput:
                          f"slowest tier d>={floor * 1000:.1f}ms ({len(tier)} of "
                          f"{len(feasible)} feasible), {view.inflight_of(backend)} in flight")
 
+    def _choose(self, ctx: RequestContext, times: list[tuple[Backend, float, float]],
+                deadline: float, view: ClusterView, done_tokens: int = 0
+                ) -> tuple[Backend, str]:
+        """`_select`, with `protect` over the backends r harms nobody on: each pick the
+        rule makes that would push an on-track request past its deadline is struck off
+        and the rule applied again to the rest (so a request none meets D_r on goes to
+        the least overrun among them); the least overrun of all if every one is struck."""
+        if not self._p.protect:
+            return self._select(times, deadline, view)
+        left = list(times)
+        struck: list[str] = []
+        while left:
+            backend, reason = self._select(left, deadline, view)
+            harmed = self._harms(ctx, backend, view, done_tokens)
+            if harmed is None:
+                return backend, reason + (f" (protect: {len(struck)} refused, e.g. "
+                                          f"{', '.join(struck[:3])})" if struck else "")
+            struck.append(f"{backend.name} for {harmed}")
+            left = [t for t in left if t[0] is not backend]
+        backend, reason = self.least_overrun(times, deadline)
+        return backend, reason + f" (protect: all {len(struck)} would harm a request)"
+
+    def _harms(self, ctx: RequestContext, backend: Backend, view: ClusterView,
+               done_tokens: int) -> str | None:
+        """The id of an on-track request on `backend` that admitting r would push past
+        its deadline: r's prefill stalls its decode steps, and one more request in the
+        batch raises d by the load fit's slope."""
+        name = backend.name
+        speed = self._speeds.of(name, view.stats_of(backend))
+        running = view.inflight_of(backend)
+        fitted = self._speeds.tpot_at(name, running)
+        tpot = max(1e-6, speed.tpot_s if fitted is None else fitted)
+        joined = self._speeds.tpot_at(name, running + 1)
+        slower = 0.0 if joined is None else max(0.0, joined - tpot)
+        stall = speed.prefill_s_per_token * self._prefill_tokens(ctx, name, done_tokens)
+        now = view.now
+        for placed in self._placed.on(name):
+            if placed.request_id == ctx.request_id:
+                continue
+            generated = placed.generated + max(0.0, now - placed.counted_at) / tpot
+            left = self._tokens_left(placed.output_tokens, generated, placed.max_tokens)
+            margin = placed.deadline_at - now - left * tpot
+            if 0 <= margin < left * slower + stall:
+                return placed.request_id
+        return None
+
+    def _prefill_tokens(self, ctx: RequestContext, name: str, done_tokens: int) -> float:
+        p = self._p
+        prompt_tokens = len(ctx.prompt_text) / p.chars_per_token + done_tokens
+        hits = self._prefixes.matched_blocks(ctx.prompt_blocks).get(name, 0)
+        return max(0.0, prompt_tokens - hits * p.block_chars / p.chars_per_token)
+
+    def _place(self, ctx: RequestContext, backend: Backend, deadline_at: float,
+               output_tokens: float, view: ClusterView) -> None:
+        speed = self._speeds.of(backend.name, view.stats_of(backend))
+        decode_from = view.now + speed.queue_s + speed.prefill_s_per_token * (
+            self._prefill_tokens(ctx, backend.name, 0))
+        self._placed.place(Placed(ctx.request_id, backend.name, deadline_at, output_tokens,
+                                  ctx.max_tokens, counted_at=decode_from))
+
     def _capability(self, time: tuple[Backend, float, float]) -> float:
         """The backend's lightly loaded d_g; its current one if it has no estimate yet."""
         cap = self._speeds.capability(time[0].name)
@@ -200,6 +290,10 @@ class Goodput:
                 view: ClusterView) -> Decision | None:
         if self._p.stream_samples:
             self._observe_window(ctx.request_id, progress)
+        if self._p.protect:
+            self._placed.progress(ctx.request_id, progress.backend.name, progress.generated,
+                                  ctx.arrived_at + progress.elapsed_s,
+                                  self._output_tokens(ctx, pred))
         deadline = self._deadline(ctx)
         if not self._p.migrate or deadline is None:
             return None
@@ -215,13 +309,14 @@ class Goodput:
         if not faster:
             return None
         slack = deadline - progress.elapsed_s - self._p.handoff_s
-        backend, reason = self._select(faster, slack, view)
+        backend, reason = self._choose(ctx, faster, slack, view, progress.generated)
         moved_finish = progress.elapsed_s + self._p.handoff_s + next(
             t[1] for t in faster if t[0] is backend)
         if moved_finish > finish_here - self._p.min_gain_s:
             return None
         if self._p.rescue_only and moved_finish > deadline:
             return None
+        self._placed.move(ctx.request_id, backend.name)
         return self._chosen(ctx, backend, f"SLO risk: finish {finish_here:.2f}s > "
                             f"D {deadline:.2f}s here; {reason}")
 
@@ -239,12 +334,18 @@ class Goodput:
                                       / (progress.generated - last[1]))
 
     def _remaining(self, ctx: RequestContext, pred: Prediction, progress: Progress) -> float:
-        predicted = self._output_tokens(ctx, pred)
-        remaining = predicted - progress.generated
+        return self._tokens_left(self._output_tokens(ctx, pred), progress.generated,
+                                 progress.max_tokens)
+
+    def _tokens_left(self, predicted: float, generated: float, max_tokens: int | None
+                     ) -> float:
+        """Predicted minus generated; once a stream outran its prediction,
+        `overrun_fraction` x generated; never past max_tokens, never below one."""
+        remaining = predicted - generated
         if remaining <= 0:
-            remaining = max(1.0, self._p.overrun_fraction * progress.generated)
-        if progress.max_tokens is not None:
-            remaining = min(remaining, progress.max_tokens - progress.generated)
+            remaining = max(1.0, self._p.overrun_fraction * generated)
+        if max_tokens is not None:
+            remaining = min(remaining, max_tokens - generated)
         return max(1.0, remaining)
 
     # -- inputs ------------------------------------------------------------------
@@ -290,5 +391,9 @@ class Goodput:
 
     def observe(self, outcome: Outcome) -> None:
         self._windows.pop(outcome.request_id, None)
+        if outcome.moved_to is not None:
+            self._placed.move(outcome.request_id, outcome.moved_to)
+        else:
+            self._placed.finish(outcome.request_id)
         if outcome.ok and outcome.tpot_s is not None and outcome.completion_tokens > 1:
             self._speeds.observe_tpot(outcome.backend, outcome.tpot_s)

@@ -30,9 +30,10 @@ others saw, and repeated exchanges bring them to one value.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from proxy.types import BackendStats
+from proxy.types import UNKNOWN_STATS, Backend, BackendStats
 
 
 @dataclass(slots=True)
@@ -118,6 +119,21 @@ class SpeedModel:
             self._fit_load(name, stats)
             self.changed.add(name)
         return speed
+
+    def current(self, backends: Sequence[Backend], stats: Mapping[str, BackendStats]
+                ) -> list[Speed]:
+        """`of` for every backend, the common case (no new snapshot) inlined: this runs
+        over every candidate of every goodput decision."""
+        speeds = self._speeds
+        out = []
+        for backend in backends:
+            name = backend.name
+            speed = speeds.get(name)
+            snapshot = stats.get(name)
+            if speed is None or (snapshot is not None and snapshot.updated_at > speed.seen_at):
+                speed = self.of(name, UNKNOWN_STATS if snapshot is None else snapshot)
+            out.append(speed)
+        return out
 
     def tpot_at(self, name: str, running: float) -> float | None:
         """g's d with `running` requests in its batch, from the load fit; None until

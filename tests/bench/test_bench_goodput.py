@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_goodput, compare
-from bench.bench_goodput import per_scale_goodput, ratios, table, variants
+from bench.bench_goodput import per_scale, ratios, table, variants
 from bench.report import SloPoint, Summary
 
 SCALES = [1.0, 2.0]
@@ -22,17 +22,17 @@ def _summary(name: str, goodput: dict[float, float], migrations: int = 0,
 
 
 def test_a_baseline_run_serves_every_scale() -> None:
-    assert per_scale_goodput("rr", [_summary("rr", {1.0: 0.2, 2.0: 0.5})], SCALES) == {
+    assert per_scale("rr", [_summary("rr", {1.0: 0.2, 2.0: 0.5})], SCALES) == {
         "1": 0.2, "2": 0.5}
 
 
 def test_a_per_scale_policy_counts_each_run_at_its_own_scale() -> None:
     runs = [_summary("g@1", {1.0: 0.4, 2.0: 0.1}), _summary("g@2", {1.0: 0.1, 2.0: 0.9})]
-    assert per_scale_goodput("g", runs, SCALES) == {"1": 0.4, "2": 0.9}
+    assert per_scale("g", runs, SCALES) == {"1": 0.4, "2": 0.9}
     met = [_summary("g@1", {1.0: 0.4}, attainment=0.3), _summary("g@2", {2.0: 0.9}, attainment=0.8)]
-    assert per_scale_goodput("g", met, SCALES, compare.attainment_at) == {"1": 0.3, "2": 0.8}
+    assert per_scale("g", met, SCALES, compare.attainment_at) == {"1": 0.3, "2": 0.8}
     with pytest.raises(ValueError):
-        per_scale_goodput("g", runs[:1] * 3, SCALES)
+        per_scale("g", runs[:1] * 3, SCALES)
 
 
 def test_ratio_against_the_best_baseline_at_each_scale() -> None:
@@ -155,11 +155,11 @@ def test_the_mooncake_tag_replays_the_trace_with_longer_answers(tmp_path: Path) 
         bench_goodput.default_workload("real:small@nope", "/s")
 
 
-def test_repeats_take_the_median_goodput_and_each_repeats_own_ratio() -> None:
+def test_repeats_take_the_median_cells_and_each_repeats_own_ratio() -> None:
     runs = [{"rr": {"1": 0.2, "2": 0.6}, "goodput": {"1": 0.6, "2": 0.6}},
             {"rr": {"1": 0.4, "2": 0.3}, "goodput": {"1": 0.4, "2": 0.9}},
             {"rr": {"1": 0.0, "2": 0.5}, "goodput": {"1": 0.1, "2": 0.5}}]
-    assert bench_goodput.median_goodput(runs) == {"rr": {"1": 0.2, "2": 0.5},
+    assert bench_goodput.median_cells(runs) == {"rr": {"1": 0.2, "2": 0.5},
                                                    "goodput": {"1": 0.4, "2": 0.6}}
     out = bench_goodput.repeated_ratios(runs, ["rr"], "goodput", SCALES)
     # per repeat: 3.0/1.0, 1.0/3.0, None/1.0 (no baseline met an SLO at scale 1)
@@ -242,8 +242,10 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
 
     every = variants(True)
     assert [v.label for v in select_variants(every, None)] == [
-        v.label for v in every if v.label not in ("goodput-risk-estimate", "goodput-load")
-    ]  # those two on request only
+        v.label for v in every if v.label not in (
+            "goodput-risk-estimate", "goodput-load", "goodput-protect",
+            "goodput-capability-headroom-protect")
+    ]  # those on request only
     assert select_variants(every, "goodput-risk-estimate")[-1].params == {
         "risk_speed": "estimate"}
     assert select_variants(every, "goodput-load")[-1].params == {"speed_at_load": True}
@@ -271,3 +273,16 @@ def test_keep_leaves_the_runs_files_per_fleet(tmp_path: Path) -> None:
         temporary = work
         (work / "solo.jsonl").write_text("{}\n")
     assert not temporary.exists()
+
+
+def test_side_figures_only_refreshes_the_three_figures_and_keeps_the_rest(
+        tmp_path: Path) -> None:
+    from bench.bench_goodput import main, side_figures
+
+    out = tmp_path / "goodput.json"
+    out.write_text(json.dumps({"fleets": ["kept"], "decision_p99_ms_512": -1.0}))
+    assert main(["--side-figures-only", "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["fleets"] == ["kept"]
+    assert {k: written[k] for k in side_figures()} == side_figures()
+    assert written["decision_p99_ms_512"] != -1.0

@@ -58,3 +58,39 @@ def test_latency_runs_cover_every_policy_that_needs_no_artifact() -> None:
     names = without_params()
     assert {"round_robin", "goodput", "prefix_aware"} <= set(names)
     assert "eldr" in POLICIES and "eldr" not in names  # needs its trained centroids
+
+
+def test_decisions_only_replaces_the_decision_figures_alone(tmp_path: object) -> None:
+    import json
+    from pathlib import Path
+
+    from bench.scale import main
+
+    out = Path(str(tmp_path)) / "scale.json"
+    out.write_text(json.dumps({"decision_p99_ms": {"goodput": 9.0}, "load": ["kept"],
+                               "command": "old", "commit": "old"}))
+    assert main(["--decisions-only", "--backends", "512", "--picks", "300",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["load"] == ["kept"] and report["command"] == "old"  # the rest stays
+    assert report["decisions_command"].endswith("--out " + str(out))
+    assert {"goodput", "round_robin"} <= set(report["decision_p99_ms"])
+    assert report["decision_p99_ms"]["goodput"] != 9.0
+    assert {r["backends"] for r in report["decisions"]} == {512}
+
+
+def test_goodput_decisions_are_timed_with_slos() -> None:
+    """policy_latency's requests carry SLOs, so goodput's timed picks run Algorithm 1
+    (its reasons say so), not its no-SLO fallback."""
+    import random
+
+    from bench.policy_latency import _contexts, _views
+    from policies import build_policy
+    from predictors.base import NO_PREDICTION
+
+    rng = random.Random(0)
+    contexts, views = _contexts(rng), _views(64, rng)
+    assert 0.8 < sum(c.slo_ms is not None for c in contexts) / len(contexts) < 1.0
+    goodput = build_policy("goodput", {})
+    reasons = [goodput.pick(c, NO_PREDICTION, views[0]).reason for c in contexts[:200]]
+    assert sum("just enough" in r or "least overrun" in r for r in reasons) > 150

@@ -10,7 +10,7 @@ import pytest
 from policies.goodput import Goodput, GoodputParams
 from predictors.base import NO_PREDICTION, Prediction
 from proxy.types import Backend, BackendStats, Outcome, Progress, RequestContext
-from tests.policies.helpers import backends, ctx, view
+from tests.policies.helpers import backends, ctx, outcome, view
 
 FLEET = backends(3)  # b0 fast, b1 medium, b2 slow
 TPOT = {"b0": 0.010, "b1": 0.020, "b2": 0.040}
@@ -279,3 +279,100 @@ def test_speed_at_load_prices_the_batch_a_request_would_join() -> None:
     assert decision.backend.name == "b1", decision.reason  # b2: 51 ms x 100 = 5.1 s > 4.5
     idle = view(FLEET, stats=stats({"b0": 0.010, "b1": 0.020, "b2": 0.040}, at=4.0))
     assert goodput[True].pick(request(4.5), HUNDRED, idle).backend.name == "b2"  # 31 ms
+
+
+def arriving(request_id: str, slo_s: float, at: float, prompt_tokens: int = 100
+             ) -> RequestContext:
+    """A prompt of its own (no prefix shared with another request's)."""
+    return dataclasses.replace(request(slo_s, prompt=request_id * (4 * prompt_tokens)),
+                               request_id=request_id, arrived_at=at)
+
+
+PREFILL = {n: BackendStats(tpot_s=t, prefill_s_per_token=0.005, healthy=True, updated_at=1)
+           for n, t in TPOT.items()}  # T(100 in, 100 out) = 0.5 + 1 / 2 / 4 s
+
+
+def test_protect_refuses_a_backend_where_the_admission_would_make_another_miss() -> None:
+    """A (deadline 5 s) runs on b2 with 0.5 s of slack; B's 200-token prompt would stall
+    b2's decode steps for 1 s: Algorithm 1 sends B there anyway (T = 5 s <= 5 s), protect
+    sends it to the next slowest feasible backend."""
+    chosen = {}
+    for on in (False, True):
+        goodput = policy(protect=on)
+        first = goodput.pick(arriving("A", 5.0, at=0.0), HUNDRED, view(FLEET, stats=PREFILL))
+        assert first.backend.name == "b2"
+        second = goodput.pick(arriving("B", 5.0, at=0.5, prompt_tokens=200), HUNDRED,
+                              view(FLEET, inflight={"b2": 1}, stats=PREFILL, now=0.5))
+        chosen[on] = second
+    assert chosen[False].backend.name == "b2"
+    assert chosen[True].backend.name == "b1", chosen[True].reason
+    assert "protect: 1 refused" in chosen[True].reason and "b2 for A" in chosen[True].reason
+
+
+def test_protect_ignores_doomed_and_finished_requests_and_counts_progress() -> None:
+    goodput = policy(protect=True, migrate=False)  # A stays on b2
+    goodput.pick(arriving("A", 5.0, at=0.0), HUNDRED, view(FLEET, stats=PREFILL))
+    late = view(FLEET, inflight={"b2": 1}, stats=PREFILL, now=1.5)
+    # at 1.5 s A (decoding since 0.5 s at 40 ms) has ~75 tokens left: finish 4.5 s, so
+    # 0.5 s of slack: a 1 s stall would still make it miss
+    assert goodput.pick(arriving("B", 8.0, at=1.5, prompt_tokens=200), HUNDRED,
+                        late).backend.name == "b1"
+    # A reported only 10 tokens at 1.5 s (a slow start): 90 left, finish 5.1 s: it
+    # misses anyway, so it no longer holds b2 back
+    goodput.reroute(arriving("A", 5.0, at=0.0), HUNDRED,
+                    progress(FLEET[2], generated=10, elapsed_s=1.5, tpot_s=0.1), late)
+    assert goodput.pick(arriving("C", 8.0, at=1.5, prompt_tokens=200), HUNDRED,
+                        late).backend.name == "b2"
+    goodput = policy(protect=True)
+    goodput.pick(arriving("A", 5.0, at=0.0), HUNDRED, view(FLEET, stats=PREFILL))
+    goodput.observe(outcome("A", "b2", 100))
+    assert goodput.pick(arriving("B", 5.0, at=0.5, prompt_tokens=200), HUNDRED,
+                        view(FLEET, stats=PREFILL, now=0.5)).backend.name == "b2"
+
+
+def test_protect_prices_the_load_fits_slowdown_and_follows_moves() -> None:
+    """No prefill: only the fit's 1 ms per request more on b2 can harm A (100 tokens
+    left at 40 ms, 0.05 s of slack: +0.1 s). alpha 1: d_g is the latest snapshot's."""
+    goodput = policy(protect=True, load_min_samples=3, alpha=1.0)
+    for i, n in enumerate((10, 5, 0)):  # b2: 39 ms + 1 ms per running request
+        snapshot = stats({"b0": 0.010, "b1": 0.020, "b2": 0.039 + 0.001 * n}, at=float(i + 1))
+        snapshot["b2"] = dataclasses.replace(snapshot["b2"], running=n)
+        goodput.estimates(request(9.0), 1, view(FLEET, stats=snapshot))
+    fleet = stats({"b0": 0.010, "b1": 0.020, "b2": 0.039}, at=3.0)  # seen already
+    assert goodput.pick(arriving("A", 4.05, at=0.0), HUNDRED,
+                        view(FLEET, stats=fleet)).backend.name == "b2"
+    busy = view(FLEET, inflight={"b2": 1}, stats=fleet)
+    assert goodput.pick(arriving("B", 9.0, at=0.0), HUNDRED, busy).backend.name == "b1"
+    # A moved to b0 (a τ check's move, seen through the old leg's outcome): b2 is free
+    goodput.observe(dataclasses.replace(outcome("A", "b2", 0), moved_to="b0"))
+    assert goodput.pick(arriving("C", 9.0, at=0.0), HUNDRED, busy).backend.name == "b2"
+
+
+def test_protect_sends_a_request_that_harms_everywhere_to_the_least_overrun() -> None:
+    goodput = policy(protect=True)
+    for name, at in (("A", "b0"), ("B", "b1"), ("C", "b2")):  # one tight request each
+        slo = {"b0": 1.6, "b1": 2.6, "b2": 4.6}[at]
+        chosen = goodput.pick(arriving(name, slo, at=0.0), HUNDRED,
+                              view(FLEET, stats=PREFILL))
+        assert chosen.backend.name == at
+    decision = goodput.pick(arriving("D", 9.0, at=0.0, prompt_tokens=200), HUNDRED,
+                            view(FLEET, inflight=dict.fromkeys(TPOT, 1), stats=PREFILL))
+    assert decision.backend.name == "b0"  # T = 2 s, the least of 2 / 3 / 5 s
+    assert "all 3 would harm" in decision.reason
+
+
+def test_placements_follow_moves_and_forget_the_oldest_past_their_bound() -> None:
+    from policies.placements import Placed, Placements
+
+    placed = Placements(limit=2)
+    for rid, backend in (("a", "b0"), ("b", "b0"), ("a", "b1")):  # "a" again: it moved
+        placed.place(Placed(rid, backend, deadline_at=9.0, output_tokens=10, max_tokens=None))
+    assert [p.request_id for p in placed.on("b0")] == ["b"]
+    assert [p.request_id for p in placed.on("b1")] == ["a"]
+    placed.progress("a", "b2", generated=5, at=1.0, output_tokens=20)
+    (a,) = placed.on("b2")
+    assert (a.generated, a.counted_at, a.output_tokens) == (5, 1.0, 20)
+    placed.place(Placed("c", "b0", deadline_at=9.0, output_tokens=10, max_tokens=None))
+    assert len(placed) == 2 and not list(placed.on("b2"))  # "a", the oldest, is gone
+    placed.finish("b")
+    assert [p.request_id for p in placed.on("b0")] == ["c"]
