@@ -352,8 +352,12 @@ async def test_a_dilated_instance_streams_k_times_slower_over_http() -> None:
             answer = await fleet_post(fleet, {"prompt": [1, 2, 3], "max_tokens": 10})
             times.append(asyncio.get_running_loop().time() - start)
         assert answer.json()["usage"]["completion_tokens"] == 10
-    # 10 steps of 4 ms, then of 20 ms (plus HTTP, the same in both)
-    assert times[0] < 0.2 and times[1] - times[0] == pytest.approx(0.16, abs=0.05)
+    # 10 steps of 4 ms, then of 20 ms, plus HTTP: the dilated answer cannot come before
+    # its 0.2 s of steps (undilated it takes ~0.05 s); the upper bounds only catch a
+    # hang, as a loaded machine (CI) adds to both (a tight bound on the difference
+    # failed there once)
+    assert 0.04 <= times[0] < 1.0
+    assert 0.2 <= times[1] < 0.2 + 1.0
 
 
 def test_shipped_profiles_load() -> None:
