@@ -176,8 +176,8 @@ def scale_key(scale: float) -> str:
 
 
 def per_scale(label: str, runs: Sequence[Summary], scales: Sequence[float],
-                      metric: Callable[[Summary, float], float] = compare.goodput_at
-                      ) -> dict[str, float]:
+              metric: Callable[[Summary, float], float] = compare.goodput_at
+              ) -> dict[str, float]:
     """Goodput (req/s; or another `metric`, e.g. SLO attainment) at each scale: one run
     for all, or the run made at that scale."""
     if len(runs) == 1:
@@ -253,7 +253,7 @@ def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], ou
 
 
 def median_cells(runs: Sequence[Mapping[str, Mapping[str, float]]]
-                   ) -> dict[str, dict[str, float]]:
+                 ) -> dict[str, dict[str, float]]:
     """Per policy and scale, the median over repeated runs of the whole comparison (of
     goodput or attainment cells alike)."""
     return {label: {k: round(statistics.median(r[label][k] for r in runs), 4)
@@ -299,7 +299,7 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
         runs.append({v.label: per_scale(v.label, summaries[v.label], plan.scales)
                      for v in plan.variants})
         attained.append({v.label: per_scale(v.label, summaries[v.label], plan.scales,
-                                                    compare.attainment_at)
+                                            compare.attainment_at)
                          for v in plan.variants})
         print(f"{name}: repeat {r + 1}/{repeats}", flush=True)
         print(table(runs[-1], {v.label: summaries[v.label] for v in plan.variants},
@@ -414,10 +414,10 @@ def main(argv: list[str] | None = None) -> int:
                         "predictor figures (length_predictor.json) in --out")
     args = parser.parse_args(argv)
     if args.side_figures_only:
-        path = Path(args.out)
-        path.write_text(json.dumps({**json.loads(path.read_text()), **side_figures()},
-                                   indent=1) + "\n")
-        print(f"refreshed {', '.join(side_figures())} in {path}")
+        path, figures = Path(args.out), side_figures()
+        path.write_text(json.dumps({**json.loads(path.read_text()), **figures}, indent=1)
+                        + "\n")
+        print(f"refreshed {', '.join(figures)} in {path}")
         return 0
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")

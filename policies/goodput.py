@@ -166,20 +166,17 @@ class Goodput:
                   done_tokens: int = 0) -> list[tuple[Backend, float, float]]:
         """(g, T(r, g), d_g) for every candidate: Eq. 2. One pass over the candidates
         with the per-backend work inlined: at 512 backends this loop is the decision."""
-        p = self._p
-        prompt_tokens = len(ctx.prompt_text) / p.chars_per_token + done_tokens
+        prompt_tokens, hits = self._prompt(ctx, done_tokens)
         candidates = view.candidates
-        hits = self._prefixes.matched_blocks(ctx.prompt_blocks) if ctx.prompt_blocks else {}
-        tokens_per_block = p.block_chars / p.chars_per_token
         speeds = self._speeds.current(candidates, view.stats)
         at_load = ([self._speeds.tpot_at(b.name, view.inflight_of(b) + 1) for b in candidates]
-                   if p.speed_at_load else None)
+                   if self._p.speed_at_load else None)
         out = []
         for i, backend in enumerate(candidates):
             speed = speeds[i]
-            blocks = hits.get(backend.name) if hits else None
-            prefill = (prompt_tokens if blocks is None
-                       else max(0.0, prompt_tokens - blocks * tokens_per_block))
+            # most backends hold no prefix of the prompt: no call for them
+            prefill = (self._uncached(prompt_tokens, hits, backend.name)
+                       if backend.name in hits else prompt_tokens)
             tpot = speed.tpot_s
             if at_load is not None:
                 fitted = at_load[i]
@@ -229,11 +226,13 @@ class Goodput:
         the least overrun among them); the least overrun of all if every one is struck."""
         if not self._p.protect:
             return self._select(times, deadline, view)
+        prompt_tokens, hits = self._prompt(ctx, done_tokens)
         left = list(times)
         struck: list[str] = []
         while left:
             backend, reason = self._select(left, deadline, view)
-            harmed = self._harms(ctx, backend, view, done_tokens)
+            harmed = self._harms(ctx, backend, view,
+                                 self._uncached(prompt_tokens, hits, backend.name))
             if harmed is None:
                 return backend, reason + (f" (protect: {len(struck)} refused, e.g. "
                                           f"{', '.join(struck[:3])})" if struck else "")
@@ -243,10 +242,10 @@ class Goodput:
         return backend, reason + f" (protect: all {len(struck)} would harm a request)"
 
     def _harms(self, ctx: RequestContext, backend: Backend, view: ClusterView,
-               done_tokens: int) -> str | None:
+               prefill_tokens: float) -> str | None:
         """The id of an on-track request on `backend` that admitting r would push past
-        its deadline: r's prefill stalls its decode steps, and one more request in the
-        batch raises d by the load fit's slope."""
+        its deadline: r's prefill (`prefill_tokens` there) stalls its decode steps, and
+        one more request in the batch raises d by the load fit's slope."""
         name = backend.name
         speed = self._speeds.of(name, view.stats_of(backend))
         running = view.inflight_of(backend)
@@ -254,7 +253,7 @@ class Goodput:
         tpot = max(1e-6, speed.tpot_s if fitted is None else fitted)
         joined = self._speeds.tpot_at(name, running + 1)
         slower = 0.0 if joined is None else max(0.0, joined - tpot)
-        stall = speed.prefill_s_per_token * self._prefill_tokens(ctx, name, done_tokens)
+        stall = speed.prefill_s_per_token * prefill_tokens
         now = view.now
         for placed in self._placed.on(name):
             if placed.request_id == ctx.request_id:
@@ -266,17 +265,22 @@ class Goodput:
                 return placed.request_id
         return None
 
-    def _prefill_tokens(self, ctx: RequestContext, name: str, done_tokens: int) -> float:
+    def _prompt(self, ctx: RequestContext, done_tokens: int) -> tuple[float, dict[str, int]]:
+        """L_in (+ tokens already generated, for a move) and the prefix blocks each
+        backend already got (H_rg, in blocks)."""
+        hits = self._prefixes.matched_blocks(ctx.prompt_blocks) if ctx.prompt_blocks else {}
+        return len(ctx.prompt_text) / self._p.chars_per_token + done_tokens, hits
+
+    def _uncached(self, prompt_tokens: float, hits: dict[str, int], name: str) -> float:
+        """L_in - H_rg: the prompt tokens `name` has to prefill."""
         p = self._p
-        prompt_tokens = len(ctx.prompt_text) / p.chars_per_token + done_tokens
-        hits = self._prefixes.matched_blocks(ctx.prompt_blocks).get(name, 0)
-        return max(0.0, prompt_tokens - hits * p.block_chars / p.chars_per_token)
+        return max(0.0, prompt_tokens - hits.get(name, 0) * p.block_chars / p.chars_per_token)
 
     def _place(self, ctx: RequestContext, backend: Backend, deadline_at: float,
                output_tokens: float, view: ClusterView) -> None:
         speed = self._speeds.of(backend.name, view.stats_of(backend))
         decode_from = view.now + speed.queue_s + speed.prefill_s_per_token * (
-            self._prefill_tokens(ctx, backend.name, 0))
+            self._uncached(*self._prompt(ctx, 0), backend.name))
         self._placed.place(Placed(ctx.request_id, backend.name, deadline_at, output_tokens,
                                   ctx.max_tokens, counted_at=decode_from))
 

@@ -9,7 +9,6 @@ extensions before its shorter prefixes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
 
 
 class PrefixIndex:
@@ -18,19 +17,15 @@ class PrefixIndex:
         self._max_entries = max_entries
         self._per_block = max_backends_per_block
 
-    def matched_blocks(self, blocks: tuple[bytes, ...], names: Iterable[str] | None = None
-                       ) -> dict[str, int]:
-        """For each backend that got a prefix of the prompt (of `names`, if given): how
-        many leading blocks it already got."""
-        wanted = None if names is None else set(names)
+    def matched_blocks(self, blocks: tuple[bytes, ...]) -> dict[str, int]:
+        """For each backend that got a prefix of the prompt: how many leading blocks it
+        already got."""
         depths: dict[str, int] = {}
         owners = self._owners
         for depth in range(len(blocks), 0, -1):
             for name in owners.get(blocks[depth - 1], ()):
-                if name not in depths and (wanted is None or name in wanted):
+                if name not in depths:
                     depths[name] = depth
-            if wanted is not None and len(depths) == len(wanted):
-                break
         return depths
 
     def remember(self, blocks: tuple[bytes, ...], name: str) -> None:
