@@ -68,19 +68,55 @@ extrapolated at d between checks.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies._load import LeastInflight
 from policies.base import register
 from policies.placements import Placed, Placements
 from policies.prefix_index import PrefixIndex, blocks_from_wire, blocks_to_wire
-from policies.speed import Speed, SpeedModel
+from policies.speed import Floats, Speed, SpeedModel
 from predictors.base import Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, Progress, RequestContext
 
 MAX_WINDOWS = 100_000  # running streams remembered for window samples
+
+Estimate = tuple[Backend, float, float]  # (g, T(r, g), d_g)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimates:
+    """Eq. 2 for every candidate: T(r, g) and d_g in the order of `backends`. Indexing
+    and iterating give (g, T, d) rows; `where` and `without` give subsets."""
+
+    backends: tuple[Backend, ...]
+    total: Floats
+    tpot: Floats
+
+    def __len__(self) -> int:
+        return len(self.backends)
+
+    def __getitem__(self, i: int) -> Estimate:
+        return self.backends[i], float(self.total[i]), float(self.tpot[i])
+
+    def __iter__(self) -> Iterator[Estimate]:
+        return zip(self.backends, self.total.tolist(), self.tpot.tolist(), strict=True)
+
+    def where(self, keep: npt.NDArray[np.bool_]) -> Estimates:
+        return Estimates(tuple(b for b, k in zip(self.backends, keep.tolist(), strict=True)
+                               if k), self.total[keep], self.tpot[keep])
+
+    def without(self, backend: Backend) -> Estimates:
+        return self.where(np.array([b is not backend for b in self.backends]))
+
+    def of(self, backend: Backend) -> float:
+        """T(r, g) of `backend`."""
+        return float(self.total[self.backends.index(backend)])
 
 
 class GoodputParams(BaseModel):
@@ -163,50 +199,46 @@ class Goodput:
         return self._chosen(ctx, backend, reason)
 
     def estimates(self, ctx: RequestContext, output_tokens: float, view: ClusterView,
-                  done_tokens: int = 0) -> list[tuple[Backend, float, float]]:
-        """(g, T(r, g), d_g) for every candidate: Eq. 2. One pass over the candidates
-        with the per-backend work inlined: at 512 backends this loop is the decision."""
+                  done_tokens: int = 0) -> Estimates:
+        """T(r, g) and d_g for every candidate: Eq. 2, as array operations over the
+        speed model's columns (at 512 backends this is the decision)."""
         prompt_tokens, hits = self._prompt(ctx, done_tokens)
-        candidates = view.candidates
-        speeds = self._speeds.current(candidates, view.stats)
-        at_load = ([self._speeds.tpot_at(b.name, view.inflight_of(b) + 1) for b in candidates]
-                   if self._p.speed_at_load else None)
-        out = []
-        for i, backend in enumerate(candidates):
-            speed = speeds[i]
-            # most backends hold no prefix of the prompt: no call for them
-            prefill = (self._uncached(prompt_tokens, hits, backend.name)
-                       if backend.name in hits else prompt_tokens)
-            tpot = speed.tpot_s
-            if at_load is not None:
-                fitted = at_load[i]
-                tpot = tpot if fitted is None else fitted
-            out.append((backend, speed.queue_s + speed.prefill_s_per_token * prefill
-                        + tpot * output_tokens, tpot))
-        return out
+        cols, queue, prefill_rate, tpot = self._speeds.columns(view.candidates, view.stats)
+        prefill = np.full(len(queue), prompt_tokens)
+        for name in hits:  # the few backends holding a prefix of the prompt
+            i = cols.position(name)
+            if i is not None:
+                prefill[i] = self._uncached(prompt_tokens, hits, name)
+        if self._p.speed_at_load:
+            fitted = [self._speeds.tpot_at(b.name, view.inflight_of(b) + 1)
+                      for b in view.candidates]
+            tpot = np.array([d if f is None else f
+                             for d, f in zip(tpot.tolist(), fitted, strict=True)])
+        return Estimates(view.candidates, queue + prefill_rate * prefill
+                         + tpot * output_tokens, tpot)
 
     @staticmethod
-    def just_enough(times: list[tuple[Backend, float, float]], deadline: float
-                    ) -> tuple[Backend, str]:
-        feasible = [t for t in times if t[1] <= deadline]
-        if feasible:
-            backend, total, tpot = max(feasible, key=lambda t: t[2])
+    def just_enough(times: Estimates, deadline: float) -> tuple[Backend, str]:
+        feasible = times.total <= deadline
+        count = int(np.count_nonzero(feasible))
+        if count:
+            backend, total, tpot = times[int(np.argmax(np.where(feasible, times.tpot,
+                                                                -np.inf)))]
             return backend, (f"just enough: T={total:.3f}s <= D={deadline:.3f}s with the "
-                             f"slowest feasible d={tpot * 1000:.1f}ms ({len(feasible)} feasible)")
+                             f"slowest feasible d={tpot * 1000:.1f}ms ({count} feasible)")
         return Goodput.least_overrun(times, deadline)
 
     @staticmethod
-    def least_overrun(times: list[tuple[Backend, float, float]], deadline: float
-                      ) -> tuple[Backend, str]:
+    def least_overrun(times: Estimates, deadline: float) -> tuple[Backend, str]:
         """Algorithm 1's fallback when no backend meets D_r: argmin (T - D_r)."""
-        backend, total, _ = min(times, key=lambda t: t[1] - deadline)
+        backend, total, _ = times[int(np.argmin(times.total - deadline))]
         return backend, f"none feasible: least overrun T={total:.3f}s > D={deadline:.3f}s"
 
-    def _select(self, times: list[tuple[Backend, float, float]], deadline: float,
-                view: ClusterView) -> tuple[Backend, str]:
+    def _select(self, times: Estimates, deadline: float, view: ClusterView
+                ) -> tuple[Backend, str]:
         if self._p.selection == "paper":
             return self.just_enough(times, deadline)
-        feasible = [t for t in times if t[1] <= deadline]
+        feasible = times.where(times.total <= deadline)
         if not feasible:
             return self.least_overrun(times, deadline)
         caps = [self._capability(t) for t in feasible]
@@ -217,9 +249,8 @@ class Goodput:
                          f"slowest tier d>={floor * 1000:.1f}ms ({len(tier)} of "
                          f"{len(feasible)} feasible), {view.inflight_of(backend)} in flight")
 
-    def _choose(self, ctx: RequestContext, times: list[tuple[Backend, float, float]],
-                deadline: float, view: ClusterView, done_tokens: int = 0
-                ) -> tuple[Backend, str]:
+    def _choose(self, ctx: RequestContext, times: Estimates, deadline: float,
+                view: ClusterView, done_tokens: int = 0) -> tuple[Backend, str]:
         """`_select`, with `protect` over the backends r harms nobody on: each pick the
         rule makes that would push an on-track request past its deadline is struck off
         and the rule applied again to the rest (so a request none meets D_r on goes to
@@ -227,7 +258,7 @@ class Goodput:
         if not self._p.protect:
             return self._select(times, deadline, view)
         prompt_tokens, hits = self._prompt(ctx, done_tokens)
-        left = list(times)
+        left = times
         struck: list[str] = []
         while left:
             backend, reason = self._select(left, deadline, view)
@@ -237,7 +268,7 @@ class Goodput:
                 return backend, reason + (f" (protect: {len(struck)} refused, e.g. "
                                           f"{', '.join(struck[:3])})" if struck else "")
             struck.append(f"{backend.name} for {harmed}")
-            left = [t for t in left if t[0] is not backend]
+            left = left.without(backend)
         backend, reason = self.least_overrun(times, deadline)
         return backend, reason + f" (protect: all {len(struck)} would harm a request)"
 
@@ -284,7 +315,7 @@ class Goodput:
         self._placed.place(Placed(ctx.request_id, backend.name, deadline_at, output_tokens,
                                   ctx.max_tokens, counted_at=decode_from))
 
-    def _capability(self, time: tuple[Backend, float, float]) -> float:
+    def _capability(self, time: Estimate) -> float:
         """The backend's lightly loaded d_g; its current one if it has no estimate yet."""
         cap = self._speeds.capability(time[0].name)
         return time[2] if cap is None else cap
@@ -308,14 +339,13 @@ class Goodput:
         finish_here = progress.elapsed_s + tpot_here * remaining
         if finish_here <= deadline:
             return None
-        faster = [t for t in self.estimates(ctx, remaining, view, progress.generated)
-                  if t[2] < tpot_here]
+        times = self.estimates(ctx, remaining, view, progress.generated)
+        faster = times.where(times.tpot < tpot_here)
         if not faster:
             return None
         slack = deadline - progress.elapsed_s - self._p.handoff_s
         backend, reason = self._choose(ctx, faster, slack, view, progress.generated)
-        moved_finish = progress.elapsed_s + self._p.handoff_s + next(
-            t[1] for t in faster if t[0] is backend)
+        moved_finish = progress.elapsed_s + self._p.handoff_s + faster.of(backend)
         if moved_finish > finish_here - self._p.min_gain_s:
             return None
         if self._p.rescue_only and moved_finish > deadline:

@@ -227,6 +227,50 @@ def test_capability_is_the_lowest_d_seen_from_real_samples() -> None:
     assert model.capability("x") == pytest.approx(0.025)
 
 
+def test_speed_columns_mirror_every_change_to_the_estimates() -> None:
+    """Eq. 2 runs on the model's arrays: they must equal the `Speed` records after
+    snapshots (a new backend seeded from its first one, a newer one folded by EMA),
+    outcomes, other replicas' estimates, subsets of the candidates and growth."""
+    from policies.speed import Speed, SpeedModel
+
+    model = SpeedModel(0.5, Speed(0.0, 0.0, 0.03))
+
+    def tpots(candidates: tuple[Backend, ...], snapshot: dict[str, BackendStats]
+              ) -> list[float]:
+        _, _, _, tpot = model.columns(candidates, snapshot)
+        assert tpot.tolist() == [model.peek(b.name).tpot_s  # type: ignore[union-attr]
+                                 for b in candidates]
+        return tpot.tolist()
+
+    first = stats()
+    assert tpots(FLEET, first) == pytest.approx([0.010, 0.020, 0.040])  # seeded, no EMA
+    newer = {**first, "b1": stats({"b1": 0.060}, at=2)["b1"]}
+    assert tpots(FLEET, newer) == pytest.approx([0.010, 0.040, 0.040])
+    assert tpots(FLEET, dict(newer)) == pytest.approx([0.010, 0.040, 0.040])  # seen: kept
+    model.observe_tpot("b0", 0.030)
+    model.blend("b2", 0.0, 0.0, 0.080)
+    assert tpots(FLEET, newer) == pytest.approx([0.020, 0.040, 0.060])
+    assert tpots((FLEET[2], FLEET[0]), newer) == pytest.approx([0.060, 0.020])
+    many = backends(100)  # past the arrays' first size
+    snapshot = stats({b.name: 0.001 * (i + 1) for i, b in enumerate(many)})
+    assert tpots(many, snapshot)[3:] == pytest.approx([0.001 * (i + 1) for i in range(3, 100)])
+    queue = model.columns(many, snapshot)[1]
+    assert queue.tolist() == [0.0] * 100
+
+
+def test_estimates_subsets_keep_rows_together() -> None:
+    goodput = policy()
+    times = goodput.estimates(request(9.0), 100, view(FLEET, stats=stats()))
+    assert [(b.name, t) for b, t, _ in times] == [("b0", pytest.approx(1.0)),
+                                                  ("b1", pytest.approx(2.0)),
+                                                  ("b2", pytest.approx(4.0))]
+    slower = times.where(times.tpot > 0.015)
+    assert [b.name for b, _, _ in slower] == ["b1", "b2"] and len(slower) == 2
+    rest = slower.without(FLEET[1])
+    assert [b.name for b, _, _ in rest] == ["b2"] and rest.of(FLEET[2]) == pytest.approx(4.0)
+    assert not rest.without(FLEET[2])
+
+
 @pytest.mark.parametrize(("slo_s", "chosen"), [
     (4.5, "b1"),  # b2's T = 4 s is within D but not within 0.75 D = 3.4 s
     (5.5, "b2"),  # 0.75 D = 4.1 s: b2 fits again
