@@ -50,7 +50,7 @@ import numpy.typing as npt
 from proxy.types import UNKNOWN_STATS, Backend, BackendStats
 
 Floats = npt.NDArray[np.float64]
-COLUMN_TUPLES = 32  # candidate tuples whose positions are cached
+COLUMN_TUPLES = 32  # candidate tuples whose positions are cached (least recently used out)
 _NAME = attrgetter("name")
 _UPDATED_AT = attrgetter("updated_at")
 
@@ -170,6 +170,8 @@ class SpeedModel:
         cols = self._columns.get(id(candidates))
         if cols is None or cols.candidates is not candidates:
             cols = self._index(candidates, stats)
+        else:
+            self._columns.move_to_end(id(candidates))  # kept over retries' one-off tuples
         if cols.stats is not stats:
             names = cols.names
             updated = np.fromiter(map(_UPDATED_AT, map(stats.get, names, repeat(UNKNOWN_STATS))),
