@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -249,3 +250,29 @@ def test_least_request_avoids_the_busy_backend(vllm_fleet: Any) -> None:
             for _ in range(4)]
         worker.join(timeout=120)
     assert busy["name"] not in chosen
+
+
+def test_goodput_routes_by_each_requests_slo(vllm_fleet: Any) -> None:
+    """GoodServe through the proxy on the real servers' own scraped speeds: a loose SLO
+    gets Algorithm 1's just-enough choice, an impossible one the least overrun, none the
+    least in-flight fallback; every answer arrives (the decisions as the proxy logs them)."""
+    config = fleet_config(vllm_fleet, "goodput", debug={"log_decisions": True},
+                          params={"length_source": "max_tokens"})
+    with running_proxy(config) as proxy:
+        sdk = client(proxy.url)
+        chosen = []
+        for slo_ms in ("30000", "30000", "1", None):
+            headers = {} if slo_ms is None else {"x-laneway-slo-ms": slo_ms}
+            resp = sdk.chat.completions.with_raw_response.create(
+                model=SMALL, messages=[{"role": "user", "content": f"hi {slo_ms}"}],
+                max_tokens=8, extra_headers=headers)
+            assert resp.parse().choices[0].message.content
+            chosen.append(resp.headers["x-laneway-backend"])
+        log = (Path(proxy.config_path).parent / "proxy.log").read_text()
+    assert set(chosen) <= small_backends(vllm_fleet)
+    decisions = [line for line in log.splitlines() if f"model={SMALL} ->" in line]
+    assert len(decisions) == 4, log[-3000:]
+    assert all("2 candidates" in line for line in decisions)
+    assert "just enough: T=" in decisions[0] and "just enough: T=" in decisions[1]
+    assert "none feasible: least overrun" in decisions[2]
+    assert "no SLO: least in-flight" in decisions[3]
