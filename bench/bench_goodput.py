@@ -409,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep every run's files (solo, configs, per-request JSONL) "
                         "under DIR/<fleet>/repeat-<r>/ instead of a temporary directory; "
                         "`python -m bench.goodput_breakdown` reads them")
+    parser.add_argument("--hide-length", type=int, metavar="N", default=None,
+                        help="requests ask for max(N, their length) tokens and the client "
+                        "stops at their length: max_tokens no longer tells the proxy the "
+                        "true length (default: it does, README Goodput's correction)")
     parser.add_argument("--side-figures-only", action="store_true",
                         help="run nothing: refresh decision_p99_ms_512 (scale.json) and the "
                         "predictor figures (length_predictor.json) in --out")
@@ -436,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         name = spec.replace(":", "-").replace(",", "-").replace("@", "-")
         name += f"-dilated{dilation:g}" if dilation != 1 else ""
         workload = args.workload or default_workload(spec, args.shared, dilation)
+        if args.hide_length is not None:
+            workload = [*workload, "--hide-length", str(args.hide_length)]
         plan = Plan(workload, chosen, list(SCALES), Path(args.out).parent / "goodput",
                     args.solo_requests, args.time_limit * dilation,
                     artifact if use_predictor else None, solo_tier=args.solo_tier)

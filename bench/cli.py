@@ -63,6 +63,10 @@ def _send_options(parser: argparse.ArgumentParser, default_out: str) -> None:
     group.add_argument("--header", action="append", default=[],
                        help="'Name: value' sent with every request (repeatable)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    group.add_argument("--hide-length", type=int, metavar="N",
+                       help="ask for max(N, the request's length) tokens and stop reading at "
+                       "its length, so the proxy cannot learn the answer length from "
+                       "max_tokens (default: ask for exactly its length)")
 
 
 def _run_parser(sub: Any) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench.lexicon import CHAT_TEMPLATE_TOKENS
 from bench.results import Migration, RequestResult
 from bench.workloads import WorkloadRequest
 
@@ -30,14 +31,21 @@ class Target:
     model: str
     timeout_s: float = 600.0
     headers: tuple[tuple[str, str], ...] = ()  # sent with every request
+    # ask for this many tokens and stop reading at the request's own length, so the
+    # proxy's length prediction is not capped at the true length (None: ask for it)
+    hide_length: int | None = None
 
 
 def request_body(target: Target, request: WorkloadRequest) -> dict[str, Any]:
     # ignore_eos: every request produces exactly max_tokens, whichever backend runs it;
     # temperature 0 keeps outputs equal across runs (and across a migration).
-    return {"model": target.model, "messages": [{"role": "user", "content": request.prompt}],
+    body = {"model": target.model, "messages": [{"role": "user", "content": request.prompt}],
             "max_tokens": request.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
+    if target.hide_length is not None:  # token ids count what arrived (the reader stops)
+        body.update(max_tokens=max(target.hide_length, request.max_tokens),
+                    return_token_ids=True)
+    return body
 
 
 def request_headers(target: Target, request: WorkloadRequest) -> dict[str, str]:
@@ -58,6 +66,7 @@ class _Observed:
     usage: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     done: bool = False
+    tokens: int = 0  # token ids received (requests sent with return_token_ids)
 
     def line(self, line: bytes, now: float) -> None:
         if line.startswith(EVENT_PREFIX):
@@ -81,6 +90,8 @@ class _Observed:
             self.error = str(error.get("message") if isinstance(error, dict) else error)
         if event.get("usage"):
             self.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            self.tokens += len(choice.get("token_ids") or ())
         for choice in event.get("choices") or ():
             if (choice.get("delta") or {}).get("content") or choice.get("text"):
                 self.chunk_times.append(now - self.sent)
@@ -107,8 +118,15 @@ async def stream_one(session: aiohttp.ClientSession, target: Target,
                 body = await response.content.read(_ERROR_BODY_LIMIT)
                 observed.error = f"HTTP {status}: {body.decode(errors='replace')}"
             else:
+                stop_at = request.max_tokens if target.hide_length is not None else None
                 async for raw in response.content:
                     observed.line(raw.rstrip(b"\r\n"), time.perf_counter())
+                    if stop_at is not None and observed.tokens >= stop_at:
+                        ended = time.perf_counter()
+                        response.close()  # the proxy cancels the upstream: the work ends
+                        observed.done = True
+                        return _result(request, target, observed, ended, run_start, status,
+                                       backend)
                 if not observed.done and observed.error is None:
                     observed.error = "stream ended without [DONE]"
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -121,12 +139,15 @@ def _result(request: WorkloadRequest, target: Target, observed: _Observed, ended
             run_start: float, status: int | None, backend: str | None) -> RequestResult:
     e2e = ended - observed.sent
     ttft = observed.chunk_times[0] if observed.chunk_times else None
-    output_tokens = observed.usage.get("completion_tokens")
+    output_tokens = observed.usage.get("completion_tokens") or observed.tokens or None
+    prompt_tokens = observed.usage.get("prompt_tokens")
+    if prompt_tokens is None and observed.tokens:  # stopped before the usage event
+        prompt_tokens = request.prompt_tokens + CHAT_TEMPLATE_TOKENS
     # From the first to the last text event: the wait for `[DONE]` is not decoding.
     tpot = (observed.chunk_times[-1] - observed.chunk_times[0]) / (output_tokens - 1) \
         if observed.chunk_times and output_tokens and output_tokens > 1 else None
     return RequestResult(
         request.seq, request.id, target.model, request.arrival_s, observed.sent - run_start,
-        e2e, ttft, tpot, tuple(observed.chunk_times), observed.usage.get("prompt_tokens"),
+        e2e, ttft, tpot, tuple(observed.chunk_times), prompt_tokens,
         output_tokens, request.max_tokens, backend, status, observed.error,
         tuple(observed.migrations), request.slo_s, request.source, request.quality)
