@@ -238,3 +238,26 @@ async def test_a_stream_without_done_or_with_an_error_event_is_an_error() -> Non
         [failed] = await collect(requests([0.0]), error_url)
     assert cut.error == "stream ended without [DONE]"
     assert failed.error == "backend broke" and failed.ttft_s is not None
+
+
+async def test_hidden_length_asks_for_more_and_stops_reading_at_the_requests_length() -> None:
+    """--hide-length: the server is asked for 200 tokens (so a proxy cannot learn the
+    answer length from max_tokens) and the client closes the stream at the request's 10,
+    counting token ids; the usage event never comes, so the prompt length is the
+    workload's plus the chat template's."""
+    from bench.lexicon import CHAT_TEMPLATE_TOKENS
+    from bench.sse_client import request_body
+
+    reqs = requests([0.0], max_tokens=10)
+    target = Target("http://unused", "fake", timeout_s=10, hide_length=200)
+    body = request_body(target, reqs[0])
+    assert body["max_tokens"] == 200 and body["return_token_ids"] is True
+    assert request_body(dataclasses.replace(target, hide_length=None), reqs[0])["max_tokens"] == 10
+    async with serve_fake(FakeConfig(ttft_s=0.02, tpot_s=0.02)) as fake:
+        got: list[RequestResult] = []
+        await run(reqs, dataclasses.replace(target, url=fake.url), Limits(), got.append, None)
+    [result] = got
+    assert result.ok and result.error is None, result.error
+    assert result.output_tokens == 10 and len(result.chunk_times_s) == 10
+    assert result.e2e_s < 1.0  # 200 tokens would take 4 s
+    assert result.prompt_tokens == reqs[0].prompt_tokens + CHAT_TEMPLATE_TOKENS
