@@ -97,6 +97,10 @@ bench-goodput: install
 	test -f $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1/meta.json || \
 		$(MAKE) train-length SHARED=$(SHARED)
 	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --shared $(SHARED)
+	# the same without the length leak: max_tokens no longer the true length (README, Goodput)
+	$(PY) -m bench.bench_goodput --fleet emulated:64 --hide-length 512 \
+		--only goodput-capability-headroom --out docs/results/goodput_hidden_length/goodput.json \
+		--shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large \
 		--fleet real:small,small,large@mooncake --shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet emulated:4@mooncake --shared $(SHARED)
