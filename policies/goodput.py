@@ -91,12 +91,14 @@ Estimate = tuple[Backend, float, float]  # (g, T(r, g), d_g)
 
 @dataclass(frozen=True, slots=True)
 class Estimates:
-    """Eq. 2 for every candidate: T(r, g) and d_g in the order of `backends`. Indexing
-    and iterating give (g, T, d) rows; `where` and `without` give subsets."""
+    """Eq. 2 for every candidate: T(r, g), d_g and L_in - H_rg (the prompt tokens g has
+    to prefill) in the order of `backends`. Indexing and iterating give (g, T, d) rows;
+    `where` and `without` give subsets."""
 
     backends: tuple[Backend, ...]
     total: Floats
     tpot: Floats
+    prefill: Floats
 
     def __len__(self) -> int:
         return len(self.backends)
@@ -109,7 +111,7 @@ class Estimates:
 
     def where(self, keep: npt.NDArray[np.bool_]) -> Estimates:
         return Estimates(tuple(b for b, k in zip(self.backends, keep.tolist(), strict=True)
-                               if k), self.total[keep], self.tpot[keep])
+                               if k), self.total[keep], self.tpot[keep], self.prefill[keep])
 
     def without(self, backend: Backend) -> Estimates:
         return self.where(np.array([b is not backend for b in self.backends]))
@@ -117,6 +119,10 @@ class Estimates:
     def of(self, backend: Backend) -> float:
         """T(r, g) of `backend`."""
         return float(self.total[self.backends.index(backend)])
+
+    def prefill_of(self, backend: Backend) -> float:
+        """L_in - H_rg of `backend`."""
+        return float(self.prefill[self.backends.index(backend)])
 
 
 class GoodputParams(BaseModel):
@@ -195,7 +201,8 @@ class Goodput:
         if self._p.headroom:  # the D in the reason is the budget: say of which deadline
             reason += f" (headroom {self._p.headroom:.0%} of D_r={deadline:.3f}s)"
         if self._p.protect:
-            self._place(ctx, backend, ctx.arrived_at + deadline, output_tokens, view)
+            self._place(ctx, backend, ctx.arrived_at + deadline, output_tokens,
+                        times.prefill_of(backend), view)
         return self._chosen(ctx, backend, reason)
 
     def estimates(self, ctx: RequestContext, output_tokens: float, view: ClusterView,
@@ -215,7 +222,7 @@ class Goodput:
             tpot = np.array([d if f is None else f
                              for d, f in zip(tpot.tolist(), fitted, strict=True)])
         return Estimates(view.candidates, queue + prefill_rate * prefill
-                         + tpot * output_tokens, tpot)
+                         + tpot * output_tokens, tpot, prefill)
 
     @staticmethod
     def just_enough(times: Estimates, deadline: float) -> tuple[Backend, str]:
@@ -250,20 +257,18 @@ class Goodput:
                          f"{len(feasible)} feasible), {view.inflight_of(backend)} in flight")
 
     def _choose(self, ctx: RequestContext, times: Estimates, deadline: float,
-                view: ClusterView, done_tokens: int = 0) -> tuple[Backend, str]:
+                view: ClusterView) -> tuple[Backend, str]:
         """`_select`, with `protect` over the backends r harms nobody on: each pick the
         rule makes that would push an on-track request past its deadline is struck off
         and the rule applied again to the rest (so a request none meets D_r on goes to
         the least overrun among them); the least overrun of all if every one is struck."""
         if not self._p.protect:
             return self._select(times, deadline, view)
-        prompt_tokens, hits = self._prompt(ctx, done_tokens)
         left = times
         struck: list[str] = []
         while left:
             backend, reason = self._select(left, deadline, view)
-            harmed = self._harms(ctx, backend, view,
-                                 self._uncached(prompt_tokens, hits, backend.name))
+            harmed = self._harms(ctx, backend, view, left.prefill_of(backend))
             if harmed is None:
                 return backend, reason + (f" (protect: {len(struck)} refused, e.g. "
                                           f"{', '.join(struck[:3])})" if struck else "")
@@ -308,10 +313,9 @@ class Goodput:
         return max(0.0, prompt_tokens - hits.get(name, 0) * p.block_chars / p.chars_per_token)
 
     def _place(self, ctx: RequestContext, backend: Backend, deadline_at: float,
-               output_tokens: float, view: ClusterView) -> None:
+               output_tokens: float, prefill_tokens: float, view: ClusterView) -> None:
         speed = self._speeds.of(backend.name, view.stats_of(backend))
-        decode_from = view.now + speed.queue_s + speed.prefill_s_per_token * (
-            self._uncached(*self._prompt(ctx, 0), backend.name))
+        decode_from = view.now + speed.queue_s + speed.prefill_s_per_token * prefill_tokens
         self._placed.place(Placed(ctx.request_id, backend.name, deadline_at, output_tokens,
                                   ctx.max_tokens, counted_at=decode_from))
 
@@ -344,7 +348,7 @@ class Goodput:
         if not faster:
             return None
         slack = deadline - progress.elapsed_s - self._p.handoff_s
-        backend, reason = self._choose(ctx, faster, slack, view, progress.generated)
+        backend, reason = self._choose(ctx, faster, slack, view)
         moved_finish = progress.elapsed_s + self._p.handoff_s + faster.of(backend)
         if moved_finish > finish_here - self._p.min_gain_s:
             return None
