@@ -76,7 +76,7 @@ def target(url: str, args: argparse.Namespace) -> Target:
     headers = tuple((name.strip(), value.strip())
                     for name, _, value in (h.partition(":") for h in args.header))
     return Target(url.rstrip("/"), args.model, args.request_timeout, headers,
-                  getattr(args, "hide_length", None))
+                  args.hide_length)
 
 
 def read_solo(paths: Sequence[str]) -> SoloLatencies | None:
