@@ -14,9 +14,11 @@ migration, moving only streams the move rescues (`rescue_only`; the paper's rule
 also moves those that still miss), choosing the slowest hardware tier's least-loaded
 backend (`selection: capability`) rather than the largest current d_g, routing with a
 margin below the deadline (`headroom: 0.25`), both of these, with the oracle length
-(max_tokens, the real answer length here). `--only` runs the baselines and the named
-variants alone; `goodput-risk-estimate` (the τ check judging a stream by its backend's
-EMA d_g rather than its own TPOT), `goodput-load` (`speed_at_load`),
+(the real answer length, which the harness sends as `x-laneway-expected-tokens`; read
+as `length_source: hint`, so it stays exact under `--hide-length`). `--only` runs the
+baselines and the named variants alone; `goodput-risk-estimate` (the τ check judging
+a stream by its backend's EMA d_g rather than its own TPOT), `goodput-load`
+(`speed_at_load`),
 `goodput-protect` and `goodput-capability-headroom-protect` (`protect`: no admission
 that pushes a request already on the backend past its deadline) run only when named
 there.
@@ -127,7 +129,7 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-capability-headroom-protect", "goodput",
                        {"selection": "capability", "headroom": 0.25, "protect": True}, True,
                        with_predictor),
-               Variant("goodput-oracle", "goodput", {"length_source": "max_tokens"}, True)]
+               Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
 

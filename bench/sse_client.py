@@ -53,6 +53,9 @@ def request_headers(target: Target, request: WorkloadRequest) -> dict[str, str]:
                **dict(target.headers)}
     if request.slo_s is not None:
         headers["x-laneway-slo-ms"] = f"{request.slo_s * 1000:.0f}"
+    # the true length as the client's hint: read by goodput's oracle variant only
+    # (`length_source: hint`), which --hide-length leaves with max_tokens hidden
+    headers["x-laneway-expected-tokens"] = str(request.max_tokens)
     return headers
 
 

@@ -128,8 +128,10 @@ class Estimates:
 class GoodputParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     alpha: float = Field(0.3, gt=0, le=1, description="EMA weight of the newest sample")
-    length_source: Literal["predictor", "max_tokens"] = Field(
-        "predictor", description="L_out: the length predictor, or max_tokens (oracle)")
+    length_source: Literal["predictor", "hint", "max_tokens"] = Field(
+        "predictor", description="L_out: the length predictor; hint: the client's "
+        "x-laneway-expected-tokens header, else the predictor; max_tokens (oracle when "
+        "max_tokens is the true length)")
     default_output_tokens: int = Field(256, gt=0, description="L_out with no prediction")
     default_slo_s: dict[str, float] = Field(
         default_factory=dict, description="D_r per model when no x-laneway-slo-ms header")
@@ -396,6 +398,8 @@ class Goodput:
         p = self._p
         if p.length_source == "max_tokens" and ctx.max_tokens is not None:
             return float(ctx.max_tokens)
+        if p.length_source == "hint" and ctx.expected_tokens is not None:
+            return float(min(ctx.expected_tokens, ctx.max_tokens or ctx.expected_tokens))
         if pred.output_tokens is not None:
             return pred.output_tokens
         return float(min(p.default_output_tokens, ctx.max_tokens or p.default_output_tokens))

@@ -18,6 +18,8 @@ from proxy.errors import InvalidRequest
 from proxy.types import Endpoint, RequestContext
 
 SLO_HEADER = "x-laneway-slo-ms"
+# the client's own estimate of the completion length (e.g. a batch job that knows it)
+EXPECTED_TOKENS_HEADER = "x-laneway-expected-tokens"
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -59,6 +61,7 @@ def build_context(
         max_tokens=_max_tokens(data, endpoint, max_tokens_limit),
         session=headers.get(session_header) or _optional_str(data, "user"),
         slo_ms=_slo_ms(headers),
+        expected_tokens=_expected_tokens(headers),
         arrived_at=time.monotonic(),
     )
 
@@ -156,3 +159,17 @@ def _slo_ms(headers: Mapping[str, str]) -> float | None:
     if not slo > 0 or slo == float("inf"):
         raise InvalidRequest(f"Header `{SLO_HEADER}` must be a positive number of ms.")
     return slo
+
+
+def _expected_tokens(headers: Mapping[str, str]) -> int | None:
+    raw = headers.get(EXPECTED_TOKENS_HEADER)
+    if raw is None:
+        return None
+    try:
+        tokens = int(raw)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise InvalidRequest(
+            f"Header `{EXPECTED_TOKENS_HEADER}` must be a positive integer number of tokens.")
+    return tokens

@@ -58,6 +58,7 @@ class RequestContext:
     max_tokens: int | None
     session: str | None = None
     slo_ms: float | None = None
+    expected_tokens: int | None = None  # the client's length hint (header), if any
     arrived_at: float = 0.0
 
 

@@ -55,7 +55,7 @@ def test_variants_cover_the_issue() -> None:
     assert {"random", "round_robin", "least_request", "lowest_tpm", "prefix_aware"} <= set(
         by_label)
     assert by_label["goodput-no-migration"].params == {"migrate": False}
-    assert by_label["goodput-oracle"].params == {"length_source": "max_tokens"}
+    assert by_label["goodput-oracle"].params == {"length_source": "hint"}
     assert not by_label["goodput-oracle"].predictor and by_label["goodput"].predictor
     assert all(v.per_scale == v.label.startswith("goodput") for v in by_label.values())
 

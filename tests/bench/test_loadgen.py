@@ -225,6 +225,7 @@ async def test_migrations_come_from_laneway_comments_and_the_request_is_well_for
     assert len(result.chunk_times_s) == 3 and result.output_tokens == 4  # 2 tokens in 1 event
     headers, body = app.seen[0]
     assert headers[b"x-laneway-events"] == b"1" and headers[b"x-laneway-slo-ms"] == b"2500"
+    assert headers[b"x-laneway-expected-tokens"] == b"4"  # the oracle's hint
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["max_tokens"] == 4 and body["model"] == "fake"
     assert body["messages"] == [{"role": "user", "content": " hello there"}]

@@ -255,14 +255,21 @@ def test_least_request_avoids_the_busy_backend(vllm_fleet: Any) -> None:
 def test_goodput_routes_by_each_requests_slo(vllm_fleet: Any) -> None:
     """GoodServe through the proxy on the real servers' own scraped speeds: a loose SLO
     gets Algorithm 1's just-enough choice, an impossible one the least overrun, none the
-    least in-flight fallback; every answer arrives (the decisions as the proxy logs them)."""
+    least in-flight fallback; every answer arrives (the decisions as the proxy logs them).
+    L_out is the client's hint header; a malformed one is an OpenAI-shaped 400."""
     config = fleet_config(vllm_fleet, "goodput", debug={"log_decisions": True},
-                          params={"length_source": "max_tokens"})
+                          params={"length_source": "hint"})
     with running_proxy(config) as proxy:
         sdk = client(proxy.url)
+        with pytest.raises(openai.BadRequestError, match="x-laneway-expected-tokens"):
+            sdk.chat.completions.create(
+                model=SMALL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                extra_headers={"x-laneway-expected-tokens": "many"})
         chosen = []
         for slo_ms in ("30000", "30000", "1", None):
-            headers = {} if slo_ms is None else {"x-laneway-slo-ms": slo_ms}
+            headers = {"x-laneway-expected-tokens": "8"}
+            if slo_ms is not None:
+                headers["x-laneway-slo-ms"] = slo_ms
             resp = sdk.chat.completions.with_raw_response.create(
                 model=SMALL, messages=[{"role": "user", "content": f"hi {slo_ms}"}],
                 max_tokens=8, extra_headers=headers)

@@ -82,6 +82,18 @@ def test_default_slo_per_model_and_oracle_length() -> None:
                         ).backend.name == "b1"
 
 
+def test_hint_length_reads_the_clients_header_under_a_larger_max_tokens() -> None:
+    goodput = policy(length_source="hint")
+    hinted = dataclasses.replace(request(2.5, max_tokens=1000), expected_tokens=100)
+    # the hint (100 tokens: T = 1, 2, 4 s) makes b1 just enough; max_tokens 1000 would not
+    assert goodput.pick(hinted, NO_PREDICTION, view(FLEET, stats=stats())
+                        ).backend.name == "b1"
+    # no header: the predictor's length (1000 -> nobody meets 2.5 s, the least overrun b0)
+    unhinted = request(2.5, max_tokens=1000)
+    assert goodput.pick(unhinted, Prediction(output_tokens=1000), view(FLEET, stats=stats())
+                        ).backend.name == "b0"
+
+
 def test_speed_model_is_an_ema_of_snapshots_and_outcomes() -> None:
     goodput = policy(alpha=0.5)
     goodput.pick(request(9.0), HUNDRED, view(FLEET[:1], stats=stats({"b0": 0.010})))

@@ -33,6 +33,17 @@ def test_session_header_wins_over_user_and_slo_header() -> None:
     assert ctx.slo_ms == 250.0
 
 
+def test_expected_tokens_header() -> None:
+    assert ctx_of(CHAT, headers={"x-laneway-expected-tokens": "120"}).expected_tokens == 120
+    assert ctx_of(CHAT).expected_tokens is None
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "1.5"])
+def test_bad_expected_tokens_header(value: str) -> None:
+    with pytest.raises(InvalidRequest, match="x-laneway-expected-tokens"):
+        ctx_of(CHAT, headers={"x-laneway-expected-tokens": value})
+
+
 def test_content_parts_are_text() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
              {"type": "text", "text": "b"}]
