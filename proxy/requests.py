@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import orjson
 
@@ -148,28 +148,28 @@ def _optional_str(data: dict[str, Any], key: str) -> str | None:
     return value
 
 
+N = TypeVar("N", int, float)
+
+
 def _slo_ms(headers: Mapping[str, str]) -> float | None:
-    raw = headers.get(SLO_HEADER)
-    if raw is None:
-        return None
-    try:
-        slo = float(raw)
-    except ValueError:
-        slo = -1.0
-    if not slo > 0 or slo == float("inf"):
-        raise InvalidRequest(f"Header `{SLO_HEADER}` must be a positive number of ms.")
-    return slo
+    return _positive_header(headers, SLO_HEADER, float, "a positive number of ms")
 
 
 def _expected_tokens(headers: Mapping[str, str]) -> int | None:
-    raw = headers.get(EXPECTED_TOKENS_HEADER)
+    return _positive_header(headers, EXPECTED_TOKENS_HEADER, int,
+                            "a positive integer number of tokens")
+
+
+def _positive_header(headers: Mapping[str, str], name: str, parse: Callable[[str], N],
+                     what: str) -> N | None:
+    """The header's value parsed, if sent; a finite number above 0 or a 400."""
+    raw = headers.get(name)
     if raw is None:
         return None
     try:
-        tokens = int(raw)
+        value = parse(raw)
     except ValueError:
-        tokens = 0
-    if tokens < 1:
-        raise InvalidRequest(
-            f"Header `{EXPECTED_TOKENS_HEADER}` must be a positive integer number of tokens.")
-    return tokens
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise InvalidRequest(f"Header `{name}` must be {what}.")
+    return value

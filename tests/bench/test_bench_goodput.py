@@ -191,7 +191,7 @@ def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
         r = next(repeat)
         return {"rr": [_summary("rr", {1.0: 0.2 + r / 10, 2.0: 0.5})],
                 "goodput": [_summary("g@1", {1.0: 0.4, 2.0: 0.0}),
-                            _summary("g@2", {1.0: 0.0, 2.0: 0.5 + r / 10})]}
+                            _summary("g@2", {1.0: 0.0, 2.0: 0.5 + r / 10}, attainment=0.9)]}
 
     monkeypatch.setattr(compare, "run_all", run_all)
     monkeypatch.setattr(compare, "summaries", summaries)
@@ -205,9 +205,11 @@ def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
     assert out["goodput_ratio_range"]["2"] == [1.0, 1.4]
     text = (tmp_path / "out" / "f" / "table.md").read_text()
     assert text.startswith("Goodput and attainment: median of 3")
-    # attainment beside goodput: each per-scale run at its own scale (here all 0.5)
-    assert out["slo_attainment"] == {"rr": {"1": 0.5, "2": 0.5}, "goodput": {"1": 0.5, "2": 0.5}}
-    assert "| goodput | 50.0% | 50.0% |" in text
+    # attainment beside goodput: each per-scale run at its own scale
+    assert out["slo_attainment"] == {"rr": {"1": 0.5, "2": 0.5}, "goodput": {"1": 0.5, "2": 0.9}}
+    assert "| goodput | 50.0% | 90.0% |" in text
+    assert out["attainment_ratio_vs_best_baseline"] == {
+        "goodput": {"1": 1.0, "2": 1.8, "mean": 1.4}}
 
 
 def test_slo_base_is_a_mid_tier_backend_as_in_the_paper(tmp_path: Path,
