@@ -107,7 +107,7 @@ bench-goodput: install
 	# four GPUs loaded until every baseline misses SLOs at every scale, with protect (a
 	# deviation: no admission that makes a request on the backend miss; README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
-		--hide-length 512 --only goodput-capability-headroom,goodput-protect,goodput-oracle \
+		--hide-length 512 --only goodput-protect,goodput-oracle \
 		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower (README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
