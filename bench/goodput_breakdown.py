@@ -14,6 +14,13 @@ request counts on a backend from its send, or the move onto it, to its end or it
 move), as the mean and the maximum over the tier's instances. A tier is a backend's
 `labels.profile` (emulated) or `labels.variant` (real vLLM-CPU), from the run's proxy
 config.
+
+`--length-predictor ARTIFACT` adds, per tier, the median of predicted / true answer
+length over the requests first placed there that met their SLO and over those that
+missed it (the predictor run offline on each prompt as the proxy saw it, the
+alpaca_eval instruction looked up by request id in `--shared`; true length = the
+request's `max_tokens` in the record): just-enough selection sends the requests
+predicted shortest to the slowest tier, so that tier collects the under-predictions.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import json
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +43,7 @@ from bench.plots import inflight_series
 from bench.report import meets_slo
 from bench.results import RequestResult
 from bench.solo import SoloLatencies
+from bench.tiny_models import DEFAULT_SHARED
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,10 @@ class TierRow:
     moves_within: int  # of those, onto another instance of the same tier
     peak_inflight_mean: float  # per instance of the tier, its peak in flight; the mean
     peak_inflight_max: int
+    # median predicted / true length of the placed requests that met / missed (None:
+    # no predictor given, or no such request)
+    met_length_ratio: float | None = None
+    missed_length_ratio: float | None = None
 
 
 def tiers_of(config: Path) -> dict[str, str]:
@@ -69,8 +81,16 @@ def peak_inflight(rs: Sequence[RequestResult]) -> Counter[str]:
                     for backend, points in inflight_series(rs).items()})
 
 
+def median_ratio(rs: Sequence[RequestResult], ratio: Callable[[RequestResult], float] | None
+                 ) -> float | None:
+    return round(statistics.median(map(ratio, rs)), 3) if ratio is not None and rs else None
+
+
 def breakdown(rs: Sequence[RequestResult], tiers: Mapping[str, str], solo: SoloLatencies,
-              scale: float) -> list[TierRow]:
+              scale: float, length_ratio: Callable[[RequestResult], float] | None = None
+              ) -> list[TierRow]:
+    """`length_ratio`: a request's predicted / true answer length, for the two ratio
+    columns."""
     peaks = peak_inflight(rs)
     moves = [(tiers.get(m.from_backend), tiers.get(m.to_backend))
              for r in rs for m in r.migrations]
@@ -80,16 +100,46 @@ def breakdown(rs: Sequence[RequestResult], tiers: Mapping[str, str], solo: SoloL
     rows = []
     for tier, names in sorted(by_tier.items()):
         placed = [r for r in rs if tiers.get(r.backend or "") == tier]
+        met = [r for r in placed if meets_slo(r, solo.of(r), scale)]
+        missed = [r for r in placed if not meets_slo(r, solo.of(r), scale)]
         tier_peaks = [peaks.get(n, 0) for n in names]
         rows.append(TierRow(
-            tier, len(names), len(placed),
-            sum(meets_slo(r, solo.of(r), scale) for r in placed),
+            tier, len(names), len(placed), len(met),
             sum(1 for r in placed if r.migrations),
             sum(1 for r in rs if tiers.get(r.final_backend or "") == tier),
             sum(1 for src, _ in moves if src == tier),
             sum(1 for src, dst in moves if src == dst == tier),
-            round(statistics.fmean(tier_peaks), 2), max(tier_peaks)))
+            round(statistics.fmean(tier_peaks), 2), max(tier_peaks),
+            median_ratio(met, length_ratio), median_ratio(missed, length_ratio)))
     return rows
+
+
+def length_ratios(artifact: Path, shared: Path, model_map: Mapping[str, str]
+                  ) -> Callable[[RequestResult], float]:
+    """predicted / true length of a kept alpaca_eval request, by the artifact."""
+    from predictors.length import load_artifact
+    from proxy.types import RequestContext
+
+    prompts = {}
+    with (shared / "data/alpaca_eval_experts.jsonl").open() as f:
+        for line in f:
+            row = json.loads(line)
+            prompts[f"alpaca-{row['id']}"] = row["instruction"]
+    predictor = load_artifact(artifact, model_map)
+
+    def ratio(r: RequestResult) -> float:
+        if r.id not in prompts:
+            raise ValueError(f"{r.id}: not an alpaca_eval request (--length-predictor "
+                             "reads alpaca_eval workloads only)")
+        ctx = RequestContext(request_id=r.id, endpoint="chat", model=r.model,
+                             prompt_text=f"user: {prompts[r.id]}", prompt_blocks=(),
+                             stream=True, max_tokens=None)
+        predicted = predictor.predict(ctx).output_tokens
+        if predicted is None:
+            raise ValueError(f"the predictor has no model for {r.model!r}")
+        return predicted / r.max_tokens
+
+    return ratio
 
 
 def run_files(directory: Path, scale: float) -> dict[str, Path]:
@@ -114,8 +164,9 @@ def run_files(directory: Path, scale: float) -> dict[str, Path]:
 def table(report: Mapping[str, Sequence[TierRow]], scale: float) -> str:
     lines = [f"SLO scale {scale:g}; tiers by first placement.", "",
              "| policy | tier | instances | placed | SLO met | moved | ended here | "
-             "moves off (to the same tier) | peak in flight per instance (mean / max) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "moves off (to the same tier) | peak in flight per instance (mean / max) | "
+             "predicted / true length, met / missed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, rows in report.items():
         total = sum(row.placed for row in rows) or 1
         for row in rows:
@@ -124,8 +175,13 @@ def table(report: Mapping[str, Sequence[TierRow]], scale: float) -> str:
             lines.append(f"| {label} | {row.tier} | {row.instances} | "
                          f"{row.placed / total:.0%} | {met} | {moved} | {row.ended_here} | "
                          f"{row.moves_out} ({row.moves_within}) | "
-                         f"{row.peak_inflight_mean:.1f} / {row.peak_inflight_max} |")
+                         f"{row.peak_inflight_mean:.1f} / {row.peak_inflight_max} | "
+                         f"{_ratio(row.met_length_ratio)} / {_ratio(row.missed_length_ratio)} |")
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", help="a kept repeat directory (bench_goodput --keep)")
     parser.add_argument("--scale", type=float, default=2.0)
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--length-predictor", default=None, metavar="ARTIFACT",
+                        help="add predicted / true length per tier (met / missed)")
+    parser.add_argument("--model-map", default="tiny-llama=gpt-3.5-turbo-1106",
+                        help="served model=predictor key, comma-separated (as "
+                        "bench_goodput's proxy config)")
+    parser.add_argument("--shared", default=str(DEFAULT_SHARED))
     args = parser.parse_args(argv)
     directory = Path(args.run_dir)
     if not (directory / "solo.jsonl").exists():
@@ -145,10 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if not files:
         parser.error(f"no run files in {directory}")
+    ratio = None
+    if args.length_predictor:
+        model_map = dict(pair.split("=", 1) for pair in args.model_map.split(",") if pair)
+        ratio = length_ratios(Path(args.length_predictor), Path(args.shared), model_map)
     report = {}
     for label, path in files.items():
         tiers = tiers_of(path.with_suffix(".yaml"))
-        report[label] = breakdown(results.read(path).results, tiers, solo, args.scale)
+        report[label] = breakdown(results.read(path).results, tiers, solo, args.scale, ratio)
     print(table(report, args.scale))
     if args.out:
         Path(args.out).write_text(json.dumps(

@@ -55,6 +55,16 @@ def test_rows_by_first_placement_tier() -> None:
     assert (h100.peak_inflight_mean, h100.peak_inflight_max) == (1.5, 2)
 
 
+def test_length_ratio_of_met_and_missed_per_tier() -> None:
+    ratios = {"a": 0.4, "b": 1.0, "c": 2.0, "d": 3.0}
+    rows = {row.tier: row for row in breakdown(RUN, TIERS, SOLO, 2.0, lambda r: ratios[r.id])}
+    # t4: b met (1.0), a missed (0.4); h100: c met (2.0), d missed (3.0 s > 2 x 1.0)
+    assert (rows["t4"].met_length_ratio, rows["t4"].missed_length_ratio) == (1.0, 0.4)
+    assert (rows["h100"].met_length_ratio, rows["h100"].missed_length_ratio) == (2.0, 3.0)
+    plain = breakdown(RUN, TIERS, SOLO, 2.0)
+    assert all(r.met_length_ratio is None and r.missed_length_ratio is None for r in plain)
+
+
 def test_moves_between_instances_of_one_tier_are_counted_apart() -> None:
     there = Migration("h-0", "h-1", 50, "SLO risk", 0.4)
     back = Migration("h-1", "h-0", 100, "SLO risk", 0.8)
