@@ -421,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests ask for max(N, their length) tokens and the client "
                         "stops at their length: max_tokens no longer tells the proxy the "
                         "true length (default: it does, README Goodput's correction)")
+    parser.add_argument("--heldout-prompts", action="store_true",
+                        help="alpaca_eval workloads: only the held-out prompts (ids %% 5 == "
+                        "0), which the length predictor never trained on (default: all "
+                        "805, four in five of them its training prompts)")
     parser.add_argument("--side-figures-only", action="store_true",
                         help="run nothing: refresh decision_p99_ms_512 (scale.json) and the "
                         "predictor figures (length_predictor.json) in --out")
@@ -450,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         workload = args.workload or default_workload(spec, args.shared, dilation)
         if args.hide_length is not None:
             workload = [*workload, "--hide-length", str(args.hide_length)]
+        if args.heldout_prompts:
+            if spec.endswith("@mooncake"):
+                parser.error("--heldout-prompts: alpaca_eval workloads only")
+            workload = [*workload, "--prompts", "heldout"]
         plan = Plan(workload, chosen, list(SCALES), Path(args.out).parent / "goodput",
                     args.solo_requests, args.time_limit * dilation,
                     artifact if use_predictor else None, solo_tier=args.solo_tier)

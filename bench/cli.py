@@ -38,6 +38,9 @@ def _workload_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--off-s", type=float, default=10.0, help="onoff: off window, s")
     group.add_argument("--expert", default="gpt-3.5-turbo-1106",
                        help="alpaca: whose answer length each request asks for")
+    group.add_argument("--prompts", choices=("all", "heldout"), default="all",
+                       help="alpaca: every prompt, or only the held-out split (ids %% 5 == "
+                       "0) the project's predictors never trained on")
     group.add_argument("--trace", default="conversation",
                        help="trace: conversation | synthetic | path to a Mooncake .jsonl")
     group.add_argument("--time-scale", type=float, default=1.0,

@@ -34,7 +34,7 @@ def load_workload(args: argparse.Namespace) -> Workload:
     return workloads.build(WorkloadSpec(
         args.workload, Path(args.shared), args.requests, args.duration, args.seed, args.rate,
         args.cv, args.on_s, args.off_s, args.trace, args.time_scale, args.start_s,
-        args.expert, args.tokenizer, fit))
+        args.expert, args.tokenizer, fit, args.prompts))
 
 
 def describe(workload: Workload) -> str:

@@ -22,6 +22,7 @@ import orjson
 
 from bench.arrivals import Arrivals
 from bench.lexicon import CHAT_TEMPLATE_TOKENS, Lexicon, alpaca_rows, load_lexicon, truncate
+from predictors.length_data import is_heldout
 
 ALPACA_KINDS = ("poisson", "gamma", "onoff")
 KINDS = ("trace", *ALPACA_KINDS)
@@ -87,6 +88,9 @@ class WorkloadSpec:
     expert: str = "gpt-3.5-turbo-1106"  # whose answer length an alpaca request asks for
     tokenizer: str = "auto"
     fit: LengthFit = LengthFit()
+    # alpaca: "all" prompts, or "heldout" only (ids % 5 == 0: never trained on by the
+    # project's predictors, so a predictor-driven policy sees prompts as in deployment)
+    prompts: str = "all"
 
 
 def build(spec: WorkloadSpec) -> Workload:
@@ -102,6 +106,10 @@ def build(spec: WorkloadSpec) -> Workload:
 
 
 def alpaca(spec: WorkloadSpec, rows: list[dict[str, Any]], lexicon: Lexicon) -> Workload:
+    if spec.prompts == "heldout":
+        rows = [r for r in rows if is_heldout(int(r["id"]))]
+    elif spec.prompts != "all":
+        raise ValueError(f"unknown prompt set {spec.prompts!r}; known: all, heldout")
     arrivals = Arrivals(spec.kind, spec.rate, spec.cv, spec.on_s, spec.off_s)
     offsets = arrivals.offsets(spec.n, spec.duration_s, spec.seed)
     order = random.Random(spec.seed).sample(range(len(rows)), len(rows))
@@ -123,7 +131,7 @@ def alpaca(spec: WorkloadSpec, rows: list[dict[str, Any]], lexicon: Lexicon) -> 
             {name: e["win_rate_vs_reference"] for name, e in row["experts"].items()}))
     meta = {"kind": spec.kind, "seed": spec.seed, "arrivals": asdict(arrivals),
             "mean_rate": arrivals.mean_rate, "expert": spec.expert, "lexicon": lexicon.name,
-            "exact_lengths": lexicon.exact, "fit": asdict(spec.fit)}
+            "exact_lengths": lexicon.exact, "fit": asdict(spec.fit), "prompts": spec.prompts}
     return Workload(meta, tuple(requests))
 
 

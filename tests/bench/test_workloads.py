@@ -50,6 +50,17 @@ def test_alpaca_workload_is_seeded(tokenizer_json: str) -> None:
     assert [r.arrival_s for r in first.requests] != [r.arrival_s for r in other.requests]
 
 
+def test_heldout_prompts_are_the_predictors_unseen_split(tokenizer_json: str) -> None:
+    built = workloads.build(spec("poisson", tokenizer_json, n=200, rate=4.0,
+                                 prompts="heldout"))
+    ids = {int(r.id.removeprefix("alpaca-")) for r in built.requests}
+    assert ids and all(i % 5 == 0 for i in ids) and built.meta["prompts"] == "heldout"
+    every = workloads.build(spec("poisson", tokenizer_json, n=200, rate=4.0))
+    assert any(int(r.id.removeprefix("alpaca-")) % 5 for r in every.requests)
+    with pytest.raises(ValueError, match="prompt set"):
+        workloads.build(spec("poisson", tokenizer_json, n=5, prompts="train"))
+
+
 def test_alpaca_requests_ask_for_the_experts_real_answer_length(tokenizer_json: str) -> None:
     built = workloads.build(spec("gamma", tokenizer_json, n=40, rate=2.0, cv=3.0,
                                  expert="gemma-7b-it"))
