@@ -100,8 +100,10 @@ def breakdown(rs: Sequence[RequestResult], tiers: Mapping[str, str], solo: SoloL
     rows = []
     for tier, names in sorted(by_tier.items()):
         placed = [r for r in rs if tiers.get(r.backend or "") == tier]
-        met = [r for r in placed if meets_slo(r, solo.of(r), scale)]
-        missed = [r for r in placed if not meets_slo(r, solo.of(r), scale)]
+        met: list[RequestResult] = []
+        missed: list[RequestResult] = []
+        for r in placed:
+            (met if meets_slo(r, solo.of(r), scale) else missed).append(r)
         tier_peaks = [peaks.get(n, 0) for n in names]
         rows.append(TierRow(
             tier, len(names), len(placed), len(met),
@@ -117,27 +119,18 @@ def breakdown(rs: Sequence[RequestResult], tiers: Mapping[str, str], solo: SoloL
 def length_ratios(artifact: Path, shared: Path, model_map: Mapping[str, str]
                   ) -> Callable[[RequestResult], float]:
     """predicted / true length of a kept alpaca_eval request, by the artifact."""
+    from bench.length_cap_leak import predicted_length
+    from bench.lexicon import alpaca_rows
     from predictors.length import load_artifact
-    from proxy.types import RequestContext
 
-    prompts = {}
-    with (shared / "data/alpaca_eval_experts.jsonl").open() as f:
-        for line in f:
-            row = json.loads(line)
-            prompts[f"alpaca-{row['id']}"] = row["instruction"]
+    prompts = {f"alpaca-{row['id']}": row["instruction"] for row in alpaca_rows(shared)}
     predictor = load_artifact(artifact, model_map)
 
     def ratio(r: RequestResult) -> float:
         if r.id not in prompts:
             raise ValueError(f"{r.id}: not an alpaca_eval request (--length-predictor "
                              "reads alpaca_eval workloads only)")
-        ctx = RequestContext(request_id=r.id, endpoint="chat", model=r.model,
-                             prompt_text=f"user: {prompts[r.id]}", prompt_blocks=(),
-                             stream=True, max_tokens=None)
-        predicted = predictor.predict(ctx).output_tokens
-        if predicted is None:
-            raise ValueError(f"the predictor has no model for {r.model!r}")
-        return predicted / r.max_tokens
+        return predicted_length(predictor, r.model, prompts[r.id]) / r.max_tokens
 
     return ratio
 

@@ -19,9 +19,21 @@ from pathlib import Path
 
 from bench import workloads
 from bench.tiny_models import REPO, laneway_home
-from predictors.length import load_artifact
+from predictors.length import LengthPredictor, load_artifact
 from predictors.length_data import chat_prompt
 from proxy.types import RequestContext
+
+
+def predicted_length(predictor: LengthPredictor, model: str, instruction: str) -> float:
+    """What the proxy would predict for a one-message chat request, uncapped (no
+    max_tokens); ValueError if the predictor has no model for `model`."""
+    predicted = predictor.predict(RequestContext(
+        request_id="offline", endpoint="chat", model=model,
+        prompt_text=chat_prompt(instruction), prompt_blocks=(), stream=True,
+        max_tokens=None)).output_tokens
+    if predicted is None:
+        raise ValueError(f"the predictor has no model for {model!r}")
+    return predicted
 
 
 def measure(shared: Path, requests: int, max_output: int) -> dict[str, float | int]:
@@ -32,11 +44,7 @@ def measure(shared: Path, requests: int, max_output: int) -> dict[str, float | i
     raw_errors, capped_errors, exact = [], [], 0
     for request in workloads.build(spec).requests:
         true = request.max_tokens
-        predicted = predictor.predict(RequestContext(
-            request_id=request.id, endpoint="chat", model=expert,
-            prompt_text=chat_prompt(request.prompt), prompt_blocks=(), stream=True,
-            max_tokens=None)).output_tokens
-        assert predicted is not None
+        predicted = predicted_length(predictor, expert, request.prompt)
         exact += predicted >= true
         raw_errors.append(abs(predicted - true))
         capped_errors.append(abs(min(predicted, true) - true))
