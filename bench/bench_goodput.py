@@ -20,8 +20,9 @@ baselines and the named variants alone; `goodput-risk-estimate` (the τ check ju
 a stream by its backend's EMA d_g rather than its own TPOT), `goodput-load`
 (`speed_at_load`),
 `goodput-protect` and `goodput-capability-headroom-protect` (`protect`: no admission
-that pushes a request already on the backend past its deadline) run only when named
-there.
+that pushes a request already on the backend past its deadline) and `goodput-quantile`
+(`length_quantile: 0.8`: routing on the 80th percentile of the true lengths of recent
+requests predicted alike) run only when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -129,6 +130,9 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-capability-headroom-protect", "goodput",
                        {"selection": "capability", "headroom": 0.25, "protect": True}, True,
                        with_predictor),
+               Variant("goodput-quantile", "goodput",
+                       {"length_quantile": 0.8, "calibration_min_samples": 20}, True,
+                       with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -158,7 +162,7 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
 
 # variants that answered one question and run only when named in --only (README, Goodput)
 ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protect",
-                        "goodput-capability-headroom-protect"})
+                        "goodput-capability-headroom-protect", "goodput-quantile"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:

@@ -82,6 +82,7 @@ from policies.placements import Placed, Placements
 from policies.prefix_index import PrefixIndex, blocks_from_wire, blocks_to_wire
 from policies.speed import Floats, Speed, SpeedModel
 from predictors.base import Prediction
+from predictors.calibration import LengthCalibration
 from proxy.types import Backend, ClusterView, Decision, Outcome, Progress, RequestContext
 
 MAX_WINDOWS = 100_000  # running streams remembered for window samples
@@ -170,6 +171,14 @@ class GoodputParams(BaseModel):
     protect: bool = Field(False, description="a backend is feasible only if admitting the "
                           "request pushes no on-track request already there past its "
                           "deadline (Algorithm 1: not checked)")
+    length_quantile: float | None = Field(None, gt=0, lt=1, description="routing only: "
+                                          "L_out is this quantile of the true lengths of "
+                                          "recent requests predicted alike (None: the "
+                                          "prediction, Algorithm 1)")
+    calibration_window: int = Field(500, gt=0, description="length_quantile: finished "
+                                    "requests remembered per prediction bucket")
+    calibration_min_samples: int = Field(50, gt=0, description="length_quantile: a bucket "
+                                         "routes on the prediction until it has this many")
 
 
 @register
@@ -189,6 +198,9 @@ class Goodput:
         self._windows: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._placed = Placements(MAX_WINDOWS)  # protect: deadlines on each backend
         self._outbox: deque[list[Any]] | None = None  # prefix writes to replicate
+        self._calibration = (None if params.length_quantile is None else LengthCalibration(
+            params.length_quantile, params.calibration_window, params.calibration_min_samples))
+        self._predicted: OrderedDict[str, float] = OrderedDict()  # request id -> L_out
 
     # -- Algorithm 1 -------------------------------------------------------------
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
@@ -196,7 +208,7 @@ class Goodput:
         if deadline is None:
             backend, load = self._least.pick(view)
             return self._chosen(ctx, backend, f"no SLO: least in-flight ({load})")
-        output_tokens = self._output_tokens(ctx, pred)
+        output_tokens = self._routing_length(ctx, pred)
         times = self.estimates(ctx, output_tokens, view)
         budget = deadline * (1 - self._p.headroom)
         backend, reason = self._choose(ctx, times, budget, view)
@@ -395,14 +407,35 @@ class Goodput:
         return self._p.default_slo_s.get(ctx.model)
 
     def _output_tokens(self, ctx: RequestContext, pred: Prediction) -> float:
-        p = self._p
-        if p.length_source == "max_tokens" and ctx.max_tokens is not None:
-            return float(ctx.max_tokens)
-        if p.length_source == "hint" and ctx.expected_tokens is not None:
-            return float(min(ctx.expected_tokens, ctx.max_tokens or ctx.expected_tokens))
+        given = self._given_length(ctx)
+        if given is not None:
+            return given
         if pred.output_tokens is not None:
             return pred.output_tokens
-        return float(min(p.default_output_tokens, ctx.max_tokens or p.default_output_tokens))
+        default = self._p.default_output_tokens
+        return float(min(default, ctx.max_tokens or default))
+
+    def _given_length(self, ctx: RequestContext) -> float | None:
+        """L_out from the request itself (`length_source` max_tokens or hint), if so."""
+        source = self._p.length_source
+        if source == "max_tokens" and ctx.max_tokens is not None:
+            return float(ctx.max_tokens)
+        if source == "hint" and ctx.expected_tokens is not None:
+            return float(min(ctx.expected_tokens, ctx.max_tokens or ctx.expected_tokens))
+        return None
+
+    def _routing_length(self, ctx: RequestContext, pred: Prediction) -> float:
+        """L_out for Algorithm 1's choice: the predictor's, or with `length_quantile`
+        its calibrated quantile (`predictors/calibration.py`), never past max_tokens."""
+        tokens = self._output_tokens(ctx, pred)
+        if (self._calibration is None or pred.output_tokens is None
+                or self._given_length(ctx) is not None):
+            return tokens  # no calibration, or L_out is not the predictor's
+        self._predicted[ctx.request_id] = tokens
+        while len(self._predicted) > MAX_WINDOWS:  # requests whose outcome never came
+            self._predicted.popitem(last=False)
+        calibrated = self._calibration.adjust(tokens)
+        return min(calibrated, ctx.max_tokens) if ctx.max_tokens else calibrated
 
     def _chosen(self, ctx: RequestContext, backend: Backend, reason: str) -> Decision:
         self._prefixes.remember(ctx.prompt_blocks, backend.name)
@@ -437,5 +470,11 @@ class Goodput:
             self._placed.move(outcome.request_id, outcome.moved_to)
         else:
             self._placed.finish(outcome.request_id)
+        predicted = (None if outcome.moved_to is not None
+                     else self._predicted.pop(outcome.request_id, None))
+        if (self._calibration is not None and predicted is not None
+                and outcome.status in (200, 499) and outcome.completion_tokens > 0):
+            # 499: the client stopped reading; the tokens it got are the length it used
+            self._calibration.record(predicted, outcome.completion_tokens)
         if outcome.ok and outcome.tpot_s is not None and outcome.completion_tokens > 1:
             self._speeds.observe_tpot(outcome.backend, outcome.tpot_s)

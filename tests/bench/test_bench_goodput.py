@@ -246,11 +246,13 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
     assert [v.label for v in select_variants(every, None)] == [
         v.label for v in every if v.label not in (
             "goodput-risk-estimate", "goodput-load", "goodput-protect",
-            "goodput-capability-headroom-protect")
+            "goodput-capability-headroom-protect", "goodput-quantile")
     ]  # those on request only
     assert select_variants(every, "goodput-risk-estimate")[-1].params == {
         "risk_speed": "estimate"}
     assert select_variants(every, "goodput-load")[-1].params == {"speed_at_load": True}
+    assert select_variants(every, "goodput-quantile")[-1].params == {
+        "length_quantile": 0.8, "calibration_min_samples": 20}
     chosen = [v.label for v in select_variants(every, "goodput-headroom")]
     assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline
     with pytest.raises(SystemExit, match="unknown variants nope"):

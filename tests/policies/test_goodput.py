@@ -432,3 +432,38 @@ def test_placements_follow_moves_and_forget_the_oldest_past_their_bound() -> Non
     assert len(placed) == 2 and not list(placed.on("b2"))  # "a", the oldest, is gone
     placed.finish("b")
     assert [p.request_id for p in placed.on("b0")] == ["c"]
+
+
+def test_length_quantile_routes_on_what_requests_predicted_alike_ran_to() -> None:
+    """Predicted 100 tokens, but such requests ran to 300: with the calibration the
+    slow backend (T = 4 s at 100 tokens, 12 s at 300) is no longer just enough."""
+    good = policy(length_quantile=0.9, calibration_min_samples=3)
+    fleet = view(FLEET, stats=stats())
+    long = dataclasses.replace(request(4.5, max_tokens=1000), request_id="x")
+    assert good.pick(long, HUNDRED, fleet).backend.name == "b2"  # no samples: Algorithm 1
+    for i in range(3):
+        r = dataclasses.replace(long, request_id=f"r{i}")
+        good.pick(r, HUNDRED, fleet)
+        good.observe(dataclasses.replace(outcome(r.request_id, "b2", 300), status=499,
+                                         ok=False))  # a client that stopped reading
+    # 300 tokens: b0 (3 s) is the only backend within 4.5 s
+    assert good.pick(long, HUNDRED, fleet).backend.name == "b0"
+    capped = dataclasses.replace(long, request_id="y", max_tokens=150)  # 150 tokens: b1
+    assert good.pick(capped, HUNDRED, fleet).backend.name == "b1"
+
+
+def test_length_quantile_learns_only_from_predicted_finished_requests() -> None:
+    good = policy(length_quantile=0.9, calibration_min_samples=1, length_source="hint")
+    fleet = view(FLEET, stats=stats())
+    moved, failed, hinted = (dataclasses.replace(request(4.5, max_tokens=1000), request_id=i)
+                             for i in ("moved", "failed", "hinted"))
+    for r in (moved, failed):
+        good.pick(r, HUNDRED, fleet)
+    good.pick(dataclasses.replace(hinted, expected_tokens=100), HUNDRED, fleet)
+    good.observe(dataclasses.replace(outcome("moved", "b2", 300), moved_to="b0"))  # a leg
+    good.observe(dataclasses.replace(outcome("failed", "b2", 300), status=502, ok=False))
+    good.observe(outcome("never-picked", "b2", 300))
+    good.observe(outcome("hinted", "b2", 300))  # L_out was the client's, not predicted
+    assert good.pick(request(4.5, max_tokens=1000), HUNDRED, fleet).backend.name == "b2"
+    good.observe(outcome("moved", "b0", 300))  # the moved request's end counts
+    assert good.pick(request(4.5, max_tokens=1000), HUNDRED, fleet).backend.name == "b0"

@@ -1,0 +1,49 @@
+"""LengthCalibration: the quantile of true lengths among requests predicted alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from predictors.calibration import LengthCalibration
+
+
+def test_a_bucket_routes_on_the_prediction_until_it_has_enough_samples() -> None:
+    cal = LengthCalibration(0.8, min_samples=5, refresh=1)
+    for _ in range(4):
+        cal.record(100, 400)
+    assert cal.adjust(100) == 100  # four samples: not yet
+    cal.record(100, 400)
+    assert cal.adjust(100) == 400
+
+
+def test_quantile_is_of_the_true_lengths_in_the_predictions_bucket() -> None:
+    cal = LengthCalibration(0.8, min_samples=10, refresh=1)
+    for actual in range(1, 101):  # predicted ~100 (bucket [64, 128)): ran 1..100 tokens
+        cal.record(90 + actual % 20, actual)
+    for actual in range(1000, 1100):  # predicted ~600 (bucket [512, 1024)): ran 1000+
+        cal.record(600, actual)
+    assert cal.adjust(100) == pytest.approx(80.2)  # numpy's linear 0.8 quantile of 1..100
+    assert cal.adjust(70) == pytest.approx(80.2)  # same bucket
+    assert cal.adjust(700) == pytest.approx(1079.2)
+    assert cal.adjust(300) == 300  # bucket [256, 512): no samples
+    assert cal.counts() == {6: 100, 9: 100}
+
+
+def test_window_forgets_old_samples_and_the_cache_refreshes() -> None:
+    cal = LengthCalibration(0.5, window=10, min_samples=10, refresh=4)
+    for _ in range(10):
+        cal.record(100, 50)
+    assert cal.adjust(100) == 50
+    for _ in range(3):
+        cal.record(100, 500)
+    assert cal.adjust(100) == 50  # three new samples: the cached quantile stands
+    for _ in range(7):
+        cal.record(100, 500)
+    assert cal.adjust(100) == 500  # the window now holds only the new samples
+
+
+@pytest.mark.parametrize("kwargs", [{"quantile": 0.0}, {"quantile": 1.0},
+                                    {"quantile": 0.5, "bucket_ratio": 1.0}])
+def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        LengthCalibration(**kwargs)  # type: ignore[arg-type]
