@@ -22,7 +22,8 @@ a stream by its backend's EMA d_g rather than its own TPOT), `goodput-load`
 `goodput-protect` and `goodput-capability-headroom-protect` (`protect`: no admission
 that pushes a request already on the backend past its deadline) and `goodput-quantile`
 (`length_quantile: 0.8`: routing on the 80th percentile of the true lengths of recent
-requests predicted alike) run only when named there.
+requests predicted alike) and `goodput-quantile-checks` (the τ check reading the same
+calibration) run only when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -110,6 +111,11 @@ def default_workload(spec: str, shared: str, time_dilation: float = 1.0) -> list
             "--max-output", str(max_output), "--shared", shared]
 
 
+# routing on the calibrated 80th percentile of the length; 20 samples a bucket, as a
+# benchmark run is a few hundred requests per proxy
+QUANTILE = {"length_quantile": 0.8, "calibration_min_samples": 20}
+
+
 def variants(with_predictor: bool) -> list[Variant]:
     goodput = [Variant("goodput", "goodput", {}, True, with_predictor),
                Variant("goodput-no-migration", "goodput", {"migrate": False}, True,
@@ -130,9 +136,9 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-capability-headroom-protect", "goodput",
                        {"selection": "capability", "headroom": 0.25, "protect": True}, True,
                        with_predictor),
-               Variant("goodput-quantile", "goodput",
-                       {"length_quantile": 0.8, "calibration_min_samples": 20}, True,
-                       with_predictor),
+               Variant("goodput-quantile", "goodput", QUANTILE, True, with_predictor),
+               Variant("goodput-quantile-checks", "goodput",
+                       {**QUANTILE, "calibrate_checks": True}, True, with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -162,7 +168,8 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
 
 # variants that answered one question and run only when named in --only (README, Goodput)
 ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protect",
-                        "goodput-capability-headroom-protect", "goodput-quantile"})
+                        "goodput-capability-headroom-protect", "goodput-quantile",
+                        "goodput-quantile-checks"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:

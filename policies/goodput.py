@@ -63,6 +63,17 @@ backend would be harmed to the least overrun of all. τ-check moves are checked 
 same way. The requests on g are the ones this policy routed there with a deadline
 (`policies/placements.py`), their generated tokens counted at each τ check and
 extrapolated at d between checks.
+
+`length_quantile` (off by default) routes on a calibrated length instead of the point
+prediction: L_out in Eq. 2 becomes that quantile of the true lengths of the recent
+requests whose prediction fell in the same (log2) bucket, learned online from the
+requests this policy routed and saw finish (`predictors/calibration.py`; a bucket with
+fewer than `calibration_min_samples` keeps the prediction). An under-estimated request
+is what Algorithm 1 sends to the slowest backend where it then misses; the quantile
+asks each backend to meet D_r for a length the request stays under with that
+probability. With `calibrate_checks` the τ check reads the same samples: a stream's
+remaining length is the quantile of how much further the bucket's requests that ran
+past its tokens so far went (the overrun rule and the window re-prediction otherwise).
 """
 
 from __future__ import annotations
@@ -175,6 +186,9 @@ class GoodputParams(BaseModel):
                                           "L_out is this quantile of the true lengths of "
                                           "recent requests predicted alike (None: the "
                                           "prediction, Algorithm 1)")
+    calibrate_checks: bool = Field(False, description="length_quantile at the τ check too: "
+                                   "a stream's remaining length is the quantile of how much "
+                                   "further its bucket's requests that ran as far went")
     calibration_window: int = Field(500, gt=0, description="length_quantile: finished "
                                     "requests remembered per prediction bucket")
     calibration_min_samples: int = Field(50, gt=0, description="length_quantile: a bucket "
@@ -214,6 +228,10 @@ class Goodput:
         backend, reason = self._choose(ctx, times, budget, view)
         if self._p.headroom:  # the D in the reason is the budget: say of which deadline
             reason += f" (headroom {self._p.headroom:.0%} of D_r={deadline:.3f}s)"
+        predicted = self._predicted.get(ctx.request_id)
+        if predicted is not None and predicted != output_tokens:
+            reason += (f" (L_out {output_tokens:.0f}: the q{self._p.length_quantile:g} of "
+                       f"requests predicted like its {predicted:.0f})")
         if self._p.protect:
             self._place(ctx, backend, ctx.arrived_at + deadline, output_tokens,
                         times.prefill_of(backend), view)
@@ -386,6 +404,12 @@ class Goodput:
                                       / (progress.generated - last[1]))
 
     def _remaining(self, ctx: RequestContext, pred: Prediction, progress: Progress) -> float:
+        predicted = self._predicted.get(ctx.request_id)
+        if self._calibration is not None and self._p.calibrate_checks and predicted:
+            left = self._calibration.remaining(predicted, progress.generated)
+            if left is not None:
+                return self._tokens_left(progress.generated + left, progress.generated,
+                                         progress.max_tokens)
         return self._tokens_left(self._output_tokens(ctx, pred), progress.generated,
                                  progress.max_tokens)
 

@@ -12,6 +12,11 @@ finished requests returns the prediction unchanged, so a new proxy starts as
 Algorithm 1 and calibrates itself as traffic finishes (per replica, from its own
 outcomes).
 
+At a τ check the same samples answer how much further a stream is likely to run
+(`remaining`): among the bucket's requests that ran past the stream's tokens so far,
+the `quantile`-th of what they ran beyond it, a length distribution conditioned on
+what the stream has already shown.
+
 Quantiles are recomputed lazily: at most once per `refresh` new samples in a bucket,
 so a routing decision reads a cached float.
 """
@@ -22,6 +27,8 @@ import math
 from collections import deque
 
 import numpy as np
+
+SURVIVORS_MIN = 10  # requests that ran past a stream's tokens, to read its remaining
 
 
 class LengthCalibration:
@@ -62,6 +69,19 @@ class LengthCalibration:
                                                 self.quantile))
             self._stale[b] = 0
         return self._cached[b]
+
+    def remaining(self, predicted: float, generated: int) -> float | None:
+        """For a stream predicted at `predicted` that has run `generated` tokens: the
+        `quantile`-th of how much further the bucket's requests that ran past
+        `generated` went (None while the bucket, or those, are too few)."""
+        samples = self._samples.get(self.bucket(predicted))
+        if samples is None or len(samples) < self.min_samples:
+            return None
+        ran = np.fromiter(samples, float, len(samples))
+        left = ran[ran > generated] - generated
+        if len(left) < SURVIVORS_MIN:
+            return None
+        return float(np.quantile(left, self.quantile))
 
     def counts(self) -> dict[int, int]:
         """Samples per bucket (bucket b holds predictions in [r^b, r^(b+1)))."""

@@ -246,7 +246,8 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
     assert [v.label for v in select_variants(every, None)] == [
         v.label for v in every if v.label not in (
             "goodput-risk-estimate", "goodput-load", "goodput-protect",
-            "goodput-capability-headroom-protect", "goodput-quantile")
+            "goodput-capability-headroom-protect", "goodput-quantile",
+            "goodput-quantile-checks")
     ]  # those on request only
     assert select_variants(every, "goodput-risk-estimate")[-1].params == {
         "risk_speed": "estimate"}

@@ -447,7 +447,9 @@ def test_length_quantile_routes_on_what_requests_predicted_alike_ran_to() -> Non
         good.observe(dataclasses.replace(outcome(r.request_id, "b2", 300), status=499,
                                          ok=False))  # a client that stopped reading
     # 300 tokens: b0 (3 s) is the only backend within 4.5 s
-    assert good.pick(long, HUNDRED, fleet).backend.name == "b0"
+    decision = good.pick(long, HUNDRED, fleet)
+    assert decision.backend.name == "b0"
+    assert "L_out 300: the q0.9 of requests predicted like its 100" in decision.reason
     capped = dataclasses.replace(long, request_id="y", max_tokens=150)  # 150 tokens: b1
     assert good.pick(capped, HUNDRED, fleet).backend.name == "b1"
 
@@ -467,3 +469,24 @@ def test_length_quantile_learns_only_from_predicted_finished_requests() -> None:
     assert good.pick(request(4.5, max_tokens=1000), HUNDRED, fleet).backend.name == "b2"
     good.observe(outcome("moved", "b0", 300))  # the moved request's end counts
     assert good.pick(request(4.5, max_tokens=1000), HUNDRED, fleet).backend.name == "b0"
+
+
+def test_calibrated_checks_read_how_far_requests_that_ran_as_long_went() -> None:
+    """Predicted 100 tokens; at 120 generated the overrun rule expects 30 more (on
+    track on b2), the calibration 280 more, as requests predicted alike that ran past
+    120 did: the stream moves."""
+    fleet = view(FLEET, stats=stats())
+    moves = []
+    for checks in (False, True):
+        good = policy(length_quantile=0.5, calibration_min_samples=10,
+                      calibrate_checks=checks)
+        for i in range(10):
+            done = dataclasses.replace(request(60.0, max_tokens=1000), request_id=f"d{i}")
+            good.pick(done, HUNDRED, fleet)
+            good.observe(outcome(done.request_id, "b2", 400))
+        r = dataclasses.replace(request(9.0, max_tokens=1000), request_id="s")
+        good.pick(r, HUNDRED, fleet)
+        moves.append(good.reroute(r, HUNDRED, progress(FLEET[2], 120, 4.8, 0.04),
+                                  fleet))
+    assert moves[0] is None  # 4.8 + 30 x 0.04 = 6 s <= 9 s
+    assert moves[1] is not None and moves[1].backend.name in ("b0", "b1")

@@ -47,3 +47,14 @@ def test_window_forgets_old_samples_and_the_cache_refreshes() -> None:
 def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         LengthCalibration(**kwargs)  # type: ignore[arg-type]
+
+
+def test_remaining_is_conditioned_on_what_the_stream_has_run() -> None:
+    cal = LengthCalibration(0.5, min_samples=20)
+    for actual in range(10, 210, 10):  # predicted 100: ran 10, 20, ..., 200
+        cal.record(100, actual)
+    assert cal.remaining(100, 0) == pytest.approx(105)  # the median of all 20
+    assert cal.remaining(100, 100) == pytest.approx(55)  # of 110..200, past 100
+    assert cal.remaining(100, 105) == pytest.approx(50)
+    assert cal.remaining(100, 110) is None  # nine ran further: too few to say
+    assert cal.remaining(400, 0) is None  # no samples in that bucket
