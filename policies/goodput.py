@@ -182,9 +182,9 @@ class GoodputParams(BaseModel):
     protect: bool = Field(False, description="a backend is feasible only if admitting the "
                           "request pushes no on-track request already there past its "
                           "deadline (Algorithm 1: not checked)")
-    length_quantile: float | None = Field(None, gt=0, lt=1, description="routing only: "
-                                          "L_out is this quantile of the true lengths of "
-                                          "recent requests predicted alike (None: the "
+    length_quantile: float | None = Field(None, gt=0, lt=1, description="routing's L_out "
+                                          "is this quantile of the true lengths of recent "
+                                          "requests predicted alike (None: the "
                                           "prediction, Algorithm 1)")
     calibrate_checks: bool = Field(False, description="length_quantile at the τ check too: "
                                    "a stream's remaining length is the quantile of how much "
