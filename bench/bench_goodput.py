@@ -23,7 +23,8 @@ a stream by its backend's EMA d_g rather than its own TPOT), `goodput-load`
 that pushes a request already on the backend past its deadline) and `goodput-quantile`
 (`length_quantile: 0.8`: routing on the 80th percentile of the true lengths of recent
 requests predicted alike) and `goodput-quantile-checks` (the τ check reading the same
-calibration) run only when named there.
+calibration; `goodput-quantile-checks-protect` with `protect` too) run only when named
+there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -139,6 +140,9 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-quantile", "goodput", QUANTILE, True, with_predictor),
                Variant("goodput-quantile-checks", "goodput",
                        {**QUANTILE, "calibrate_checks": True}, True, with_predictor),
+               Variant("goodput-quantile-checks-protect", "goodput",
+                       {**QUANTILE, "calibrate_checks": True, "protect": True}, True,
+                       with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -169,7 +173,7 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
 # variants that answered one question and run only when named in --only (README, Goodput)
 ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protect",
                         "goodput-capability-headroom-protect", "goodput-quantile",
-                        "goodput-quantile-checks"})
+                        "goodput-quantile-checks", "goodput-quantile-checks-protect"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:
