@@ -100,15 +100,18 @@ bench-goodput: install
 	# length) tokens and the client stops at their length (README, Goodput: the length leak);
 	# alpaca_eval workloads draw only the prompts the length predictor never trained on
 	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --hide-length 512 \
-		--heldout-prompts --only goodput-capability-headroom,goodput-oracle --shared $(SHARED)
+		--heldout-prompts --only goodput-capability-headroom,goodput-oracle,goodput-quantile-checks \
+		--shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large --hide-length 512 \
 		--heldout-prompts --only goodput-capability-headroom,goodput-oracle --shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large@mooncake \
 		--fleet emulated:4@mooncake --hide-length 512 --shared $(SHARED)
 	# four GPUs loaded until every baseline misses SLOs at every scale, with protect (a
-	# deviation: no admission that makes a request on the backend miss; README, Goodput)
+	# deviation: no admission that makes a request on the backend miss; README, Goodput);
+	# goodput-quantile-checks: calibrated lengths (README, Goodput: Calibrated lengths)
 	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
-		--hide-length 512 --heldout-prompts --only goodput-protect,goodput-oracle \
+		--hide-length 512 --heldout-prompts \
+		--only goodput-protect,goodput-oracle,goodput-quantile-checks \
 		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower (README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
