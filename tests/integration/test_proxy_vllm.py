@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -250,6 +251,48 @@ def test_least_request_avoids_the_busy_backend(vllm_fleet: Any) -> None:
             for _ in range(4)]
         worker.join(timeout=120)
     assert busy["name"] not in chosen
+
+
+def test_goodput_calibrates_lengths_from_the_real_answers(vllm_fleet: Any,
+                                                          tmp_path: Path) -> None:
+    """`length_quantile` through the proxy with a real length-predictor artifact: the
+    predictor says a short fact is a few tokens; the real servers run each answer to 96
+    (ignore_eos), and once three such answers have finished the decision routes on 96,
+    the calibrated length, and says so."""
+    from predictors.features import Featurizer
+    from predictors.length import save_artifact
+    from predictors.length_data import arrival_rows, load_samples, samples_for
+    from predictors.length_moe import MoEConfig
+    from predictors.length_train import train_moe
+    from tests.predictors.helpers import counter, write_data
+
+    samples = load_samples(write_data(tmp_path / "d.jsonl"), counter())
+    featurizer = Featurizer.fit([f"{s.prompt}\n{s.output}" for s in samples])
+    config = MoEConfig(expert_hidden=(16, 8, 8), router_hidden=8, epochs=20, batch_size=32)
+    artifact = tmp_path / "length-moe-v1"
+    save_artifact(artifact, featurizer, {"any": train_moe(
+        arrival_rows(samples_for(samples, "any")), featurizer, config)},
+        {"version": "t", "unit": "words"}, config)
+    proxy_config = fleet_config(
+        vllm_fleet, "goodput", debug={"log_decisions": True},
+        params={"length_quantile": 0.9, "calibration_min_samples": 3, "migrate": False},
+        predictors={"length": {"artifact": str(artifact)}})
+    with running_proxy(proxy_config) as proxy:
+        sdk = client(proxy.url)
+        for _ in range(6):
+            completion = sdk.chat.completions.create(
+                model=SMALL, messages=[{"role": "user", "content": "name one fact about bees"}],
+                max_tokens=96, extra_body={"ignore_eos": True},
+                extra_headers={"x-laneway-slo-ms": "60000"})
+            assert completion.usage is not None and completion.usage.completion_tokens == 96
+        log = (Path(proxy.config_path).parent / "proxy.log").read_text()
+    decisions = [line for line in log.splitlines() if f"model={SMALL} ->" in line]
+    assert len(decisions) == 6, log[-3000:]
+    assert "L_out" not in decisions[0]  # no finished answers yet: Algorithm 1
+    calibrated = re.search(r"L_out (\d+): the q0.9 of requests predicted like its (\d+)",
+                           decisions[-1])
+    assert calibrated is not None, decisions[-1]
+    assert int(calibrated[1]) == 96 and int(calibrated[2]) < 96
 
 
 def test_goodput_routes_by_each_requests_slo(vllm_fleet: Any) -> None:
