@@ -20,11 +20,11 @@ baselines and the named variants alone; `goodput-risk-estimate` (the τ check ju
 a stream by its backend's EMA d_g rather than its own TPOT), `goodput-load`
 (`speed_at_load`),
 `goodput-protect` and `goodput-capability-headroom-protect` (`protect`: no admission
-that pushes a request already on the backend past its deadline) and `goodput-quantile`
+that pushes a request already on the backend past its deadline), `goodput-quantile`
 (`length_quantile: 0.8`: routing on the 80th percentile of the true lengths of recent
-requests predicted alike) and `goodput-quantile-checks` (the τ check reading the same
-calibration; `goodput-quantile-checks-protect` with `protect` too) run only when named
-there.
+requests predicted alike), `goodput-quantile-checks` (the τ check reading the same
+calibration) and `goodput-quantile-checks-protect` (both, with `protect`) run only
+when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).

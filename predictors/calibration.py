@@ -27,6 +27,7 @@ import math
 from collections import deque
 
 import numpy as np
+import numpy.typing as npt
 
 SURVIVORS_MIN = 10  # requests that ran past a stream's tokens, to read its remaining
 
@@ -61,12 +62,11 @@ class LengthCalibration:
         """The `quantile`-th true length of recent requests predicted in the same
         bucket; the prediction itself while the bucket has too few samples."""
         b = self.bucket(predicted)
-        samples = self._samples.get(b)
-        if samples is None or len(samples) < self.min_samples:
+        samples = self._enough(b)
+        if samples is None:
             return predicted
-        if self._stale.get(b, 0) >= self._refresh or b not in self._cached:
-            self._cached[b] = float(np.quantile(np.fromiter(samples, float, len(samples)),
-                                                self.quantile))
+        if self._stale[b] >= self._refresh:  # a bucket's first sample makes it stale
+            self._cached[b] = float(np.quantile(_array(samples), self.quantile))
             self._stale[b] = 0
         return self._cached[b]
 
@@ -74,15 +74,26 @@ class LengthCalibration:
         """For a stream predicted at `predicted` that has run `generated` tokens: the
         `quantile`-th of how much further the bucket's requests that ran past
         `generated` went (None while the bucket, or those, are too few)."""
-        samples = self._samples.get(self.bucket(predicted))
-        if samples is None or len(samples) < self.min_samples:
+        samples = self._enough(self.bucket(predicted))
+        if samples is None:
             return None
-        ran = np.fromiter(samples, float, len(samples))
+        ran = _array(samples)
         left = ran[ran > generated] - generated
         if len(left) < SURVIVORS_MIN:
             return None
         return float(np.quantile(left, self.quantile))
 
+    def _enough(self, b: int) -> deque[int] | None:
+        """Bucket b's samples, once it has `min_samples` of them."""
+        samples = self._samples.get(b)
+        if samples is None or len(samples) < self.min_samples:
+            return None
+        return samples
+
     def counts(self) -> dict[int, int]:
         """Samples per bucket (bucket b holds predictions in [r^b, r^(b+1)))."""
         return {b: len(s) for b, s in sorted(self._samples.items())}
+
+
+def _array(samples: deque[int]) -> npt.NDArray[np.float64]:
+    return np.fromiter(samples, float, len(samples))
