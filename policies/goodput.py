@@ -74,6 +74,11 @@ asks each backend to meet D_r for a length the request stays under with that
 probability. With `calibrate_checks` the τ check reads the same samples: a stream's
 remaining length is the quantile of how much further the bucket's requests that ran
 past its tokens so far went (the overrun rule and the window re-prediction otherwise).
+Where no backend meets D_r for the calibrated length (at tight SLO scales, most
+requests), Algorithm 1's fallback sends the request to the least overrun, the fastest
+backend, and every such request lands there; `quantile_fallback: prediction` then
+runs Algorithm 1 on the point prediction instead, if some backend meets D_r for that
+(the quantile a margin where one fits, not a veto).
 """
 
 from __future__ import annotations
@@ -189,6 +194,10 @@ class GoodputParams(BaseModel):
     calibrate_checks: bool = Field(False, description="length_quantile at the τ check too: "
                                    "a stream's remaining length is the quantile of how much "
                                    "further its bucket's requests that ran as far went")
+    quantile_fallback: Literal["overrun", "prediction"] = Field(
+        "overrun", description="length_quantile, when no backend meets D_r for the "
+        "calibrated length: the least overrun at it (overrun), or Algorithm 1 on the "
+        "point prediction if some backend meets D_r for that (prediction)")
     calibration_window: int = Field(500, gt=0, description="length_quantile: finished "
                                     "requests remembered per prediction bucket")
     calibration_min_samples: int = Field(50, gt=0, description="length_quantile: a bucket "
@@ -225,13 +234,22 @@ class Goodput:
         output_tokens = self._routing_length(ctx, pred)
         times = self.estimates(ctx, output_tokens, view)
         budget = deadline * (1 - self._p.headroom)
+        predicted = self._predicted.get(ctx.request_id)
+        note = ""
+        if predicted is not None and predicted != output_tokens:
+            quantile = f"the q{self._p.length_quantile:g} of requests predicted like its"
+            note = f" (L_out {output_tokens:.0f}: {quantile} {predicted:.0f})"
+            if (self._p.quantile_fallback == "prediction" and predicted < output_tokens
+                    and not np.any(times.total <= budget)):
+                point = self.estimates(ctx, predicted, view)
+                if np.any(point.total <= budget):  # Algorithm 1 on the prediction
+                    note = (f" (L_out {predicted:.0f}, the prediction: no backend meets D "
+                            f"for {output_tokens:.0f}, {quantile} {predicted:.0f})")
+                    times, output_tokens = point, predicted
         backend, reason = self._choose(ctx, times, budget, view)
         if self._p.headroom:  # the D in the reason is the budget: say of which deadline
             reason += f" (headroom {self._p.headroom:.0%} of D_r={deadline:.3f}s)"
-        predicted = self._predicted.get(ctx.request_id)
-        if predicted is not None and predicted != output_tokens:
-            reason += (f" (L_out {output_tokens:.0f}: the q{self._p.length_quantile:g} of "
-                       f"requests predicted like its {predicted:.0f})")
+        reason += note
         if self._p.protect:
             self._place(ctx, backend, ctx.arrived_at + deadline, output_tokens,
                         times.prefill_of(backend), view)

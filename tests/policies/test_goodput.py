@@ -454,6 +454,31 @@ def test_length_quantile_routes_on_what_requests_predicted_alike_ran_to() -> Non
     assert good.pick(capped, HUNDRED, fleet).backend.name == "b1"
 
 
+@pytest.mark.parametrize(("fallback", "chosen"), [("overrun", "b0"), ("prediction", "b1")])
+def test_quantile_fallback_when_no_backend_meets_the_calibrated_length(
+        fallback: str, chosen: str) -> None:
+    """Calibrated to 300 tokens with D = 2.5 s, nobody meets it (b0: 3 s): the least
+    overrun is b0; with the prediction fallback Algorithm 1 runs on the 100 predicted
+    tokens, where b1 (2 s) is just enough."""
+    good = policy(length_quantile=0.9, calibration_min_samples=3, quantile_fallback=fallback)
+    fleet = view(FLEET, stats=stats())
+    for i in range(3):
+        r = dataclasses.replace(request(60.0, max_tokens=1000), request_id=f"r{i}")
+        good.pick(r, HUNDRED, fleet)
+        good.observe(outcome(r.request_id, "b2", 300))
+    decision = good.pick(dataclasses.replace(request(2.5, max_tokens=1000), request_id="x"),
+                         HUNDRED, fleet)
+    assert decision.backend.name == chosen
+    if fallback == "prediction":
+        assert "L_out 100, the prediction: no backend meets D for 300" in decision.reason
+    else:
+        assert "none feasible" in decision.reason
+    # where some backend meets the calibrated length the fallback changes nothing
+    loose = good.pick(dataclasses.replace(request(12.5, max_tokens=1000), request_id="y"),
+                      HUNDRED, fleet)
+    assert loose.backend.name == "b2" and "L_out 300:" in loose.reason
+
+
 def test_length_quantile_learns_only_from_predicted_finished_requests() -> None:
     good = policy(length_quantile=0.9, calibration_min_samples=1, length_source="hint")
     fleet = view(FLEET, stats=stats())
