@@ -25,8 +25,9 @@ that pushes a request already on the backend past its deadline), `goodput-quanti
 requests predicted alike), `goodput-quantile-checks` (the τ check reading the same
 calibration), `goodput-quantile-checks-protect` (both, with `protect`) and
 `goodput-quantile-checks-protect-fallback` (the same, routing a request no backend
-meets D_r for at its calibrated length on its predicted length) run only when named
-there.
+meets D_r for at its calibrated length on its predicted length) and
+`goodput-quantile-checks-protect-rescue` (the same with `rescue_only`) run only when
+named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -148,6 +149,9 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-quantile-checks-protect-fallback", "goodput",
                        {**QUANTILE, "calibrate_checks": True, "protect": True,
                         "quantile_fallback": "prediction"}, True, with_predictor),
+               Variant("goodput-quantile-checks-protect-rescue", "goodput",
+                       {**QUANTILE, "calibrate_checks": True, "protect": True,
+                        "rescue_only": True}, True, with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -179,7 +183,8 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
 ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protect",
                         "goodput-capability-headroom-protect", "goodput-quantile",
                         "goodput-quantile-checks", "goodput-quantile-checks-protect",
-                        "goodput-quantile-checks-protect-fallback"})
+                        "goodput-quantile-checks-protect-fallback",
+                        "goodput-quantile-checks-protect-rescue"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:

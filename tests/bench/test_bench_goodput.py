@@ -247,7 +247,9 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
         v.label for v in every if v.label not in (
             "goodput-risk-estimate", "goodput-load", "goodput-protect",
             "goodput-capability-headroom-protect", "goodput-quantile",
-            "goodput-quantile-checks", "goodput-quantile-checks-protect")
+            "goodput-quantile-checks", "goodput-quantile-checks-protect",
+            "goodput-quantile-checks-protect-fallback",
+            "goodput-quantile-checks-protect-rescue")
     ]  # those on request only
     assert select_variants(every, "goodput-risk-estimate")[-1].params == {
         "risk_speed": "estimate"}
