@@ -23,7 +23,7 @@ a stream by its backend's EMA d_g rather than its own TPOT), `goodput-load`
 that pushes a request already on the backend past its deadline), `goodput-quantile`
 (`length_quantile: 0.8`: routing on the 80th percentile of the true lengths of recent
 requests predicted alike), `goodput-quantile-checks` (the τ check reading the same
-calibration), `goodput-quantile-checks-protect` (both, with `protect`) and
+calibration), `goodput-quantile-checks-protect` (both, with `protect`),
 `goodput-quantile-checks-protect-fallback` (the same, routing a request no backend
 meets D_r for at its calibrated length on its predicted length) and
 `goodput-quantile-checks-protect-rescue` (the same with `rescue_only`) run only when
@@ -118,6 +118,7 @@ def default_workload(spec: str, shared: str, time_dilation: float = 1.0) -> list
 # routing on the calibrated 80th percentile of the length; 20 samples a bucket, as a
 # benchmark run is a few hundred requests per proxy
 QUANTILE = {"length_quantile": 0.8, "calibration_min_samples": 20}
+QUANTILE_PROTECT = {**QUANTILE, "calibrate_checks": True, "protect": True}
 
 
 def variants(with_predictor: bool) -> list[Variant]:
@@ -143,15 +144,13 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-quantile", "goodput", QUANTILE, True, with_predictor),
                Variant("goodput-quantile-checks", "goodput",
                        {**QUANTILE, "calibrate_checks": True}, True, with_predictor),
-               Variant("goodput-quantile-checks-protect", "goodput",
-                       {**QUANTILE, "calibrate_checks": True, "protect": True}, True,
+               Variant("goodput-quantile-checks-protect", "goodput", QUANTILE_PROTECT, True,
                        with_predictor),
                Variant("goodput-quantile-checks-protect-fallback", "goodput",
-                       {**QUANTILE, "calibrate_checks": True, "protect": True,
-                        "quantile_fallback": "prediction"}, True, with_predictor),
+                       {**QUANTILE_PROTECT, "quantile_fallback": "prediction"}, True,
+                       with_predictor),
                Variant("goodput-quantile-checks-protect-rescue", "goodput",
-                       {**QUANTILE, "calibrate_checks": True, "protect": True,
-                        "rescue_only": True}, True, with_predictor),
+                       {**QUANTILE_PROTECT, "rescue_only": True}, True, with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 

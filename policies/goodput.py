@@ -234,18 +234,7 @@ class Goodput:
         output_tokens = self._routing_length(ctx, pred)
         times = self.estimates(ctx, output_tokens, view)
         budget = deadline * (1 - self._p.headroom)
-        predicted = self._predicted.get(ctx.request_id)
-        note = ""
-        if predicted is not None and predicted != output_tokens:
-            quantile = f"the q{self._p.length_quantile:g} of requests predicted like its"
-            note = f" (L_out {output_tokens:.0f}: {quantile} {predicted:.0f})"
-            if (self._p.quantile_fallback == "prediction" and predicted < output_tokens
-                    and not np.any(times.total <= budget)):
-                point = self.estimates(ctx, predicted, view)
-                if np.any(point.total <= budget):  # Algorithm 1 on the prediction
-                    note = (f" (L_out {predicted:.0f}, the prediction: no backend meets D "
-                            f"for {output_tokens:.0f}, {quantile} {predicted:.0f})")
-                    times, output_tokens = point, predicted
+        times, output_tokens, note = self._calibrated(ctx, times, output_tokens, budget, view)
         backend, reason = self._choose(ctx, times, budget, view)
         if self._p.headroom:  # the D in the reason is the budget: say of which deadline
             reason += f" (headroom {self._p.headroom:.0%} of D_r={deadline:.3f}s)"
@@ -254,6 +243,25 @@ class Goodput:
             self._place(ctx, backend, ctx.arrived_at + deadline, output_tokens,
                         times.prefill_of(backend), view)
         return self._chosen(ctx, backend, reason)
+
+    def _calibrated(self, ctx: RequestContext, times: Estimates, output_tokens: float,
+                    budget: float, view: ClusterView) -> tuple[Estimates, float, str]:
+        """With `length_quantile`: the estimates to route on, their L_out and what the
+        reason says of it; `quantile_fallback: prediction` swaps in the point
+        prediction's estimates when no backend meets the budget at the calibrated
+        length but some does at the prediction."""
+        predicted = self._predicted.get(ctx.request_id)
+        if predicted is None or predicted == output_tokens:
+            return times, output_tokens, ""  # Algorithm 1's L_out
+        quantile = f"the q{self._p.length_quantile:g} of requests predicted like its"
+        if (self._p.quantile_fallback == "prediction" and predicted < output_tokens
+                and not np.any(times.total <= budget)):
+            point = self.estimates(ctx, predicted, view)
+            if np.any(point.total <= budget):  # Algorithm 1 on the prediction
+                return point, predicted, (
+                    f" (L_out {predicted:.0f}, the prediction: no backend meets D for "
+                    f"{output_tokens:.0f}, {quantile} {predicted:.0f})")
+        return times, output_tokens, f" (L_out {output_tokens:.0f}: {quantile} {predicted:.0f})"
 
     def estimates(self, ctx: RequestContext, output_tokens: float, view: ClusterView,
                   done_tokens: int = 0) -> Estimates:
