@@ -26,8 +26,11 @@ requests predicted alike), `goodput-quantile-checks` (the τ check reading the s
 calibration), `goodput-quantile-checks-protect` (both, with `protect`),
 `goodput-quantile-checks-protect-fallback` (the same, routing a request no backend
 meets D_r for at its calibrated length on its predicted length) and
-`goodput-quantile-checks-protect-rescue` (the same with `rescue_only`) run only when
-named there.
+`goodput-quantile-checks-protect-rescue` (the same with `rescue_only`) and
+`goodput-capability-quantile-checks-protect-rescue` (that with `selection: capability`),
+`goodput-least-loaded` (`infeasible: least_loaded`: a request no backend meets D_r
+for goes to the least loaded backend, not the least overrun) and
+`goodput-quantile-checks-protect-rescue-least-loaded` run only when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -119,6 +122,8 @@ def default_workload(spec: str, shared: str, time_dilation: float = 1.0) -> list
 # benchmark run is a few hundred requests per proxy
 QUANTILE = {"length_quantile": 0.8, "calibration_min_samples": 20}
 QUANTILE_PROTECT = {**QUANTILE, "calibrate_checks": True, "protect": True}
+QUANTILE_PROTECT_RESCUE = {**QUANTILE_PROTECT, "rescue_only": True}
+LEAST_LOADED = {"infeasible": "least_loaded"}
 
 
 def variants(with_predictor: bool) -> list[Variant]:
@@ -150,7 +155,14 @@ def variants(with_predictor: bool) -> list[Variant]:
                        {**QUANTILE_PROTECT, "quantile_fallback": "prediction"}, True,
                        with_predictor),
                Variant("goodput-quantile-checks-protect-rescue", "goodput",
-                       {**QUANTILE_PROTECT, "rescue_only": True}, True, with_predictor),
+                       QUANTILE_PROTECT_RESCUE, True, with_predictor),
+               Variant("goodput-capability-quantile-checks-protect-rescue", "goodput",
+                       {**QUANTILE_PROTECT_RESCUE, "selection": "capability"}, True,
+                       with_predictor),
+               Variant("goodput-least-loaded", "goodput", LEAST_LOADED, True,
+                       with_predictor),
+               Variant("goodput-quantile-checks-protect-rescue-least-loaded", "goodput",
+                       {**QUANTILE_PROTECT_RESCUE, **LEAST_LOADED}, True, with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -183,7 +195,10 @@ ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protec
                         "goodput-capability-headroom-protect", "goodput-quantile",
                         "goodput-quantile-checks", "goodput-quantile-checks-protect",
                         "goodput-quantile-checks-protect-fallback",
-                        "goodput-quantile-checks-protect-rescue"})
+                        "goodput-quantile-checks-protect-rescue",
+                        "goodput-capability-quantile-checks-protect-rescue",
+                        "goodput-least-loaded",
+                        "goodput-quantile-checks-protect-rescue-least-loaded"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:

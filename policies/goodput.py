@@ -79,6 +79,18 @@ requests), Algorithm 1's fallback sends the request to the least overrun, the fa
 backend, and every such request lands there; `quantile_fallback: prediction` then
 runs Algorithm 1 on the point prediction instead, if some backend meets D_r for that
 (the quantile a margin where one fits, not a veto).
+
+`infeasible: least_loaded` (off by default) changes that fallback for every request no
+backend meets D_r for: it goes to the backend with the fewest requests in flight
+(ties: the least overrun) rather than the least overrun. Such a request cannot add
+goodput (the paper's §6 would rather drop it; laneway never drops), while under
+Algorithm 1 every one of them lands on the fastest backend and slows the requests
+there that can still make it: on four heavily loaded GPUs at SLO scale 1 only the
+H100 meets any SLO, and Algorithm 1 held twice the requests there that least_request
+did (peak 74 in flight against 37), meeting half of them against all. Measured, it
+does not pay (README, Goodput: "The repeat, and the deviations combined"): the H100's
+first placements then all meet their SLOs, but fewer go there and the τ checks move
+the hopeless streams to it anyway.
 """
 
 from __future__ import annotations
@@ -198,6 +210,11 @@ class GoodputParams(BaseModel):
         "overrun", description="length_quantile, when no backend meets D_r for the "
         "calibrated length: the least overrun at it (overrun), or Algorithm 1 on the "
         "point prediction if some backend meets D_r for that (prediction)")
+    infeasible: Literal["overrun", "least_loaded"] = Field(
+        "overrun", description="a request no backend meets D_r for: the least overrun "
+        "(Algorithm 1: argmin T - D_r, in practice the fastest backend), or the backend "
+        "with the fewest requests in flight (least_loaded: it cannot add goodput, so it "
+        "goes where it delays the fewest others)")
     calibration_window: int = Field(500, gt=0, description="length_quantile: finished "
                                     "requests remembered per prediction bucket")
     calibration_min_samples: int = Field(50, gt=0, description="length_quantile: a bucket "
@@ -299,13 +316,23 @@ class Goodput:
         backend, total, _ = times[int(np.argmin(times.total - deadline))]
         return backend, f"none feasible: least overrun T={total:.3f}s > D={deadline:.3f}s"
 
+    def _infeasible(self, times: Estimates, deadline: float, view: ClusterView
+                    ) -> tuple[Backend, str]:
+        """Where a request no candidate meets D_r for goes (`infeasible`)."""
+        if self._p.infeasible == "overrun":
+            return self.least_overrun(times, deadline)
+        loads = np.array([view.inflight_of(b) for b in times.backends])
+        backend, total, _ = times[int(np.lexsort((times.total, loads))[0])]
+        return backend, (f"none feasible: least loaded ({view.inflight_of(backend)} in "
+                         f"flight), T={total:.3f}s > D={deadline:.3f}s")
+
     def _select(self, times: Estimates, deadline: float, view: ClusterView
                 ) -> tuple[Backend, str]:
+        if not np.any(times.total <= deadline):
+            return self._infeasible(times, deadline, view)
         if self._p.selection == "paper":
             return self.just_enough(times, deadline)
         feasible = times.where(times.total <= deadline)
-        if not feasible:
-            return self.least_overrun(times, deadline)
         caps = [self._capability(t) for t in feasible]
         floor = max(caps) / (1 + self._p.tier_tolerance)
         tier = [t for t, cap in zip(feasible, caps, strict=True) if cap >= floor]
@@ -332,7 +359,7 @@ class Goodput:
                                           f"{', '.join(struck[:3])})" if struck else "")
             struck.append(f"{backend.name} for {harmed}")
             left = left.without(backend)
-        backend, reason = self.least_overrun(times, deadline)
+        backend, reason = self._infeasible(times, deadline, view)
         return backend, reason + f" (protect: all {len(struck)} would harm a request)"
 
     def _harms(self, ctx: RequestContext, backend: Backend, view: ClusterView,

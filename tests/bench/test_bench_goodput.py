@@ -249,13 +249,21 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
             "goodput-capability-headroom-protect", "goodput-quantile",
             "goodput-quantile-checks", "goodput-quantile-checks-protect",
             "goodput-quantile-checks-protect-fallback",
-            "goodput-quantile-checks-protect-rescue")
+            "goodput-quantile-checks-protect-rescue",
+            "goodput-capability-quantile-checks-protect-rescue",
+            "goodput-least-loaded", "goodput-quantile-checks-protect-rescue-least-loaded")
     ]  # those on request only
     assert select_variants(every, "goodput-risk-estimate")[-1].params == {
         "risk_speed": "estimate"}
     assert select_variants(every, "goodput-load")[-1].params == {"speed_at_load": True}
     assert select_variants(every, "goodput-quantile")[-1].params == {
         "length_quantile": 0.8, "calibration_min_samples": 20}
+    assert select_variants(every, "goodput-capability-quantile-checks-protect-rescue")[
+        -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
+                       "calibrate_checks": True, "protect": True, "rescue_only": True,
+                       "selection": "capability"}
+    assert select_variants(every, "goodput-least-loaded")[-1].params == {
+        "infeasible": "least_loaded"}
     chosen = [v.label for v in select_variants(every, "goodput-headroom")]
     assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline
     with pytest.raises(SystemExit, match="unknown variants nope"):

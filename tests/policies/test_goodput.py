@@ -226,6 +226,25 @@ def test_capability_selection_keeps_feasibility_and_the_fallback() -> None:
     assert decision.backend.name == "b1", decision.reason
 
 
+def test_infeasible_least_loaded_keeps_hopeless_requests_off_the_fastest() -> None:
+    """Nobody meets 0.5 s (T = 1, 2, 4 s). Algorithm 1: the least overrun, b0, however
+    loaded; `infeasible: least_loaded`: the backend with the fewest in flight (ties:
+    the least overrun). A feasible request is routed as before."""
+    loaded = view(FLEET, {"b0": 5, "b1": 2, "b2": 2}, stats())
+    assert policy().pick(request(0.5), HUNDRED, loaded).backend.name == "b0"
+    g = policy(infeasible="least_loaded")
+    decision = g.pick(request(0.5), HUNDRED, loaded)
+    assert decision.backend.name == "b1", decision.reason  # b1 and b2 tie at 2: T 2 < 4
+    assert "least loaded (2 in flight)" in decision.reason
+    assert g.pick(request(2.5), HUNDRED, loaded).backend.name == "b1"  # just enough
+    assert g.pick(request(1.5), HUNDRED, loaded).backend.name == "b0"  # only b0 meets it
+    # with protect, a request that would harm everywhere goes to the least loaded too
+    protected = policy(infeasible="least_loaded", protect=True, selection="capability")
+    assert protected.pick(request(0.5), HUNDRED, loaded).backend.name == "b1"
+    with pytest.raises(ValueError):
+        policy(infeasible="drop")
+
+
 def test_capability_is_the_lowest_d_seen_from_real_samples() -> None:
     from policies.speed import Speed, SpeedModel
 
