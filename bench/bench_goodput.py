@@ -25,8 +25,8 @@ that pushes a request already on the backend past its deadline), `goodput-quanti
 requests predicted alike), `goodput-quantile-checks` (the τ check reading the same
 calibration), `goodput-quantile-checks-protect` (both, with `protect`),
 `goodput-quantile-checks-protect-fallback` (the same, routing a request no backend
-meets D_r for at its calibrated length on its predicted length) and
-`goodput-quantile-checks-protect-rescue` (the same with `rescue_only`) and
+meets D_r for at its calibrated length on its predicted length),
+`goodput-quantile-checks-protect-rescue` (the same with `rescue_only`),
 `goodput-capability-quantile-checks-protect-rescue` (that with `selection: capability`),
 `goodput-least-loaded` (`infeasible: least_loaded`: a request no backend meets D_r
 for goes to the least loaded backend, not the least overrun) and

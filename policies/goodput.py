@@ -82,7 +82,8 @@ runs Algorithm 1 on the point prediction instead, if some backend meets D_r for 
 
 `infeasible: least_loaded` (off by default) changes that fallback for every request no
 backend meets D_r for: it goes to the backend with the fewest requests in flight
-(ties: the least overrun) rather than the least overrun. Such a request cannot add
+(ties: the least overrun) rather than the least overrun; a τ-check move none of the
+faster backends meets D_r for likewise. Such a request cannot add
 goodput (the paper's §6 would rather drop it; laneway never drops), while under
 Algorithm 1 every one of them lands on the fastest backend and slows the requests
 there that can still make it: on four heavily loaded GPUs at SLO scale 1 only the
@@ -300,15 +301,14 @@ class Goodput:
                          + tpot * output_tokens, tpot, prefill)
 
     @staticmethod
-    def just_enough(times: Estimates, deadline: float) -> tuple[Backend, str]:
-        feasible = times.total <= deadline
-        count = int(np.count_nonzero(feasible))
-        if count:
-            backend, total, tpot = times[int(np.argmax(np.where(feasible, times.tpot,
-                                                                -np.inf)))]
-            return backend, (f"just enough: T={total:.3f}s <= D={deadline:.3f}s with the "
-                             f"slowest feasible d={tpot * 1000:.1f}ms ({count} feasible)")
-        return Goodput.least_overrun(times, deadline)
+    def just_enough(times: Estimates, meets: npt.NDArray[np.bool_], deadline: float
+                    ) -> tuple[Backend, str]:
+        """Algorithm 1's choice among the backends that meet D_r (`meets`, not all
+        false): the slowest, the largest d_g."""
+        backend, total, tpot = times[int(np.argmax(np.where(meets, times.tpot, -np.inf)))]
+        return backend, (f"just enough: T={total:.3f}s <= D={deadline:.3f}s with the "
+                         f"slowest feasible d={tpot * 1000:.1f}ms "
+                         f"({int(np.count_nonzero(meets))} feasible)")
 
     @staticmethod
     def least_overrun(times: Estimates, deadline: float) -> tuple[Backend, str]:
@@ -322,17 +322,19 @@ class Goodput:
         if self._p.infeasible == "overrun":
             return self.least_overrun(times, deadline)
         loads = np.array([view.inflight_of(b) for b in times.backends])
-        backend, total, _ = times[int(np.lexsort((times.total, loads))[0])]
-        return backend, (f"none feasible: least loaded ({view.inflight_of(backend)} in "
-                         f"flight), T={total:.3f}s > D={deadline:.3f}s")
+        i = int(np.lexsort((times.total, loads))[0])
+        backend, total, _ = times[i]
+        return backend, (f"none feasible: least loaded ({loads[i]} in flight), "
+                         f"T={total:.3f}s > D={deadline:.3f}s")
 
     def _select(self, times: Estimates, deadline: float, view: ClusterView
                 ) -> tuple[Backend, str]:
-        if not np.any(times.total <= deadline):
+        meets = times.total <= deadline
+        if not meets.any():
             return self._infeasible(times, deadline, view)
         if self._p.selection == "paper":
-            return self.just_enough(times, deadline)
-        feasible = times.where(times.total <= deadline)
+            return self.just_enough(times, meets, deadline)
+        feasible = times.where(meets)
         caps = [self._capability(t) for t in feasible]
         floor = max(caps) / (1 + self._p.tier_tolerance)
         tier = [t for t, cap in zip(feasible, caps, strict=True) if cap >= floor]
