@@ -29,8 +29,12 @@ meets D_r for at its calibrated length on its predicted length),
 `goodput-quantile-checks-protect-rescue` (the same with `rescue_only`),
 `goodput-capability-quantile-checks-protect-rescue` (that with `selection: capability`),
 `goodput-least-loaded` (`infeasible: least_loaded`: a request no backend meets D_r
-for goes to the least loaded backend, not the least overrun) and
-`goodput-quantile-checks-protect-rescue-least-loaded` run only when named there.
+for goes to the least loaded backend, not the least overrun),
+`goodput-quantile-checks-protect-rescue-least-loaded`, and that combination with
+`speed_at_load` (`goodput-quantile-checks-protect-rescue-load`, with or without
+`-least-loaded`: every backend priced at its TPOT one request further loaded, so a
+loaded fastest backend stops looking feasible, and with `least_loaded` the requests
+none meets D_r for stop landing there) run only when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -124,6 +128,7 @@ QUANTILE = {"length_quantile": 0.8, "calibration_min_samples": 20}
 QUANTILE_PROTECT = {**QUANTILE, "calibrate_checks": True, "protect": True}
 QUANTILE_PROTECT_RESCUE = {**QUANTILE_PROTECT, "rescue_only": True}
 LEAST_LOADED = {"infeasible": "least_loaded"}
+AT_LOAD = {"speed_at_load": True}
 
 
 def variants(with_predictor: bool) -> list[Variant]:
@@ -163,6 +168,11 @@ def variants(with_predictor: bool) -> list[Variant]:
                        with_predictor),
                Variant("goodput-quantile-checks-protect-rescue-least-loaded", "goodput",
                        {**QUANTILE_PROTECT_RESCUE, **LEAST_LOADED}, True, with_predictor),
+               Variant("goodput-quantile-checks-protect-rescue-load", "goodput",
+                       {**QUANTILE_PROTECT_RESCUE, **AT_LOAD}, True, with_predictor),
+               Variant("goodput-quantile-checks-protect-rescue-load-least-loaded", "goodput",
+                       {**QUANTILE_PROTECT_RESCUE, **AT_LOAD, **LEAST_LOADED}, True,
+                       with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -198,7 +208,9 @@ ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protec
                         "goodput-quantile-checks-protect-rescue",
                         "goodput-capability-quantile-checks-protect-rescue",
                         "goodput-least-loaded",
-                        "goodput-quantile-checks-protect-rescue-least-loaded"})
+                        "goodput-quantile-checks-protect-rescue-least-loaded",
+                        "goodput-quantile-checks-protect-rescue-load",
+                        "goodput-quantile-checks-protect-rescue-load-least-loaded"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:
