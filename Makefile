@@ -113,8 +113,8 @@ bench-goodput: install
 		--hide-length 512 --heldout-prompts \
 		--only goodput-protect,goodput-oracle,goodput-quantile-checks \
 		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
-	# 512 backends at the 64-backend fleet's load per backend, 8x slower (README, Goodput)
-	# (capability + calibrated lengths + protect + rescue_only: README, Goodput)
+	# 512 backends at the 64-backend fleet's load per backend, 8x slower, with capability +
+	# calibrated lengths + protect + rescue_only (README, Goodput)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
 		--hide-length 512 --heldout-prompts \
 		--only goodput-capability-quantile-checks-protect-rescue --shared $(SHARED)

@@ -32,9 +32,9 @@ meets D_r for at its calibrated length on its predicted length),
 for goes to the least loaded backend, not the least overrun),
 `goodput-quantile-checks-protect-rescue-least-loaded`, and that combination with
 `speed_at_load` (`goodput-quantile-checks-protect-rescue-load`, with or without
-`-least-loaded`: every backend priced at its TPOT one request further loaded, so a
-loaded fastest backend stops looking feasible, and with `least_loaded` the requests
-none meets D_r for stop landing there) run only when named there.
+`-least-loaded`: every backend priced at its load fit's TPOT one request further
+loaded, against the fastest backend filling up; measured, it trims that backend's load
+only a little, README: Goodput) run only when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
