@@ -91,7 +91,7 @@ H100 meets any SLO, and Algorithm 1 held twice the requests there that least_req
 did (peak 74 in flight against 37), meeting half of them against all. Measured, it
 does not pay (README, Goodput: "The repeat, and the deviations combined"): the H100's
 first placements then all meet their SLOs, but fewer go there and the τ checks move
-the hopeless streams to it anyway.
+the hopeless streams to it anyway; nor with `speed_at_load` beside it (README, Goodput).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies._load import LeastInflight
+from policies._load import LeastInflight, inflight_loads
 from policies.base import register
 from policies.placements import Placed, Placements
 from policies.prefix_index import PrefixIndex, blocks_from_wire, blocks_to_wire
@@ -321,7 +321,7 @@ class Goodput:
         """Where a request no candidate meets D_r for goes (`infeasible`)."""
         if self._p.infeasible == "overrun":
             return self.least_overrun(times, deadline)
-        loads = np.array([view.inflight_of(b) for b in times.backends])
+        loads = np.array(inflight_loads(view, [b.name for b in times.backends]))
         i = int(np.lexsort((times.total, loads))[0])
         backend, total, _ = times[i]
         return backend, (f"none feasible: least loaded ({loads[i]} in flight), "
