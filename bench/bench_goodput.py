@@ -34,7 +34,9 @@ for goes to the least loaded backend, not the least overrun),
 `speed_at_load` (`goodput-quantile-checks-protect-rescue-load`, with or without
 `-least-loaded`: every backend priced at its load fit's TPOT one request further
 loaded, against the fastest backend filling up; measured, it trims that backend's load
-only a little, README: Goodput) run only when named there.
+only a little, README: Goodput), and that with `harmful_moves: false`
+(`goodput-quantile-checks-protect-rescue-load-stay`: a τ-check move every faster backend
+would be harmed by does not happen) run only when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -129,6 +131,7 @@ QUANTILE_PROTECT = {**QUANTILE, "calibrate_checks": True, "protect": True}
 QUANTILE_PROTECT_RESCUE = {**QUANTILE_PROTECT, "rescue_only": True}
 LEAST_LOADED = {"infeasible": "least_loaded"}
 AT_LOAD = {"speed_at_load": True}
+STAY = {"harmful_moves": False}
 
 
 def variants(with_predictor: bool) -> list[Variant]:
@@ -173,6 +176,8 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-quantile-checks-protect-rescue-load-least-loaded", "goodput",
                        {**QUANTILE_PROTECT_RESCUE, **AT_LOAD, **LEAST_LOADED}, True,
                        with_predictor),
+               Variant("goodput-quantile-checks-protect-rescue-load-stay", "goodput",
+                       {**QUANTILE_PROTECT_RESCUE, **AT_LOAD, **STAY}, True, with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -210,7 +215,8 @@ ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protec
                         "goodput-least-loaded",
                         "goodput-quantile-checks-protect-rescue-least-loaded",
                         "goodput-quantile-checks-protect-rescue-load",
-                        "goodput-quantile-checks-protect-rescue-load-least-loaded"})
+                        "goodput-quantile-checks-protect-rescue-load-least-loaded",
+                        "goodput-quantile-checks-protect-rescue-load-stay"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:

@@ -60,7 +60,9 @@ deadline) would be pushed past it; the selection rule is then applied to those
 backends, a request no backend can take in time goes to the least overrun among the
 backends it harms nobody on (Algorithm 1's fallback, restricted), and only if every
 backend would be harmed to the least overrun of all. τ-check moves are checked the
-same way. The requests on g are the ones this policy routed there with a deadline
+same way; with `harmful_moves: false` a stream every faster backend would be harmed by
+stays where it is instead (an arrival has to go somewhere, a move does not). The
+requests on g are the ones this policy routed there with a deadline
 (`policies/placements.py`), their generated tokens counted at each τ check and
 extrapolated at d between checks.
 
@@ -216,6 +218,10 @@ class GoodputParams(BaseModel):
         "(Algorithm 1: argmin T - D_r, in practice the fastest backend), or the backend "
         "with the fewest requests in flight (least_loaded: it cannot add goodput, so it "
         "goes where it delays the fewest others)")
+    harmful_moves: bool = Field(True, description="protect: a τ-check move every faster "
+                                "backend would harm a request on still goes to the least "
+                                "overrun of them, as an arrival does (true), or the stream "
+                                "stays where it is (false: a move is optional)")
     calibration_window: int = Field(500, gt=0, description="length_quantile: finished "
                                     "requests remembered per prediction bucket")
     calibration_min_samples: int = Field(50, gt=0, description="length_quantile: a bucket "
@@ -345,24 +351,34 @@ class Goodput:
 
     def _choose(self, ctx: RequestContext, times: Estimates, deadline: float,
                 view: ClusterView) -> tuple[Backend, str]:
-        """`_select`, with `protect` over the backends r harms nobody on: each pick the
-        rule makes that would push an on-track request past its deadline is struck off
-        and the rule applied again to the rest (so a request none meets D_r on goes to
-        the least overrun among them); the least overrun of all if every one is struck."""
+        """`_select`, with `protect` over the backends r harms nobody on (`_unharmed`);
+        the least overrun of all if every one is struck."""
         if not self._p.protect:
             return self._select(times, deadline, view)
+        chosen, struck = self._unharmed(ctx, times, deadline, view)
+        if chosen is not None:
+            return chosen
+        backend, reason = self._infeasible(times, deadline, view)
+        return backend, reason + f" (protect: all {struck} would harm a request)"
+
+    def _unharmed(self, ctx: RequestContext, times: Estimates, deadline: float,
+                  view: ClusterView) -> tuple[tuple[Backend, str] | None, int]:
+        """`_select` over the backends r harms nobody on: each pick the rule makes that
+        would push an on-track request past its deadline is struck off and the rule
+        applied again to the rest (so a request none meets D_r on goes to the least
+        overrun among them); None if every one is struck, and how many were."""
         left = times
         struck: list[str] = []
         while left:
             backend, reason = self._select(left, deadline, view)
             harmed = self._harms(ctx, backend, view, left.prefill_of(backend))
             if harmed is None:
-                return backend, reason + (f" (protect: {len(struck)} refused, e.g. "
-                                          f"{', '.join(struck[:3])})" if struck else "")
+                return (backend, reason + (f" (protect: {len(struck)} refused, e.g. "
+                                           f"{', '.join(struck[:3])})" if struck else "")
+                        ), len(struck)
             struck.append(f"{backend.name} for {harmed}")
             left = left.without(backend)
-        backend, reason = self._infeasible(times, deadline, view)
-        return backend, reason + f" (protect: all {len(struck)} would harm a request)"
+        return None, len(struck)
 
     def _harms(self, ctx: RequestContext, backend: Backend, view: ClusterView,
                prefill_tokens: float) -> str | None:
@@ -435,7 +451,13 @@ class Goodput:
         if not faster:
             return None
         slack = deadline - progress.elapsed_s - self._p.handoff_s
-        backend, reason = self._choose(ctx, faster, slack, view)
+        if self._p.protect and not self._p.harmful_moves:
+            chosen, _ = self._unharmed(ctx, faster, slack, view)
+            if chosen is None:
+                return None  # every faster backend would make an on-track request miss
+            backend, reason = chosen
+        else:
+            backend, reason = self._choose(ctx, faster, slack, view)
         moved_finish = progress.elapsed_s + self._p.handoff_s + faster.of(backend)
         if moved_finish > finish_here - self._p.min_gain_s:
             return None

@@ -253,7 +253,8 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
             "goodput-capability-quantile-checks-protect-rescue",
             "goodput-least-loaded", "goodput-quantile-checks-protect-rescue-least-loaded",
             "goodput-quantile-checks-protect-rescue-load",
-            "goodput-quantile-checks-protect-rescue-load-least-loaded")
+            "goodput-quantile-checks-protect-rescue-load-least-loaded",
+            "goodput-quantile-checks-protect-rescue-load-stay")
     ]  # those on request only
     assert select_variants(every, "goodput-risk-estimate")[-1].params == {
         "risk_speed": "estimate"}
@@ -270,6 +271,10 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
         -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
                        "calibrate_checks": True, "protect": True, "rescue_only": True,
                        "speed_at_load": True, "infeasible": "least_loaded"}
+    assert select_variants(every, "goodput-quantile-checks-protect-rescue-load-stay")[
+        -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
+                       "calibrate_checks": True, "protect": True, "rescue_only": True,
+                       "speed_at_load": True, "harmful_moves": False}
     chosen = [v.label for v in select_variants(every, "goodput-headroom")]
     assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline
     with pytest.raises(SystemExit, match="unknown variants nope"):

@@ -436,6 +436,30 @@ def test_protect_sends_a_request_that_harms_everywhere_to_the_least_overrun() ->
     assert "all 3 would harm" in decision.reason
 
 
+def test_harmful_moves_off_keeps_a_stream_that_would_harm_on_every_faster_backend() -> None:
+    """A (b0) and B (b1) each finish 0.1 s inside their deadlines; C, at risk on b2, would
+    re-prefill 110 tokens (0.55 s) on either: protect strikes both, and then the move goes
+    to the least overrun of them anyway, or (harmful_moves off) C stays."""
+    moved = {}
+    for harmful in (True, False):
+        goodput = policy(protect=True, harmful_moves=harmful)
+        for name, slo, at in (("A", 1.6, "b0"), ("B", 2.6, "b1")):
+            chosen = goodput.pick(arriving(name, slo, at=0.0), HUNDRED,
+                                  view(FLEET, stats=PREFILL))
+            assert chosen.backend.name == at
+        busy = view(FLEET, inflight=dict.fromkeys(TPOT, 1), stats=PREFILL, now=1.0)
+        # C: 90 tokens left at 40 ms, finish 4.6 s > 4 s; b1 or b0 would finish by 3.4 s
+        moved[harmful] = goodput.reroute(arriving("C", 4.0, at=0.0), HUNDRED,
+                                         progress(FLEET[2], 10, 1.0, 0.040), busy)
+    assert moved[True] is not None and moved[True].backend.name == "b0"
+    assert "all 2 would harm" in moved[True].reason
+    assert moved[False] is None
+    goodput.observe(outcome("B", "b1", 100))  # B is done: b1 harms nobody now
+    rescued = goodput.reroute(arriving("C", 4.0, at=0.0), HUNDRED,
+                              progress(FLEET[2], 10, 1.0, 0.040), busy)
+    assert rescued is not None and rescued.backend.name == "b1", rescued
+
+
 def test_placements_follow_moves_and_forget_the_oldest_past_their_bound() -> None:
     from policies.placements import Placed, Placements
 
