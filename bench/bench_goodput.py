@@ -473,8 +473,10 @@ def main(argv: list[str] | None = None) -> int:
                         "artifact is an error")
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep every run's files (solo, configs, per-request JSONL) "
-                        "under DIR/<fleet>/repeat-<r>/ instead of a temporary directory; "
-                        "`python -m bench.goodput_breakdown` reads them")
+                        "under DIR/<fleet>/repeat-<r>/ instead of a temporary directory, "
+                        "with each run's proxy log (every routing decision and move, "
+                        "with its reason) as <run>.log; `python -m bench.goodput_breakdown` "
+                        "reads them")
     parser.add_argument("--hide-length", type=int, metavar="N", default=None,
                         help="requests ask for max(N, their length) tokens and the client "
                         "stops at their length: max_tokens no longer tells the proxy the "
@@ -518,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             workload = [*workload, "--prompts", "heldout"]
         plan = Plan(workload, chosen, list(SCALES), Path(args.out).parent / "goodput",
                     args.solo_requests, args.time_limit * dilation,
-                    artifact if use_predictor else None, solo_tier=args.solo_tier)
+                    artifact if use_predictor else None, solo_tier=args.solo_tier,
+                    decision_logs=args.keep is not None)
         fleet_spec = spec.partition("@")[0]
         with work_dir(args.keep, name) as work, \
                 open_fleet(fleet_spec, Path(args.shared), dilation) as f:

@@ -80,6 +80,8 @@ def _run_parser(sub: Any) -> None:
     where.add_argument("--target", help="URL of a running proxy")
     where.add_argument("--config", help="laneway YAML: start a proxy for the run")
     run.add_argument("--policy", help="policy (overrides --config's); with --target a label")
+    run.add_argument("--proxy-log", help="with --config: keep the proxy's log in this file "
+                     "(default: discarded)")
     run.add_argument("--label", help="run name in reports (default: policy)")
     run.add_argument("--time-limit", type=float, help="s of wall time; open requests are cut")
     run.add_argument("--concurrency", type=int, help="cap on open requests (default: none)")

@@ -94,7 +94,8 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     config = yaml.safe_load(Path(args.config).read_text())
     if args.policy:
         config["policy"] = {"name": args.policy, "params": {}}
-    with running_proxy(config) as proxy:
+    log = Path(args.proxy_log) if args.proxy_log else None
+    with running_proxy(config, log_path=log) as proxy:
         yield proxy.url, config.get("policy", {}).get("name", "round_robin")
 
 

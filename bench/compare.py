@@ -155,6 +155,7 @@ class Plan:
     artifact: Path | None
     expert: str = "gpt-3.5-turbo-1106"
     solo_tier: SoloTier = "fastest"  # the backend whose solo latency is the SLO base
+    decision_logs: bool = False  # each run's proxy log, with every decision, as <run>.log
 
 
 def run_name(label: str, scale: float | None) -> str:
@@ -179,13 +180,17 @@ def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
         for scale in plan.scales if variant.per_scale else [None]:
             name = run_name(variant.label, scale)
             config = work / f"{name}.yaml"
-            config.write_text(yaml.safe_dump(
-                proxy_config(fleet_, variant, plan.artifact, plan.expert)))
+            settings = proxy_config(fleet_, variant, plan.artifact, plan.expert)
+            log: list[str] = []
+            if plan.decision_logs:
+                settings["debug"] = {"log_decisions": True}
+                log = ["--proxy-log", str(work / f"{name}.log")]
+            config.write_text(yaml.safe_dump(settings))
             out = work / f"{name}.jsonl"
             slo = ["--solo", str(solo), "--slo-scale", str(scale or 2.0)]
             cli("bench", "run", *plan.workload, "--config", str(config), "--label", name,
                 "--out", str(out), "--time-limit", str(plan.time_limit_s), "--no-progress",
-                *slo)
+                *slo, *log)
             files.setdefault(variant.label, []).append(out)
     return files
 

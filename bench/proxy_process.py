@@ -29,16 +29,18 @@ class ProxyProcess:
 
 @contextlib.contextmanager
 def running_proxy(
-    config: dict[str, Any], *, ready_timeout_s: float = 30.0
+    config: dict[str, Any], *, ready_timeout_s: float = 30.0, log_path: Path | None = None
 ) -> Iterator[ProxyProcess]:
-    """Write `config` (server.port chosen here), start `laneway serve`, yield it."""
+    """Write `config` (server.port chosen here), start `laneway serve`, yield it; its
+    output goes to `log_path` if given (kept), else to a temporary file."""
     port = free_port()
     config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1",
                                     "port": port}}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "laneway.yaml"
         path.write_text(yaml.safe_dump(config))
-        log = open(Path(tmp) / "proxy.log", "wb")
+        log_file = log_path or Path(tmp) / "proxy.log"
+        log = open(log_file, "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -46,7 +48,7 @@ def running_proxy(
         url = f"http://127.0.0.1:{port}"
         failed = False
         try:
-            _wait_ready(url, proc, ready_timeout_s, Path(tmp) / "proxy.log")
+            _wait_ready(url, proc, ready_timeout_s, log_file)
             yield ProxyProcess(url, proc.pid, str(path))
         except BaseException:
             failed = True
@@ -60,7 +62,7 @@ def running_proxy(
                 proc.wait()
             log.close()
             if failed:  # e.g. a test's assertion inside the block: show what the proxy said
-                lines = (Path(tmp) / "proxy.log").read_text(errors="replace").splitlines()
+                lines = log_file.read_text(errors="replace").splitlines()
                 print("\n".join(["--- proxy log (tail) ---", *lines[-80:]]))
 
 

@@ -58,11 +58,13 @@ def test_run_starts_a_proxy_with_the_policy_and_solo_repeats(tmp_path: Path) -> 
     with fake_process() as fake:  # behind two backend names: the policy must alternate
         config = {"backends": [{"name": "fa", "url": fake, "model": "tiny-llama"},
                                {"name": "fb", "url": fake, "model": "tiny-llama"}],
-                  "policy": {"name": "random", "params": {}}}
+                  "policy": {"name": "random", "params": {}},
+                  "debug": {"log_decisions": True}}
         (tmp_path / "laneway.yaml").write_text(yaml.safe_dump(config))
         assert main(["bench", "run", "--workload", str(workload), "--no-progress",
                      "--config", str(tmp_path / "laneway.yaml"), "--policy", "round_robin",
-                     "--out", str(tmp_path / "rr.jsonl")]) == 0
+                     "--out", str(tmp_path / "rr.jsonl"),
+                     "--proxy-log", str(tmp_path / "rr.log")]) == 0
         assert main(["bench", "solo", "--workload", "poisson", *SMALL, "--target", fake,
                      "--repeats", "2", "--max-requests", "4",
                      "--out", str(tmp_path / "solo.jsonl")]) == 0
@@ -70,6 +72,9 @@ def test_run_starts_a_proxy_with_the_policy_and_solo_repeats(tmp_path: Path) -> 
     assert run.header["policy"] == "round_robin" and run.name == "round_robin"
     assert len(run.results) == 6 and all(r.ok for r in run.results)
     assert sorted(r.backend or "" for r in run.results) == ["fa"] * 3 + ["fb"] * 3
+    decisions = [line for line in (tmp_path / "rr.log").read_text().splitlines()
+                 if " model=tiny-llama -> " in line]  # the proxy's log, kept
+    assert len(decisions) == 6 and sum(" -> fa (" in line for line in decisions) == 3
     planned = {r.seq: r.max_tokens for r in load(workload).requests}
     assert all(r.output_tokens == planned[r.seq] for r in run.results)
     solo = read(tmp_path / "solo.jsonl")

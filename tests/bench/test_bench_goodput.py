@@ -212,6 +212,29 @@ def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
         "goodput": {"1": 1.0, "2": 1.8, "mean": 1.4}}
 
 
+def test_kept_runs_log_every_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --keep (Plan.decision_logs) each run's proxy logs its decisions to <run>.log
+    beside its records; without, the proxy config and the command stay as they were."""
+    import yaml
+
+    from bench.compare import Fleet, Plan, Variant, run_all
+
+    commands: list[tuple[str, ...]] = []
+    monkeypatch.setattr(compare, "cli", lambda *args: commands.append(args))
+    fleet = Fleet([{"name": "b", "url": "http://x", "model": "m"}], ["http://x"], ["http://x"])
+    for keep in (True, False):
+        work = tmp_path / str(keep)
+        work.mkdir()
+        plan = Plan([], [Variant("goodput", "goodput", {}, True)], [1.0], tmp_path, 1, 1.0,
+                    None, decision_logs=keep)
+        run_all(plan, fleet, work)
+        config = yaml.safe_load((work / "goodput@1.yaml").read_text())
+        assert config.get("debug") == ({"log_decisions": True} if keep else None)
+        run = commands[-1]
+        assert (run[-2:] == ("--proxy-log", str(work / "goodput@1.log"))) == keep
+        assert ("--proxy-log" in run) == keep
+
+
 def test_slo_base_is_a_mid_tier_backend_as_in_the_paper(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """GoodServe's SLOs are solo latencies on a mid-tier GPU (an A800 among faster and

@@ -68,10 +68,15 @@ def test_run_two_policies_and_report_goodput(vllm_fleet: Any, tmp_path: Path,
     with running_proxy(proxy_config(small, "round_robin")) as proxy:
         assert main(["bench", "run", *common, "--target", proxy.url, "--policy", "round_robin",
                      "--time-limit", "120", "--out", str(tmp_path / "rr.jsonl")]) == 0
-    (tmp_path / "laneway.yaml").write_text(yaml.safe_dump(proxy_config(small, "random")))
+    (tmp_path / "laneway.yaml").write_text(yaml.safe_dump(
+        {**proxy_config(small, "random"), "debug": {"log_decisions": True}}))
     assert main(["bench", "run", *common, "--config", str(tmp_path / "laneway.yaml"),
                  "--policy", "least_request", "--time-limit", "120",
-                 "--out", str(tmp_path / "lr.jsonl")]) == 0
+                 "--out", str(tmp_path / "lr.jsonl"),
+                 "--proxy-log", str(tmp_path / "lr.log")]) == 0
+    decisions = [line for line in (tmp_path / "lr.log").read_text().splitlines()
+                 if f" model={SMALL} -> " in line and "least in-flight" in line]
+    assert len(decisions) == 16  # the kept proxy log explains every routing decision
     names: set[str | None] = {b.name for b in small}
     check_run(tmp_path / "solo.jsonl", planned, {None})  # a bare vLLM names no backend
     check_run(tmp_path / "rr.jsonl", planned, names)
