@@ -21,12 +21,20 @@ missed it (the predictor run offline on each prompt as the proxy saw it, the
 alpaca_eval instruction looked up by request id in `--shared`; true length = the
 request's `max_tokens` in the record): just-enough selection sends the requests
 predicted shortest to the slowest tier, so that tier collects the under-predictions.
+
+Where a run kept its proxy log (`<run>.log`, `bench_goodput --keep`, with every
+decision logged), a second table says why requests went where: per policy, each
+arrival decision and each τ-check move by the kind of reason the policy gave (for
+goodput: feasible, feasible after `protect` refused some backends, none feasible,
+every backend would be harmed) and the tier it went to (a move: from and to), with how
+many of those requests met their SLO in the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -62,6 +70,70 @@ class TierRow:
     # no predictor given, or no such request)
     met_length_ratio: float | None = None
     missed_length_ratio: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRow:
+    event: str  # "arrival" or "move"
+    kind: str  # `reason_kind` of the policy's reason
+    source: str  # a move's tier it left ("" for an arrival)
+    tier: str  # where the request went
+    count: int
+    met: int  # of those requests, SLO met in the end
+
+
+ARRIVAL = re.compile(r"request (\S+) model=\S+ -> (\S+) \((.*); \d+ candidates\)$")
+MOVE = re.compile(r"request (\S+): policy moves it (\S+) -> (\S+) after \d+ tokens "
+                  r"\((.*)\)$")
+
+
+def reason_kind(reason: str) -> str:
+    """A decision's reason (`proxy.routing`'s log line), by the branch of the policy
+    that gave it; a τ-check move's by the choice among the faster backends."""
+    reason = reason.partition(" here; ")[2] or reason  # a move: "SLO risk: ... here; <choice>"
+    if "(protect: all " in reason:
+        return "every backend would be harmed"
+    if reason.startswith("none feasible"):
+        return "none feasible"
+    if reason.startswith("just enough"):
+        return "feasible" + (" after protect refused some" if "(protect: " in reason else "")
+    return reason.split(":")[0].split(" (")[0]
+
+
+def decisions(log: str, rs: Sequence[RequestResult], tiers: Mapping[str, str],
+              solo: SoloLatencies, scale: float) -> list[DecisionRow]:
+    """Every decision in a kept proxy log (requests by the load generator's
+    `x-request-id`, bench-<seq>-<id>), counted by event, reason kind and tier."""
+    by_id = {f"bench-{r.seq}-{r.id}": r for r in rs}
+    counts: Counter[tuple[str, str, str, str]] = Counter()
+    met: Counter[tuple[str, str, str, str]] = Counter()
+    for line in log.splitlines():
+        if (arrival := ARRIVAL.search(line)) is not None:
+            rid, source, target, reason = arrival[1], "", arrival[2], arrival[3]
+            event = "arrival"
+        elif (move := MOVE.search(line)) is not None:
+            rid, source, target, reason = move[1], tiers.get(move[2], move[2]), move[3], move[4]
+            event = "move"
+        else:
+            continue
+        r = by_id.get(rid)
+        if r is None:
+            continue  # a request the records do not hold (e.g. cut before it was sent)
+        key = (event, reason_kind(reason), source, tiers.get(target, target))
+        counts[key] += 1
+        met[key] += meets_slo(r, solo.of(r), scale)
+    return [DecisionRow(*key, count, met[key]) for key, count in sorted(counts.items())]
+
+
+def decision_table(report: Mapping[str, Sequence[DecisionRow]]) -> str:
+    lines = ["| policy | decision | reason | tier (move: from → to) | requests | SLO met |",
+             "|---|---|---|---|---:|---:|"]
+    for label, rows in report.items():
+        for row in rows:
+            where = f"{row.source} → {row.tier}" if row.source else row.tier
+            lines.append(f"| {label} | {row.event} | {row.kind} | {where} | {row.count} | "
+                         f"{row.met / row.count:.0%} |")
+    return "\n".join(lines)
 
 
 def tiers_of(config: Path) -> dict[str, str]:
@@ -204,15 +276,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.length_predictor:
         model_map = dict(pair.split("=", 1) for pair in args.model_map.split(",") if pair)
         ratio = length_ratios(Path(args.length_predictor), Path(args.shared), model_map)
-    report = {}
+    report, why = {}, {}
     for label, path in files.items():
         tiers = tiers_of(path.with_suffix(".yaml"))
-        report[label] = breakdown(results.read(path).results, tiers, solo, args.scale, ratio)
+        rs = results.read(path).results
+        report[label] = breakdown(rs, tiers, solo, args.scale, ratio)
+        if path.with_suffix(".log").exists():
+            why[label] = decisions(path.with_suffix(".log").read_text(errors="replace"), rs,
+                                   tiers, solo, args.scale)
     print(table(report, args.scale))
+    if why:
+        print(f"\nDecisions by reason (the kept proxy logs), SLO scale {args.scale:g}:\n")
+        print(decision_table(why))
     if args.out:
         Path(args.out).write_text(json.dumps(
             {"scale": args.scale, "run_dir": str(directory),
-             "policies": {k: [asdict(r) for r in v] for k, v in report.items()}},
+             "policies": {k: [asdict(r) for r in v] for k, v in report.items()},
+             "decisions": {k: [asdict(r) for r in v] for k, v in why.items()}},
             indent=1) + "\n")
     return 0
 

@@ -113,3 +113,34 @@ def test_a_baseline_run_and_a_variants_run_at_the_scale(tmp_path: Path,
         goodput_breakdown.main([str(tmp_path), "--scale", "1.5"])
     with pytest.raises(SystemExit):
         goodput_breakdown.main([str(tmp_path / "nowhere")])
+
+
+def test_decisions_from_a_kept_proxy_log_by_reason_kind_and_tier() -> None:
+    import dataclasses
+
+    from bench.goodput_breakdown import DecisionRow, decisions, reason_kind
+
+    rs = [dataclasses.replace(r, seq=i) for i, r in enumerate(RUN)]  # a, d miss; b, c meet
+    prefix = "2026-11-27 04:00:00,000 INFO proxy.routing: request"
+    log = "\n".join([
+        f"{prefix} bench-0-a model=m -> t-0 (just enough: T=1.000s <= D=2.000s with the "
+        "slowest feasible d=40.0ms (2 feasible); 3 candidates)",
+        f"{prefix} bench-1-b model=m -> t-0 (just enough (capability): T=1.0s <= D=2.0s "
+        "(protect: 1 refused, e.g. h-0 for x); 3 candidates)",
+        f"{prefix} bench-2-c model=m -> h-0 (none feasible: least overrun T=3.000s > "
+        "D=2.000s (protect: all 3 would harm a request); 3 candidates)",
+        f"{prefix} bench-3-d model=m -> h-1 (none feasible: least overrun T=3.0s > D=2.0s; "
+        "3 candidates)",
+        f"{prefix} bench-0-a: policy moves it t-0 -> h-1 after 20 tokens (SLO risk: finish "
+        "3.00s > D 2.00s here; none feasible: least overrun T=2.5s > D=1.5s)",
+        f"{prefix} bench-9-zz model=m -> h-0 (just enough: T=1s <= D=2s; 3 candidates)",
+        "2026-11-27 04:00:00,000 INFO uvicorn: something else"])
+    rows = decisions(log, rs, TIERS, SOLO, scale=2.0)
+    assert rows == [
+        DecisionRow("arrival", "every backend would be harmed", "", "h100", 1, 1),
+        DecisionRow("arrival", "feasible", "", "t4", 1, 0),
+        DecisionRow("arrival", "feasible after protect refused some", "", "t4", 1, 1),
+        DecisionRow("arrival", "none feasible", "", "h100", 1, 0),  # d: 2.5 s > 2 s
+        DecisionRow("move", "none feasible", "t4", "h100", 1, 0)]  # bench-9: no record
+    assert reason_kind("no SLO: least in-flight (3)") == "no SLO"
+    assert reason_kind("least in-flight 2") == "least in-flight 2"
