@@ -97,7 +97,8 @@ def reason_kind(reason: str) -> str:
         return "none feasible"
     if reason.startswith("just enough"):
         return "feasible" + (" after protect refused some" if "(protect: " in reason else "")
-    return reason.split(":")[0].split(" (")[0]
+    # another policy's reason, its numbers (loads, block counts) masked
+    return re.sub(r"\d+", "N", reason.split(":")[0].split(" (")[0].split(";")[0])
 
 
 def decisions(log: str, rs: Sequence[RequestResult], tiers: Mapping[str, str],

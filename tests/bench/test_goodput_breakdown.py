@@ -143,4 +143,6 @@ def test_decisions_from_a_kept_proxy_log_by_reason_kind_and_tier() -> None:
         DecisionRow("arrival", "none feasible", "", "h100", 1, 0),  # d: 2.5 s > 2 s
         DecisionRow("move", "none feasible", "t4", "h100", 1, 0)]  # bench-9: no record
     assert reason_kind("no SLO: least in-flight (3)") == "no SLO"
-    assert reason_kind("least in-flight 2") == "least in-flight 2"
+    assert reason_kind("least in-flight 2") == "least in-flight N"
+    assert reason_kind("prefix match 0 blocks, too short; least in-flight 33") == \
+        "prefix match N blocks, too short"
