@@ -108,10 +108,12 @@ bench-goodput: install
 		--fleet emulated:4@mooncake --hide-length 512 --shared $(SHARED)
 	# four GPUs loaded until every baseline misses SLOs at every scale, with protect (a
 	# deviation: no admission that makes a request on the backend miss; README, Goodput);
-	# goodput-quantile-checks: calibrated lengths (README, Goodput: Calibrated lengths)
+	# goodput-quantile-checks: calibrated lengths (README, Goodput: Calibrated lengths);
+	# ...-rescue-load-stay: with protect, rescue_only, speed_at_load and no harmful moves,
+	# the best measured on this fleet (README, Goodput: No harmful moves)
 	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
 		--hide-length 512 --heldout-prompts \
-		--only goodput-protect,goodput-oracle,goodput-quantile-checks \
+		--only goodput-protect,goodput-oracle,goodput-quantile-checks,goodput-quantile-checks-protect-rescue-load-stay \
 		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower, with capability +
 	# calibrated lengths + protect + rescue_only (README, Goodput)
