@@ -36,7 +36,8 @@ for goes to the least loaded backend, not the least overrun),
 loaded, against the fastest backend filling up; measured, it trims that backend's load
 only a little, README: Goodput), and that with `harmful_moves: false`
 (`goodput-quantile-checks-protect-rescue-load-stay`: a τ-check move every faster backend
-would be harmed by does not happen) run only when named there.
+would be harmed by does not happen; `goodput-capability-quantile-checks-protect-rescue-stay`
+the same on the capability combination) run only when named there.
 Writes `docs/results/goodput.json` (`--out`) and, per fleet, `goodput/<fleet>/` next to
 it (table.md, goodput_vs_scale.png, the harness report of the baselines). `--keep DIR`
 keeps every run's per-request records (for `bench.goodput_breakdown`, by GPU tier).
@@ -178,6 +179,9 @@ def variants(with_predictor: bool) -> list[Variant]:
                        with_predictor),
                Variant("goodput-quantile-checks-protect-rescue-load-stay", "goodput",
                        {**QUANTILE_PROTECT_RESCUE, **AT_LOAD, **STAY}, True, with_predictor),
+               Variant("goodput-capability-quantile-checks-protect-rescue-stay", "goodput",
+                       {**QUANTILE_PROTECT_RESCUE, "selection": "capability", **STAY}, True,
+                       with_predictor),
                Variant("goodput-oracle", "goodput", {"length_source": "hint"}, True)]
     return [Variant(name, name) for name in BASELINES] + goodput
 
@@ -216,7 +220,8 @@ ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protec
                         "goodput-quantile-checks-protect-rescue-least-loaded",
                         "goodput-quantile-checks-protect-rescue-load",
                         "goodput-quantile-checks-protect-rescue-load-least-loaded",
-                        "goodput-quantile-checks-protect-rescue-load-stay"})
+                        "goodput-quantile-checks-protect-rescue-load-stay",
+                        "goodput-capability-quantile-checks-protect-rescue-stay"})
 
 
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:

@@ -277,7 +277,8 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
             "goodput-least-loaded", "goodput-quantile-checks-protect-rescue-least-loaded",
             "goodput-quantile-checks-protect-rescue-load",
             "goodput-quantile-checks-protect-rescue-load-least-loaded",
-            "goodput-quantile-checks-protect-rescue-load-stay")
+            "goodput-quantile-checks-protect-rescue-load-stay",
+            "goodput-capability-quantile-checks-protect-rescue-stay")
     ]  # those on request only
     assert select_variants(every, "goodput-risk-estimate")[-1].params == {
         "risk_speed": "estimate"}
@@ -298,6 +299,10 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
         -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
                        "calibrate_checks": True, "protect": True, "rescue_only": True,
                        "speed_at_load": True, "harmful_moves": False}
+    assert select_variants(every, "goodput-capability-quantile-checks-protect-rescue-stay")[
+        -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
+                       "calibrate_checks": True, "protect": True, "rescue_only": True,
+                       "selection": "capability", "harmful_moves": False}
     chosen = [v.label for v in select_variants(every, "goodput-headroom")]
     assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline
     with pytest.raises(SystemExit, match="unknown variants nope"):
