@@ -64,9 +64,9 @@ same way; with `harmful_moves: false` a stream every faster backend would be har
 stays where it is instead (an arrival has to go somewhere, a move does not); on four
 heavily loaded GPUs that kept the H100 at the load it still serves within SLO and
 lifted scale 1 from 0.95-1.09x to 1.47x the best baseline in two runs (README,
-Goodput: No harmful moves). The requests on g are the ones this policy routed there with a deadline
-(`policies/placements.py`), their generated tokens counted at each τ check and
-extrapolated at d between checks.
+Goodput: No harmful moves). The requests on g are the ones this policy routed there
+with a deadline (`policies/placements.py`), their generated tokens counted at each τ
+check and extrapolated at d between checks.
 
 `length_quantile` (off by default) routes on a calibrated length instead of the point
 prediction: L_out in Eq. 2 becomes that quantile of the true lengths of the recent
