@@ -282,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         tiers = tiers_of(path.with_suffix(".yaml"))
         rs = results.read(path).results
         report[label] = breakdown(rs, tiers, solo, args.scale, ratio)
-        if path.with_suffix(".log").exists():
-            why[label] = decisions(path.with_suffix(".log").read_text(errors="replace"), rs,
-                                   tiers, solo, args.scale)
+        log = path.with_suffix(".log")  # the proxy's, kept by bench_goodput --keep
+        if log.exists():
+            why[label] = decisions(log.read_text(errors="replace"), rs, tiers, solo, args.scale)
     print(table(report, args.scale))
     if why:
         print(f"\nDecisions by reason (the kept proxy logs), SLO scale {args.scale:g}:\n")

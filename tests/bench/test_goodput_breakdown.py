@@ -146,3 +146,39 @@ def test_decisions_from_a_kept_proxy_log_by_reason_kind_and_tier() -> None:
     assert reason_kind("least in-flight 2") == "least in-flight N"
     assert reason_kind("prefix match 0 blocks, too short; least in-flight 33") == \
         "prefix match N blocks, too short"
+
+
+def test_the_breakdown_reads_the_lines_the_router_logs(caplog: pytest.LogCaptureFixture
+                                                       ) -> None:
+    """ARRIVAL and MOVE parse `proxy.routing.Router`'s own log lines (their format lives
+    there): a goodput pick and a τ-check move, logged and read back."""
+    import dataclasses
+    import logging
+
+    from bench.goodput_breakdown import decisions
+    from policies.goodput import Goodput, GoodputParams
+    from predictors.base import Prediction
+    from proxy.metrics import Metrics
+    from proxy.registry import Registry
+    from proxy.routing import Router
+    from proxy.types import BackendStats, Progress
+    from tests.policies.helpers import backends, ctx, view
+
+    fleet = backends(3)
+    stats = {f"b{i}": BackendStats(tpot_s=t, healthy=True, updated_at=1.0)
+             for i, t in enumerate((0.010, 0.020, 0.040))}
+    router = Router(Goodput(GoodputParams(handoff_s=0.0)), Metrics(Registry(fleet)),
+                    log_decisions=True)
+    request = dataclasses.replace(ctx("p" * 40, request_id="bench-0-a", max_tokens=400),
+                                  slo_ms=10_000)
+    with caplog.at_level(logging.INFO, logger="laneway.routing"):
+        router.pick(request, Prediction(output_tokens=100), view(fleet, stats=stats))
+        router.reroute(request, Prediction(output_tokens=400),
+                       Progress(backend=fleet[2], generated=50, max_tokens=400, elapsed_s=2.0,
+                                ttft_s=0.1, tpot_s=0.040, migrations=0),
+                       view(fleet[:2], stats=stats))
+    tiers = {"b0": "fast", "b1": "mid", "b2": "slow"}
+    record = dataclasses.replace(RUN[2], id="a")  # seq 0, 0.9 s: meets 2 x 1.0 s
+    rows = decisions(caplog.text, [record], tiers, SOLO, scale=2.0)
+    assert [(r.event, r.kind, r.source, r.tier, r.count) for r in rows] == [
+        ("arrival", "feasible", "", "slow", 1), ("move", "feasible", "slow", "mid", 1)]
