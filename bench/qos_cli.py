@@ -25,6 +25,10 @@ def add_train(train_parsers: Any) -> None:
                    "sharing this machine's cores; use with a smaller --rate and --limit-ms)")
     p.add_argument("--rate", type=float, default=5.0, help="λ, arrivals per second")
     p.add_argument("--limit-ms", type=float, default=30.0, help="L, latency per token")
+    p.add_argument("--speed-jitter", type=float, default=0.0, metavar="J",
+                   help="each training episode on a machine 1 to 1 + J times slower than "
+                   "the fleet's fit, drawn uniformly (domain randomization; the held-out "
+                   "evaluations stay at 1)")
     p.add_argument("--episode", type=int, default=400, help="arrivals per episode")
     p.add_argument("--warmup", type=int, default=1000)
     p.add_argument("--batch", type=int, default=32)

@@ -77,9 +77,14 @@ def previous_table(out: Path, setup: dict[str, Any]) -> dict[str, dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     add_simulator_arguments(parser)  # bench.bench_qos's, with its defaults
-    parser.add_argument("--oracle-buckets", action="store_true",
+    parser.add_argument("--oracle-buckets", nargs="?", const="both",
+                        choices=("both", "score", "length"), default=None,
                         help="give every router the midpoints of the true score and "
-                        "length buckets instead of --buckets' predictions")
+                        "length buckets instead of --buckets' predictions (score or "
+                        "length: only that half, the other still --buckets')")
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="every engine step lasts this many times the fitted model's "
+                        "(a machine slower than the fit, as live runs found it)")
     parser.add_argument("--only", nargs="+", default=None, metavar="ROUTER")
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_headroom.json")
     args = parser.parse_args(argv)
@@ -89,21 +94,24 @@ def main(argv: list[str] | None = None) -> int:
     qos_agent, qos_meta = load_checkpoint(args.checkpoint)
     baseline_agent, baseline_meta = load_checkpoint(args.baseline_checkpoint)
     trained = agents_fleet(qos_meta, baseline_meta)
-    buckets = None if args.oracle_buckets else args.buckets  # None: the true buckets
-    experts, _, heldout, source = load_pools(args.data, buckets)
+    both = args.oracle_buckets == "both"
+    buckets = None if both else args.buckets  # None: the true buckets
+    part = None if both else args.oracle_buckets
+    experts, _, heldout, source = load_pools(args.data, buckets, oracle=part)
     limit = qos_meta.get("limit_ms", 30.0) / 1000
     routers: dict[str, Router] = {
         "baseline_rl": agent_router(baseline_agent), "qos_drl": agent_router(qos_agent),
         "lookahead_oracle": lookahead(true_qos),
         "lookahead_predicted_score": lookahead(predicted_qos)}
     setup = {"fleet": trained.mapping, "cores": trained.cores, "solo_slowdown": trained.solo,
-             "limit_ms": limit * 1000, "arrivals": args.arrivals, "seed": args.seed,
+             "speed": args.speed, "limit_ms": limit * 1000, "arrivals": args.arrivals,
+             "seed": args.seed,
              "predictions": source, "checkpoint": str(args.checkpoint),
              "baseline_checkpoint": str(args.baseline_checkpoint)}
     table = previous_table(args.out, setup)
     for rate in args.rates:
         sim = QosSim(fleet(experts, trained.mapping), heldout, rate, limit, seed=args.seed,
-                     cores=trained.cores, solo=trained.solo)
+                     cores=trained.cores, solo=trained.solo, speed=args.speed)
         row = table.setdefault(f"{rate:g}", {})
         for name, router in routers.items():
             if args.only and name not in args.only:

@@ -124,6 +124,16 @@ def predictions_oracle(rows: Sequence[PromptRow]) -> dict[int, tuple[list[float]
                    [length_b.midpoint(length_b.label(d)) for d in r.lengths]) for r in rows}
 
 
+def partly_oracle(model: dict[int, tuple[list[float], list[float]]],
+                  oracle: dict[int, tuple[list[float], list[float]]], part: str
+                  ) -> dict[int, tuple[list[float], list[float]]]:
+    """`model`'s predictions with the `part` ("score" or "length") taken from `oracle`."""
+    if part not in ("score", "length"):
+        raise ValueError(f"oracle part must be score or length, not {part!r}")
+    return {rid: ((oracle[rid][0], pred[1]) if part == "score" else (pred[0], oracle[rid][1]))
+            for rid, pred in model.items()}
+
+
 def predictions_model(artifact: Path, rows: Sequence[PromptRow], cache: Path
                       ) -> dict[int, tuple[list[float], list[float]]]:
     """The bucket predictor's midpoints for every prompt, cached next to the artifact."""
@@ -160,12 +170,15 @@ def pools(rows: Sequence[PromptRow], prompt_tokens: Sequence[int],
     return ([p for p in prompts if p.id % 5 != 0], [p for p in prompts if p.id % 5 == 0])
 
 
-def load_pools(data: Path, artifact: Path | None, tokenizer: str = "auto"
+def load_pools(data: Path, artifact: Path | None, tokenizer: str = "auto",
+               oracle: str | None = None
                ) -> tuple[list[str], list[PoolPrompt], list[PoolPrompt], str]:
     """(experts, training pool, held-out pool, predictions used) for the simulator.
 
     Predictions come from the bucket predictor artifact when it exists, else from the
-    true buckets ("oracle")."""
+    true buckets ("oracle"). `oracle` "score" or "length" swaps that half of the
+    artifact's predictions for the true buckets' (which half of the predictor's error
+    costs QoS)."""
     from predictors.buckets_data import load_rows
     from predictors.length_data import token_counter
 
@@ -175,6 +188,12 @@ def load_pools(data: Path, artifact: Path | None, tokenizer: str = "auto"
     if artifact is not None and (artifact / "meta.json").exists():
         predictions = predictions_model(artifact, rows, artifact / "predictions.json")
         source = f"bucket predictor {artifact.name}"
+        if oracle is not None:
+            predictions = partly_oracle(predictions, predictions_oracle(rows), oracle)
+            source += f", oracle {oracle} buckets"
+    elif oracle is not None:
+        raise SystemExit(f"the oracle {oracle} buckets replace half of a bucket "
+                         f"predictor's predictions, and there is none at {artifact}")
     else:
         predictions, source = predictions_oracle(rows), "oracle buckets"
     train, heldout = pools(rows, prompt_tokens, predictions)

@@ -73,9 +73,11 @@ class Expert:
 class QosSim:
     def __init__(self, experts: Sequence[ExpertSpec], pool: Sequence[PoolPrompt],
                  rate: float, limit_s: float, seed: int = 0, cores: float | None = None,
-                 solo: float = 1.0) -> None:
+                 solo: float = 1.0, speed: float = 1.0) -> None:
+        """`speed`: every engine step lasts this many times the model's (a machine
+        slower than the one the profiles and `cores` were fitted on)."""
         self.specs, self.pool, self.rate, self.limit = list(experts), list(pool), rate, limit_s
-        self.seed, self.cores, self.solo = seed, cores, solo
+        self.seed, self.cores, self.solo, self.speed = seed, cores, solo, speed
         self.reset(seed)
 
     def reset(self, seed: int | None = None) -> None:
@@ -86,6 +88,8 @@ class QosSim:
             self.ids_rng = random.Random(seed + 1)
         self.experts = [Expert(s, Engine(s.profile, FakeStats(keep_bodies=False), manual=True))
                         for s in self.specs]
+        for expert in self.experts:  # shared cores: _share_cores sets it before each step
+            expert.engine.slowdown = self.speed
         self.now = 0.0
         self.current: SimRequest | None = None
         self.finished: list[SimRequest] = []  # every request with a final φ (drops too)
@@ -146,15 +150,16 @@ class QosSim:
             self._collect(expert)
 
     def _share_cores(self, starting: Engine | None = None) -> None:
-        """Every engine's next step lasts max(solo, k / cores) times the profile's, k =
-        the engines with work (counting `starting`, an idle engine about to step)."""
+        """Every engine's next step lasts speed * max(solo, k / cores) times the
+        profile's, k = the engines with work (counting `starting`, an idle engine about
+        to step)."""
         if self.cores is None:
             return
         busy = sum(1 for e in self.experts if e.engine._step_end is not None)
         if starting is not None and starting._step_end is None:
             busy += 1
         for expert in self.experts:
-            expert.engine.slowdown = max(self.solo, busy / self.cores)
+            expert.engine.slowdown = self.speed * max(self.solo, busy / self.cores)
 
     def what_if(self, action: int) -> list[SimRequest]:
         """Every request in the fleet now, `current` sent by `action`, as it would finish

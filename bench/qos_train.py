@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -51,14 +52,19 @@ def train(args: argparse.Namespace) -> int:
     eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores,
                       solo=solo)
     agent = SacAgent(SacConfig(n_experts=len(experts), graph=not args.baseline))
+    jitter = random.Random(args.seed + 2)  # the episodes' speeds, apart from the arrivals
+    # domain randomization (off by default): each episode on a machine up to
+    # 1 + jitter times slower than the fit, as live runs found this one
+    sim.speed = 1.0 + jitter.uniform(0.0, args.speed_jitter)
+    sim.reset()  # engines at that speed; the arrivals' generator stays as it was
     sim.arrive()
     state = sim.state()
     replay = Replay(args.buffer, state, args.seed)
-    curve: dict[str, list[Any]] = {"step": [], "episode_reward": [], "eval_step": [],
-                                   "eval_qos": []}
+    curve: dict[str, list[Any]] = {"step": [], "episode_reward": [], "episode_speed": [],
+                                   "eval_step": [], "eval_qos": []}
     best, episode_reward, in_episode = -1.0, 0.0, 0
     meta = {"update_every": args.update_every, "batch": args.batch, "experts": experts,
-            **hardware,
+            **hardware, "speed_jitter": args.speed_jitter,
             "k": {s.name: [s.k.k1, s.k.k2] for s in specs}, "rate": args.rate,
             "limit_ms": args.limit_ms, "predictions": source, "baseline": args.baseline}
     step = resume(args, agent, curve, meta)
@@ -83,7 +89,9 @@ def train(args: argparse.Namespace) -> int:
         if done:
             curve["step"].append(step)
             curve["episode_reward"].append(episode_reward)
+            curve["episode_speed"].append(sim.speed)
             episode_reward, in_episode = 0.0, 0
+            sim.speed = 1.0 + jitter.uniform(0.0, args.speed_jitter)
             sim.reset()
             sim.arrive()
             state = sim.state()
@@ -122,7 +130,7 @@ def resume(args: argparse.Namespace, agent: SacAgent, curve: dict[str, list[Any]
     agent.load_state_dict(blob["state"])
     saved = json.loads((args.out / "curve.json").read_text())
     for key in curve:
-        curve[key].extend(saved[key])
+        curve[key].extend(saved.get(key, []))  # episode_speed: not before the option
     meta["resumed_at"] = int(blob["meta"]["steps"])
     meta["train_s_before"] = blob["meta"].get("train_s")
     return int(blob["meta"]["steps"])

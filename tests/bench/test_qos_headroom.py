@@ -6,8 +6,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from bench.qos_eval import evaluate, round_robin
 from bench.qos_headroom import lookahead, predicted_qos, previous_table, true_qos
+from bench.qos_setup import partly_oracle
 from bench.qos_sim import QosSim
 from tests.bench.qos_helpers import pool, specs
 
@@ -73,3 +76,14 @@ def test_a_run_adds_to_the_rows_of_one_made_with_the_same_setup(tmp_path: Path) 
     out.write_text(json.dumps(setup | {"table": row}))
     assert previous_table(out, setup) == row
     assert previous_table(out, setup | {"seed": 8}) == {}  # another setup: start afresh
+
+
+def test_a_partial_oracle_swaps_only_its_half_of_the_predictions() -> None:
+    model = {1: ([0.5, 0.5], [100.0, 200.0]), 2: ([0.4, 0.6], [50.0, 70.0])}
+    truth = {1: ([0.9, 0.1], [30.0, 400.0]), 2: ([0.0, 1.0], [10.0, 90.0])}
+    assert partly_oracle(model, truth, "score") == {
+        1: ([0.9, 0.1], [100.0, 200.0]), 2: ([0.0, 1.0], [50.0, 70.0])}
+    assert partly_oracle(model, truth, "length") == {
+        1: ([0.5, 0.5], [30.0, 400.0]), 2: ([0.4, 0.6], [10.0, 90.0])}
+    with pytest.raises(ValueError):
+        partly_oracle(model, truth, "both")

@@ -91,10 +91,10 @@ def test_baseline_routers_and_evaluation() -> None:
 
 
 def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
-    def lpt(cores: float | None, actions: tuple[int, ...], solo: float = 1.0
-            ) -> dict[int, float]:
+    def lpt(cores: float | None, actions: tuple[int, ...], solo: float = 1.0,
+            speed: float = 1.0) -> dict[int, float]:
         sim = QosSim(specs(), pool(), rate=1000.0, limit_s=1.0, seed=5, cores=cores,
-                     solo=solo)
+                     solo=solo, speed=speed)
         for action in actions:
             sim.arrive()
             sim.route(action)
@@ -119,6 +119,15 @@ def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
     contended = lpt(1, (1, 2), solo=1.5)
     assert contended[1] == pytest.approx(shared[1])
     assert contended[0] > shared[0] * 1.1
+    # a machine 1.3x slower than the fit: every step, alone, shared or on hardware
+    # of its own, on top of the sharing
+    assert lpt(None, (1,), speed=1.3)[0] == pytest.approx(1.3 * alone, rel=0.05)
+    assert lpt(None, (1, 2), speed=1.3) == pytest.approx(
+        {n: 1.3 * v for n, v in together.items()}, rel=0.05)
+    assert lpt(1, (1, 2), speed=1.3) == pytest.approx(
+        {n: 1.3 * v for n, v in shared.items()}, rel=0.05)
+    assert lpt(1.35, (1,), solo=1.5, speed=1.3)[0] == pytest.approx(1.3 * 1.5 * alone,
+                                                                     rel=0.05)
 
 
 def test_predictions_are_cached_whole_next_to_the_artifact(

@@ -18,20 +18,29 @@ DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
 
 
 @pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
-@pytest.mark.parametrize("baseline", [False, True])
-def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool) -> None:
+@pytest.mark.parametrize(("baseline", "jitter"), [(False, 0.0), (True, 0.4)])
+def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool,
+                                                  jitter: float) -> None:
     args = argparse.Namespace(
         data=DATA, buckets=tmp_path / "none", out=tmp_path / "run", baseline=baseline,
         steps=240, minutes=5.0, fleet="tiny", rate=1.0, limit_ms=10.0, episode=100,
         warmup=100, batch=16, update_every=4, buffer=1000, eval_every=120,
-        eval_arrivals=10, resume=False, seed=0, threads=1)
+        eval_arrivals=10, resume=False, seed=0, threads=1, speed_jitter=jitter)
     assert train(args) == 0
     meta = load_checkpoint(tmp_path / "run" / "last.pt")[1]
     assert meta["steps"] == 240 and meta["limit_ms"] == 10.0 and meta["baseline"] is baseline
+    assert meta["speed_jitter"] == jitter
     assert trained_fleet(meta) == (TINY_FLEET, TINY_CORES, TINY_SOLO_SLOWDOWN)
     assert meta["predictions"] == "oracle buckets"  # no artifact at --buckets
     curve = json.loads((tmp_path / "run" / "curve.json").read_text())
     assert curve["eval_step"] == [120, 240] and len(curve["step"]) == 2  # two episodes
+    # each episode's machine speed (the next one's drawn at the end of one): 1 without
+    # jitter, else two different draws in [1, 1 + jitter]
+    speeds = curve["episode_speed"]
+    if jitter:
+        assert len(set(speeds)) == 2 and all(1.0 <= v <= 1.0 + jitter for v in speeds)
+    else:
+        assert speeds == [1.0, 1.0]
     assert (tmp_path / "run" / "best.pt").exists()
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 0
 
