@@ -17,6 +17,11 @@ Beside qos_drl and Baseline RL, on the same fleet, arrivals and held-out prompts
 Neither is a policy laneway could deploy; they bound what better routing could buy
 here. If the clairvoyant one barely clears +30 % over Baseline RL, an agent that sees
 predicted buckets cannot be expected to.
+
+`--oracle-buckets score|length` hands every router the true buckets for that half only
+(which half of the predictor's error costs QoS); `--speed s` runs the fleet on a
+machine s times slower than the fit (`QosSim(speed=…)`), for agents trained with or
+without `laneway train qos-drl --speed-jitter`.
 """
 
 from __future__ import annotations
