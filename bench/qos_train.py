@@ -48,15 +48,19 @@ def train(args: argparse.Namespace) -> int:
     hardware = fleet_meta(args.fleet)
     mapping, cores, solo = trained_fleet(hardware)  # as evaluations will read it back
     specs, limit = fleet(experts, mapping), args.limit_ms / 1000
-    sim = QosSim(specs, train_pool, args.rate, limit, seed=args.seed, cores=cores, solo=solo)
+    # domain randomization (off by default): each episode on a machine up to
+    # 1 + jitter times slower than the fit, as live runs found this one; the speeds
+    # have their own generator, apart from the arrivals'
+    jitter = random.Random(args.seed + 2)
+
+    def episode_speed() -> float:
+        return 1.0 + jitter.uniform(0.0, args.speed_jitter)
+
+    sim = QosSim(specs, train_pool, args.rate, limit, seed=args.seed, cores=cores, solo=solo,
+                 speed=episode_speed())
     eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores,
                       solo=solo)
     agent = SacAgent(SacConfig(n_experts=len(experts), graph=not args.baseline))
-    jitter = random.Random(args.seed + 2)  # the episodes' speeds, apart from the arrivals
-    # domain randomization (off by default): each episode on a machine up to
-    # 1 + jitter times slower than the fit, as live runs found this one
-    sim.speed = 1.0 + jitter.uniform(0.0, args.speed_jitter)
-    sim.reset()  # engines at that speed; the arrivals' generator stays as it was
     sim.arrive()
     state = sim.state()
     replay = Replay(args.buffer, state, args.seed)
@@ -91,7 +95,7 @@ def train(args: argparse.Namespace) -> int:
             curve["episode_reward"].append(episode_reward)
             curve["episode_speed"].append(sim.speed)
             episode_reward, in_episode = 0.0, 0
-            sim.speed = 1.0 + jitter.uniform(0.0, args.speed_jitter)
+            sim.speed = episode_speed()
             sim.reset()
             sim.arrive()
             state = sim.state()
