@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -247,6 +247,40 @@ bench-qos-headroom: install
 	$(QOS_HEADROOM) $(QOS_TINY_AGENTS) --oracle-buckets --only baseline_rl qos_drl \
 		--out docs/results/qos_headroom_tiny_oracle_buckets.json
 	$(PY) -m bench.qos_score_signal --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+# qos_drl on the expected values of the predicted bucket distributions instead of the
+# most likely bucket's midpoint (`--bucket-estimate expected`, a deviation), on both
+# fleets, with the training budgets of the checkpoints it is compared with (GPU 152 k
+# decisions, ~19 min; tiny 400 k, ~62 min; Baseline RL sees no predictions, so its
+# checkpoints serve both)
+train-qos-drl-expected: install
+	$(VENV)/bin/laneway train qos-drl --steps 152000 --minutes 240 --bucket-estimate expected \
+		--data $(SHARED)/data/alpaca_eval_experts.jsonl --out $(QOS_TINY)/qos-drl-v1-expected & \
+	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
+		--minutes 240 --bucket-estimate expected --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--out $(QOS_TINY)/qos-drl-tiny-expected; \
+	status=$$?; wait $$! && exit $$status
+
+# midpoint against expected values, each agent against Baseline RL, mean over five draws
+# of the held-out arrivals, in the simulator → docs/results/qos_estimate/*.json (~2 min)
+QOS_SEEDS := --seeds 7 8 9 10 11
+bench-qos-estimate: install
+	$(QOS_ROBUST) $(QOS_SEEDS) --out docs/results/qos_estimate/gpu_midpoint.json
+	$(QOS_ROBUST) $(QOS_SEEDS) --checkpoint $(QOS_TINY)/qos-drl-v1-expected/best.pt \
+		--out docs/results/qos_estimate/gpu_expected.json
+	$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --out docs/results/qos_estimate/tiny_midpoint.json
+	$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) \
+		--checkpoint $(QOS_TINY)/qos-drl-tiny-expected/best.pt \
+		--out docs/results/qos_estimate/tiny_expected.json
+	# the tiny fleet on a machine faster than the fit (speed 0.6: the quiet machine's
+	# live QoS), both agents of each estimate
+	for speed in 0.6 0.8; do \
+		$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --speed $$speed \
+			--out docs/results/qos_estimate/tiny_speed$$speed.json && \
+		$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --speed $$speed \
+			--checkpoint $(QOS_TINY)/qos-drl-tiny-expected/best.pt \
+			--out docs/results/qos_estimate/tiny-expected_speed$$speed.json || exit 1; \
+	done
 
 # Which half of the predictor's error costs QoS (oracle score or length buckets only),
 # and both tiny-fleet pairs (plain, jitter) on machines 1, 1.25 and 1.5x slower than the

@@ -32,10 +32,11 @@ from bench.qos_eval import (
     shortest_queue,
 )
 from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS
-from bench.qos_setup import agents_fleet, fleet, load_pools
+from bench.qos_setup import agents_fleet, checkpoint_estimate, fleet, load_pools
 from bench.qos_sim import QosSim
 from bench.qos_train import default_dir
 from policies.qos_sac import load_checkpoint
+from predictors.base import BUCKET_ESTIMATES
 from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
@@ -66,6 +67,9 @@ def add_simulator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
     parser.add_argument("--arrivals", type=int, default=600)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--bucket-estimate", choices=BUCKET_ESTIMATES, default=None,
+                        help="the value read from each predicted bucket distribution "
+                        "(default: the one qos_drl's checkpoint was trained on)")
 
 
 def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
@@ -73,7 +77,8 @@ def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
                   ) -> dict[str, Any]:
     """Every router (or those in `only`) on the fleet qos_drl's checkpoint was trained
     on; on `args.cores` shared cores instead of the checkpoint's when given."""
-    experts, _, heldout, source = load_pools(args.data, args.buckets)
+    experts, _, heldout, source = load_pools(
+        args.data, args.buckets, estimate=checkpoint_estimate(qos_meta, args.bucket_estimate))
     mapping, cores, solo = agents_fleet(qos_meta, baseline_meta)
     cores = args.cores if args.cores is not None else cores
     specs = fleet(experts, mapping)

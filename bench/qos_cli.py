@@ -8,6 +8,7 @@ from typing import Any
 
 
 def add_train(train_parsers: Any) -> None:
+    from predictors.base import BUCKET_ESTIMATES
     from predictors.buckets_cli import default_artifact
     from predictors.cli import DEFAULT_DATA
 
@@ -15,6 +16,11 @@ def add_train(train_parsers: Any) -> None:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--buckets", type=Path, default=default_artifact(),
                    help="bucket predictor artifact (missing: oracle buckets)")
+    p.add_argument("--bucket-estimate", choices=BUCKET_ESTIMATES, default="midpoint",
+                   help="the value the agent sees of each predicted bucket distribution: "
+                   "the most likely bucket's midpoint (the paper) or the probability-"
+                   "weighted mean (a deviation; recorded in the checkpoint, which the "
+                   "policy and the benchmarks then read with the same estimate)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--baseline", action="store_true", help="train Baseline RL instead")
     p.add_argument("--steps", type=int, default=1_000_000)
@@ -25,10 +31,14 @@ def add_train(train_parsers: Any) -> None:
                    "sharing this machine's cores; use with a smaller --rate and --limit-ms)")
     p.add_argument("--rate", type=float, default=5.0, help="λ, arrivals per second")
     p.add_argument("--limit-ms", type=float, default=30.0, help="L, latency per token")
+    p.add_argument("--speed", type=float, default=1.0, metavar="S",
+                   help="every engine step lasts S times the fitted model's, in training and "
+                   "in the held-out evaluations that pick the best checkpoint (S < 1: a "
+                   "machine faster than the fit; `bench.qos_headroom --speed`)")
     p.add_argument("--speed-jitter", type=float, default=0.0, metavar="J",
                    help="each training episode on a machine 1 to 1 + J times slower than "
-                   "the fleet's fit, drawn uniformly (domain randomization; the held-out "
-                   "evaluations stay at 1)")
+                   "--speed, drawn uniformly (domain randomization; the held-out "
+                   "evaluations stay at --speed)")
     p.add_argument("--episode", type=int, default=400, help="arrivals per episode")
     p.add_argument("--warmup", type=int, default=1000)
     p.add_argument("--batch", type=int, default=32)

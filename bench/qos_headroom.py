@@ -20,8 +20,10 @@ predicted buckets cannot be expected to.
 
 `--oracle-buckets score|length` hands every router the true buckets for that half only
 (which half of the predictor's error costs QoS); `--speed s` runs the fleet on a
-machine s times slower than the fit (`QosSim(speed=…)`), for agents trained with or
-without `laneway train qos-drl --speed-jitter`.
+machine s times slower than the fit (`QosSim(speed=…)`; s < 1: faster), for agents
+trained with or without `laneway train qos-drl --speed` / `--speed-jitter`. `--seeds`
+averages every router over the held-out arrivals of several seeds (one seed's draw of
+600 moves a router's QoS by a few per cent).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 from bench.bench_qos import add_simulator_arguments
 from bench.qos_eval import Router, agent_router, evaluate
-from bench.qos_setup import agents_fleet, fleet, load_pools
+from bench.qos_setup import agents_fleet, checkpoint_estimate, fleet, load_pools
 from bench.qos_sim import QosSim, SimRequest
 from policies.qos_sac import load_checkpoint
 from predictors.cli import REPO
@@ -67,6 +69,20 @@ def lookahead(judge: Judge) -> Router:
     return route
 
 
+def mean_result(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's `EvalResult` fields as they are; several runs' means (lists element by
+    element), with every run's avg_qos in `avg_qos_per_seed`."""
+    if len(results) == 1:
+        return results[0]
+    mean: dict[str, Any] = {}
+    for key, first in results[0].items():
+        values = [r[key] for r in results]
+        mean[key] = [sum(v) / len(v) for v in zip(*values, strict=True)] \
+            if isinstance(first, list) else sum(values) / len(values)
+    mean["arrivals"] = sum(r["arrivals"] for r in results)
+    return mean | {"avg_qos_per_seed": [r["avg_qos"] for r in results]}
+
+
 def previous_table(out: Path, setup: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The rows already in `out` when it was made with the same setup (so runs with
     `--only` or other `--rates` add to it); else none."""
@@ -89,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                         "length: only that half, the other still --buckets')")
     parser.add_argument("--speed", type=float, default=1.0,
                         help="every engine step lasts this many times the fitted model's "
-                        "(a machine slower than the fit, as live runs found it)")
+                        "(> 1: a machine slower than the fit, < 1: faster; live runs found "
+                        "both)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="run the held-out arrivals of each of these seeds (instead of "
+                        "--seed's alone) and report each router's mean over them")
     parser.add_argument("--only", nargs="+", default=None, metavar="ROUTER")
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_headroom.json")
     args = parser.parse_args(argv)
@@ -102,27 +122,32 @@ def main(argv: list[str] | None = None) -> int:
     both = args.oracle_buckets == "both"
     buckets = None if both else args.buckets  # None: the true buckets
     part = None if both else args.oracle_buckets
-    experts, _, heldout, source = load_pools(args.data, buckets, oracle=part)
+    experts, _, heldout, source = load_pools(
+        args.data, buckets, oracle=part,
+        estimate=checkpoint_estimate(qos_meta, args.bucket_estimate))
     limit = qos_meta.get("limit_ms", 30.0) / 1000
     routers: dict[str, Router] = {
         "baseline_rl": agent_router(baseline_agent), "qos_drl": agent_router(qos_agent),
         "lookahead_oracle": lookahead(true_qos),
         "lookahead_predicted_score": lookahead(predicted_qos)}
+    seeds = args.seeds or [args.seed]
     setup = {"fleet": trained.mapping, "cores": trained.cores, "solo_slowdown": trained.solo,
              "speed": args.speed, "limit_ms": limit * 1000, "arrivals": args.arrivals,
-             "seed": args.seed,
+             "seed": seeds[0] if len(seeds) == 1 else seeds,
              "predictions": source, "checkpoint": str(args.checkpoint),
              "baseline_checkpoint": str(args.baseline_checkpoint)}
     table = previous_table(args.out, setup)
     for rate in args.rates:
-        sim = QosSim(fleet(experts, trained.mapping), heldout, rate, limit, seed=args.seed,
-                     cores=trained.cores, solo=trained.solo, speed=args.speed)
+        sims = [QosSim(fleet(experts, trained.mapping), heldout, rate, limit, seed=seed,
+                       cores=trained.cores, solo=trained.solo, speed=args.speed)
+                for seed in seeds]
         row = table.setdefault(f"{rate:g}", {})
         for name, router in routers.items():
             if args.only and name not in args.only:
                 continue
             started = time.perf_counter()
-            row[name] = asdict(evaluate(sim, router, args.arrivals))
+            row[name] = mean_result([asdict(evaluate(sim, router, args.arrivals))
+                                     for sim in sims])
             row[name]["seconds"] = round(time.perf_counter() - started, 1)
             print(f"λ={rate:g} {name:26s} QoS {row[name]['avg_qos']:.3f} "
                   f"({row[name]['seconds']:.0f} s)", flush=True)

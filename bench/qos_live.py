@@ -13,7 +13,10 @@ policy, `mode: bert_router`), round robin, shortest queue. The simulator's held-
 arrivals (same seed, same prompts and offsets as `bench.bench_qos`) are replayed
 open loop by `bench.qos_live_client`, which measures QoS as the client sees it.
 Writes docs/results/qos_live.{json,md} and merges `qos_gain_vs_baseline_rl_live` and
-`live` into docs/results/qos_drl.json.
+`live` into docs/results/qos_drl.json. `--agent LABEL=CHECKPOINT` adds another qos_drl
+checkpoint to the run as policy LABEL (e.g. two trainings of qos_drl on the same arrivals
+and the same hour of the machine); it is shown beside the others, not counted as a
+baseline of qos_drl.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from bench.overhead_procs import wait_ok
 from bench.ports import free_port_range
 from bench.proxy_process import running_proxy
 from bench.qos_live_client import GROUP, LiveRecord, LiveRequest, replay, schedule
-from bench.qos_live_report import markdown, merge, report, summarize
+from bench.qos_live_report import POLICIES, markdown, merge, report, summarize
 from bench.qos_setup import load_pools, trained_fleet
 from bench.qos_train import default_dir
 from bench.tiny_models import DEFAULT_SHARED
@@ -50,7 +53,6 @@ from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
 RESULTS = REPO / "docs" / "results"
-POLICIES = ("qos_drl", "baseline_rl", "bert_router", "round_robin", "shortest_queue")
 REAL_MAX_MODEL_LEN = 2048  # the tiny models' context
 REAL_ANSWER_CAP = 1792  # room for the longest held-out prompt (211 tokens)
 TINY_PREFIX = "tiny-llama-"  # the emulator profiles fitted on the tiny models' servers
@@ -71,6 +73,7 @@ def policy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     params = {"qos_drl": agent, "bert_router": {**agent, "mode": "bert_router"},
               "baseline_rl": {"checkpoint": str(args.baseline_checkpoint),
                               "limit_ms": args.limit_ms}}
+    params |= {label: {**agent, "checkpoint": str(path)} for label, path in args.agent}
     if name not in params:
         return {"name": name, "params": {}}
     if not Path(params[name]["checkpoint"]).exists():  # fail before starting any fleet
@@ -255,6 +258,14 @@ def prompt_texts(data: Path) -> dict[int, str]:
     return {r.id: r.prompt for r in load_rows(data, token_counter("words"))[1]}
 
 
+def agent_option(text: str) -> tuple[str, Path]:
+    label, sep, path = text.partition("=")
+    if not sep or not label or not path or label in POLICIES:
+        raise argparse.ArgumentTypeError(f"{text!r}: LABEL=CHECKPOINT, LABEL none of "
+                                         f"{', '.join(POLICIES)}")
+    return label, Path(path)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,6 +280,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-checkpoint", type=Path,
                         default=default_dir(True) / "best.pt")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--agent", type=agent_option, action="append", default=[],
+                        metavar="LABEL=CHECKPOINT", help="run qos_drl on this checkpoint "
+                        "too, as policy LABEL (name it in --policies; repeatable): another "
+                        "agent on the same arrivals and fleet, no baseline of qos_drl")
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
     parser.add_argument("--reference-rate", type=float, help="default: the middle λ")
     parser.add_argument("--arrivals", type=int, default=600)

@@ -19,6 +19,10 @@ from bench.qos_eval import EvalResult, beats_every_baseline
 from bench.qos_live_client import LiveRecord
 from predictors.cli import REPO
 
+# the policies of a live comparison; others in a run (`bench.qos_live --agent`) are
+# further qos_drl checkpoints, shown beside them but no baseline of qos_drl's
+POLICIES = ("qos_drl", "baseline_rl", "bert_router", "round_robin", "shortest_queue")
+
 
 def live_keys(name: str) -> tuple[str, str, str]:
     """(gain vs Baseline RL, beats every baseline, the run) keys of live run `name`."""
@@ -70,10 +74,11 @@ def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, An
 
 
 def beats_all(table: dict[str, dict[str, dict[str, Any]]]) -> bool | None:
-    """Whether qos_drl has the highest average QoS of its row at every λ (None: no row
-    to compare)."""
-    rows = {rate: {p: r["avg_qos"] for p, r in row.items()}
-            for rate, row in table.items() if "qos_drl" in row and len(row) > 1}
+    """Whether qos_drl has the highest average QoS of the policies (`POLICIES`) of its row
+    at every λ (None: no row to compare)."""
+    rows = {rate: {p: r["avg_qos"] for p, r in row.items() if p in POLICIES}
+            for rate, row in table.items() if "qos_drl" in row}
+    rows = {rate: row for rate, row in rows.items() if len(row) > 1}
     return beats_every_baseline(rows) if rows else None
 
 

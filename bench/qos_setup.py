@@ -16,11 +16,12 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from bench.emulator.profile import Profile, load_profile
 from bench.qos_sim import ExpertSpec, PoolPrompt
 from policies.qos_impact import Coefficients, fit_slope
+from predictors.base import BUCKET_ESTIMATES, BucketEstimate
 from predictors.buckets_data import PromptRow, fit_buckets, split
 
 DEFAULT_FLEET = {
@@ -134,9 +135,10 @@ def partly_oracle(model: dict[int, tuple[list[float], list[float]]],
             for rid, pred in model.items()}
 
 
-def predictions_model(artifact: Path, rows: Sequence[PromptRow], cache: Path
+def predictions_model(artifact: Path, rows: Sequence[PromptRow], cache: Path,
+                      estimate: BucketEstimate = "midpoint"
                       ) -> dict[int, tuple[list[float], list[float]]]:
-    """The bucket predictor's midpoints for every prompt, cached next to the artifact."""
+    """The bucket predictor's values (`estimate`) for every prompt, cached in `cache`."""
     version = json.loads((artifact / "meta.json").read_text())["version"]
     if cache.exists():
         cached = json.loads(cache.read_text())
@@ -144,7 +146,7 @@ def predictions_model(artifact: Path, rows: Sequence[PromptRow], cache: Path
             return {int(k): (v[0], v[1]) for k, v in cached["predictions"].items()}
     from predictors.buckets import load_artifact
 
-    predictor = load_artifact(artifact)
+    predictor = load_artifact(artifact, estimate=estimate)
     out: dict[int, tuple[list[float], list[float]]] = {}
     for start in range(0, len(rows), 32):
         chunk = rows[start:start + 32]
@@ -170,15 +172,31 @@ def pools(rows: Sequence[PromptRow], prompt_tokens: Sequence[int],
     return ([p for p in prompts if p.id % 5 != 0], [p for p in prompts if p.id % 5 == 0])
 
 
+def checkpoint_estimate(meta: Mapping[str, Any], override: str | None = None
+                        ) -> BucketEstimate:
+    """The bucket estimate a qos_drl checkpoint was trained on (`laneway train qos-drl
+    --bucket-estimate`; midpoint before the option), unless `override` names one."""
+    chosen = override or meta.get("bucket_estimate") or "midpoint"
+    if chosen not in BUCKET_ESTIMATES:
+        raise ValueError(f"bucket estimate {chosen!r}: one of {', '.join(BUCKET_ESTIMATES)}")
+    return cast(BucketEstimate, chosen)
+
+
+def prediction_cache(artifact: Path, estimate: BucketEstimate) -> Path:
+    """Where `predictions_model` keeps an artifact's values of one estimate."""
+    return artifact / ("predictions.json" if estimate == "midpoint"
+                       else f"predictions-{estimate}.json")
+
+
 def load_pools(data: Path, artifact: Path | None, tokenizer: str = "auto",
-               oracle: str | None = None
+               oracle: str | None = None, estimate: BucketEstimate = "midpoint"
                ) -> tuple[list[str], list[PoolPrompt], list[PoolPrompt], str]:
     """(experts, training pool, held-out pool, predictions used) for the simulator.
 
-    Predictions come from the bucket predictor artifact when it exists, else from the
-    true buckets ("oracle"). `oracle` "score" or "length" swaps that half of the
-    artifact's predictions for the true buckets' (which half of the predictor's error
-    costs QoS)."""
+    Predictions come from the bucket predictor artifact when it exists (the values
+    `estimate` reads from its buckets), else from the true buckets ("oracle"). `oracle`
+    "score" or "length" swaps that half of the artifact's predictions for the true
+    buckets' (which half of the predictor's error costs QoS)."""
     from predictors.buckets_data import load_rows
     from predictors.length_data import token_counter
 
@@ -186,8 +204,11 @@ def load_pools(data: Path, artifact: Path | None, tokenizer: str = "auto",
     experts, rows = load_rows(data, counter)
     prompt_tokens = counter.count_batch([r.prompt for r in rows])
     if artifact is not None and (artifact / "meta.json").exists():
-        predictions = predictions_model(artifact, rows, artifact / "predictions.json")
+        predictions = predictions_model(artifact, rows, prediction_cache(artifact, estimate),
+                                        estimate)
         source = f"bucket predictor {artifact.name}"
+        if estimate != "midpoint":
+            source += f", {estimate} values"
         if oracle is not None:
             predictions = partly_oracle(predictions, predictions_oracle(rows), oracle)
             source += f", oracle {oracle} buckets"

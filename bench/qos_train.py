@@ -44,22 +44,23 @@ def train(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    experts, train_pool, heldout, source = load_pools(args.data, args.buckets)
+    experts, train_pool, heldout, source = load_pools(args.data, args.buckets,
+                                                      estimate=args.bucket_estimate)
     hardware = fleet_meta(args.fleet)
     mapping, cores, solo = trained_fleet(hardware)  # as evaluations will read it back
     specs, limit = fleet(experts, mapping), args.limit_ms / 1000
     # domain randomization (off by default): each episode on a machine up to
-    # 1 + jitter times slower than the fit, as live runs found this one; the speeds
+    # 1 + jitter times slower than --speed, as live runs found this one; the speeds
     # have their own generator, apart from the arrivals'
     jitter = random.Random(args.seed + 2)
 
     def episode_speed() -> float:
-        return 1.0 + jitter.uniform(0.0, args.speed_jitter)
+        return float(args.speed) * (1.0 + jitter.uniform(0.0, args.speed_jitter))
 
     sim = QosSim(specs, train_pool, args.rate, limit, seed=args.seed, cores=cores, solo=solo,
                  speed=episode_speed())
     eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores,
-                      solo=solo)
+                      solo=solo, speed=args.speed)
     agent = SacAgent(SacConfig(n_experts=len(experts), graph=not args.baseline))
     sim.arrive()
     state = sim.state()
@@ -68,9 +69,10 @@ def train(args: argparse.Namespace) -> int:
                                    "eval_step": [], "eval_qos": []}
     best, episode_reward, in_episode = -1.0, 0.0, 0
     meta = {"update_every": args.update_every, "batch": args.batch, "experts": experts,
-            **hardware, "speed_jitter": args.speed_jitter,
+            **hardware, "speed": args.speed, "speed_jitter": args.speed_jitter,
             "k": {s.name: [s.k.k1, s.k.k2] for s in specs}, "rate": args.rate,
-            "limit_ms": args.limit_ms, "predictions": source, "baseline": args.baseline}
+            "limit_ms": args.limit_ms, "predictions": source,
+            "bucket_estimate": args.bucket_estimate, "baseline": args.baseline}
     step = resume(args, agent, curve, meta)
     if args.resume and (args.out / "best.pt").exists():
         best = float(torch.load(args.out / "best.pt", weights_only=True)["meta"]["eval_qos"])

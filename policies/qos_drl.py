@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from policies.base import register
 from policies.qos_impact import Coefficients, qos
 from policies.qos_state import ExpertState, build_state
-from predictors.base import BucketRuntime, Prediction
+from predictors.base import BucketEstimate, BucketRuntime, Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
 
 
@@ -52,6 +52,11 @@ class QosDrlParams(BaseModel):
                                         "included (None: as the artifact was trained)")
     buckets_threads: int = Field(1, gt=0, description="ONNX Runtime intra-op threads of "
                                  "the predictor (the proxy's event loop shares the cores)")
+    buckets_estimate: BucketEstimate | None = Field(
+        None, description="the value read from each predicted bucket distribution: "
+        "midpoint (of the most likely bucket, the paper) or expected (the probability-"
+        "weighted mean of the midpoints); None: the one the checkpoint was trained on "
+        "(`laneway train qos-drl --bucket-estimate`), midpoint for older checkpoints")
     buckets_int8: bool | None = Field(None, description="deprecated, read as buckets_runtime "
                                       "torch-int8 (true) or torch (false)")
     experts: dict[str, str] = Field(default_factory=dict, description="backend model or "
@@ -104,8 +109,10 @@ class QosDrl:
         if params.buckets is not None:
             from predictors.buckets import load_artifact
 
+            estimate = params.buckets_estimate or self.meta.get("bucket_estimate", "midpoint")
             self.predictor = load_artifact(Path(params.buckets), params.buckets_runtime,
-                                           params.buckets_max_len, params.buckets_threads)
+                                           params.buckets_max_len, params.buckets_threads,
+                                           estimate)
             if list(self.predictor.experts) != self.experts:
                 raise ValueError("bucket predictor and checkpoint name different experts")
         elif params.mode == "bert_router":

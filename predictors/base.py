@@ -37,6 +37,10 @@ NO_PREDICTION = Prediction()
 # here so the policy's params can say it without importing torch.
 BucketRuntime = Literal["torch", "torch-int8", "onnx", "onnx-int8"]
 BUCKET_RUNTIMES: tuple[BucketRuntime, ...] = get_args(BucketRuntime)
+# what a bucket prediction reports as the value: the midpoint of the most likely bucket
+# (the paper) or the probability-weighted mean of the midpoints (`BucketPredictor`)
+BucketEstimate = Literal["midpoint", "expected"]
+BUCKET_ESTIMATES: tuple[BucketEstimate, ...] = get_args(BucketEstimate)
 
 
 class Predictor(Protocol):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from predictors.base import BUCKET_RUNTIMES, BucketRuntime
+from predictors.base import BUCKET_ESTIMATES, BUCKET_RUNTIMES, BucketEstimate, BucketRuntime
 from predictors.buckets_data import N_BUCKETS, Buckets
 
 PAD_SLACK = 1.25  # a group's padded tokens / its real tokens, at most
@@ -159,7 +159,8 @@ class BucketForward(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BucketPrediction:
-    """Per expert (artifact order): predicted bucket and its midpoint value."""
+    """Per expert (artifact order): the most likely bucket, and the value the predictor's
+    `estimate` reads from the buckets' probabilities."""
 
     score_bucket: tuple[int, ...]
     length_bucket: tuple[int, ...]
@@ -171,8 +172,12 @@ class BucketPredictor:
     """A loaded artifact: `predict_batch(prompts)` → one `BucketPrediction` per prompt."""
 
     def __init__(self, model: BucketForward, tokenizer: Any, meta: dict[str, Any],
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, estimate: BucketEstimate = "midpoint") -> None:
+        if estimate not in BUCKET_ESTIMATES:
+            raise ValueError(f"bucket estimate {estimate!r}: one of "
+                             f"{', '.join(BUCKET_ESTIMATES)}")
         self.model = model
+        self.estimate = estimate
         self.tokenizer = tokenizer
         self.meta = meta
         self.experts: list[str] = list(meta["experts"])
@@ -199,14 +204,24 @@ class BucketPredictor:
 
     def predict_batch(self, prompts: Sequence[str]) -> list[BucketPrediction]:
         score, length = self.logits(prompts)
-        out = []
-        for s_row, l_row in zip(score.argmax(-1).tolist(), length.argmax(-1).tolist(),
-                                strict=True):
-            out.append(BucketPrediction(
-                tuple(s_row), tuple(l_row),
-                tuple(self.score_buckets.midpoint(b) for b in s_row),
-                tuple(self.length_buckets.midpoint(b) for b in l_row)))
-        return out
+        score_values = self.values(score, self.score_buckets)
+        length_values = self.values(length, self.length_buckets)
+        return [BucketPrediction(tuple(s_row), tuple(l_row), tuple(s_val), tuple(l_val))
+                for s_row, l_row, s_val, l_val in zip(
+                    score.argmax(-1).tolist(), length.argmax(-1).tolist(),
+                    score_values.tolist(), length_values.tolist(), strict=True)]
+
+    def values(self, logits: torch.Tensor, buckets: Buckets) -> torch.Tensor:
+        """[prompts, experts] values of [prompts, experts, N_BUCKETS] logits: the most
+        likely bucket's midpoint ("midpoint", the paper's reading), or the midpoints
+        weighted by the softmax ("expected", a deviation: the argmax of a concentrated
+        label, such as the judge's win rate, is nearly always the per-expert majority
+        bucket, and the expectation keeps what the head learned beyond it)."""
+        midpoints = torch.tensor([buckets.midpoint(b) for b in range(N_BUCKETS)],
+                                 dtype=torch.float64)
+        if self.estimate == "expected":
+            return logits.double().softmax(-1) @ midpoints
+        return midpoints[logits.argmax(-1)]
 
 
 def length_groups(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int]]:
@@ -234,10 +249,11 @@ def save_artifact(path: Path, model: BucketModel, tokenizer: Any, meta: dict[str
 
 
 def load_artifact(path: Path, runtime: BucketRuntime = "torch", max_len: int | None = None,
-                  threads: int = 1) -> BucketPredictor:
+                  threads: int = 1, estimate: BucketEstimate = "midpoint") -> BucketPredictor:
     """The artifact at `path`, run by `runtime` (module docstring); `max_len` cuts prompts
     shorter than the artifact was trained on (None: as trained); `threads`: ONNX Runtime's
-    intra-op threads (the PyTorch runtimes use torch's setting)."""
+    intra-op threads (the PyTorch runtimes use torch's setting); `estimate`: the value a
+    prediction reports (`BucketPredictor.values`)."""
     from transformers import AutoTokenizer
 
     if runtime not in BUCKET_RUNTIMES:
@@ -253,7 +269,7 @@ def load_artifact(path: Path, runtime: BucketRuntime = "torch", max_len: int | N
         model = torch_model = load_model(path).eval()
         if runtime == "torch-int8":
             torch_model.encoder = quantize_int8(torch_model.encoder)
-    return BucketPredictor(model, tokenizer, {**meta, "runtime": runtime}, max_len)
+    return BucketPredictor(model, tokenizer, {**meta, "runtime": runtime}, max_len, estimate)
 
 
 def artifact_layers(path: Path) -> int:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
 from bench.qos_eval import evaluate, round_robin
-from bench.qos_headroom import lookahead, predicted_qos, previous_table, true_qos
+from bench.qos_headroom import lookahead, mean_result, predicted_qos, previous_table, true_qos
 from bench.qos_setup import partly_oracle
 from bench.qos_sim import QosSim
 from tests.bench.qos_helpers import pool, specs
@@ -87,3 +87,20 @@ def test_a_partial_oracle_swaps_only_its_half_of_the_predictions() -> None:
         1: ([0.5, 0.5], [30.0, 400.0]), 2: ([0.4, 0.6], [10.0, 90.0])}
     with pytest.raises(ValueError):
         partly_oracle(model, truth, "both")
+
+
+def test_several_seeds_report_the_mean_of_each_field_and_every_seed_s_qos() -> None:
+    runs = [asdict(evaluate(QosSim(specs(), pool(), rate=20.0, limit_s=0.03, seed=seed),
+                            round_robin(), 30)) for seed in (3, 4)]
+    assert runs[0]["lpt_mean_ms"] != runs[1]["lpt_mean_ms"]  # the seeds: other arrivals
+    assert mean_result(runs[:1]) == runs[0]
+    mean = mean_result(runs)
+    assert mean["avg_qos"] == pytest.approx((runs[0]["avg_qos"] + runs[1]["avg_qos"]) / 2)
+    assert mean["avg_qos_per_seed"] == [runs[0]["avg_qos"], runs[1]["avg_qos"]]
+    assert mean["lpt_mean_ms"] == pytest.approx(
+        (runs[0]["lpt_mean_ms"] + runs[1]["lpt_mean_ms"]) / 2)
+    assert mean["arrivals"] == 60
+    assert mean["expert_share"] == pytest.approx(
+        [(a + b) / 2 for a, b in zip(runs[0]["expert_share"], runs[1]["expert_share"],
+                                     strict=True)])
+    assert sum(mean["expert_share"]) == pytest.approx(1.0)

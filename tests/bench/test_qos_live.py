@@ -14,6 +14,7 @@ import pytest
 
 from bench.emulator.profile import load_profile
 from bench.qos_live import (
+    agent_option,
     cores_used,
     emulated_fleet,
     evaluate_live,
@@ -149,6 +150,9 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
     assert merged["beats_all_baselines_every_lambda_live"] is False  # 0.3 < 0.4 at λ=5
     assert beats_all({"2": row(0.3, 0.2), "8": row(0.2, 0.1)}) is True
     assert beats_all({"2": row(0.3, 0.3)}) is False and beats_all({}) is None
+    # another agent of the run (--agent) is no baseline of qos_drl's
+    other = {"2": {**row(0.3, 0.2), "qos_drl_other": {"avg_qos": 0.9}}}
+    assert beats_all(other) is True
     assert merged["live"]["table"]["5"]["baseline_rl"]["avg_qos"] == 0.4
     real = {**result, "qos_gain_vs_baseline_rl_live": 0.5}
     merge(simulated, real, "live_real")  # the real fleet's run sits beside the emulated one
@@ -208,12 +212,20 @@ def test_the_rl_agents_and_the_bert_router_are_the_qos_drl_policy(tmp_path: Path
     (tmp_path / "buckets").mkdir()
     (tmp_path / "buckets" / "meta.json").write_text("{}")
     args = argparse.Namespace(buckets=tmp_path / "buckets", checkpoint=Path(agent),
-                              baseline_checkpoint=Path(agent), limit_ms=25.0)
+                              baseline_checkpoint=Path(agent), limit_ms=25.0,
+                              agent=[agent_option(f"other={tmp_path / 'other.pt'}")])
     assert policy_config("qos_drl", args) == {"name": "qos_drl", "params": {
         "checkpoint": agent, "buckets": str(tmp_path / "buckets"), "limit_ms": 25.0}}
     assert policy_config("bert_router", args)["params"]["mode"] == "bert_router"
     assert "buckets" not in policy_config("baseline_rl", args)["params"]
     assert policy_config("round_robin", args) == {"name": "round_robin", "params": {}}
+    with pytest.raises(SystemExit, match="no checkpoint"):  # --agent other=…, not written
+        policy_config("other", args)
+    args.agent = [agent_option(f"other={agent}")]
+    assert policy_config("other", args) == policy_config("qos_drl", args)
+    for bad in ("qos_drl=x.pt", "x.pt", "other="):
+        with pytest.raises(argparse.ArgumentTypeError, match="LABEL=CHECKPOINT"):
+            agent_option(bad)
     args.buckets = tmp_path / "none"
     with pytest.raises(SystemExit, match="bucket predictor"):
         policy_config("bert_router", args)

