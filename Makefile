@@ -262,7 +262,7 @@ train-qos-drl-expected: install
 	status=$$?; wait $$! && exit $$status
 
 # midpoint against expected values, each agent against Baseline RL, mean over five draws
-# of the held-out arrivals, in the simulator → docs/results/qos_estimate/*.json (~2 min)
+# of the held-out arrivals, in the simulator → docs/results/qos_estimate/*.json (~12 min)
 QOS_SEEDS := --seeds 7 8 9 10 11
 bench-qos-estimate: install
 	$(QOS_ROBUST) $(QOS_SEEDS) --out docs/results/qos_estimate/gpu_midpoint.json
@@ -281,6 +281,12 @@ bench-qos-estimate: install
 			--checkpoint $(QOS_TINY)/qos-drl-tiny-expected/best.pt \
 			--out docs/results/qos_estimate/tiny-expected_speed$$speed.json || exit 1; \
 	done
+	# ... and at that speed under loads scaled up with it (λ 1.2 / 1.7 / 2.5)
+	$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --speed 0.6 --rates 1.2 1.7 2.5 \
+		--out docs/results/qos_estimate/tiny_speed0.6_loaded.json
+	$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --speed 0.6 --rates 1.2 1.7 2.5 \
+		--checkpoint $(QOS_TINY)/qos-drl-tiny-expected/best.pt \
+		--out docs/results/qos_estimate/tiny-expected_speed0.6_loaded.json
 
 # Which half of the predictor's error costs QoS (oracle score or length buckets only),
 # and both tiny-fleet pairs (plain, jitter) on machines 1, 1.25 and 1.5x slower than the
