@@ -32,11 +32,11 @@ from bench.qos_eval import (
     shortest_queue,
 )
 from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS
-from bench.qos_setup import agents_fleet, checkpoint_estimate, fleet, load_pools
+from bench.qos_setup import agents_fleet, fleet, load_pools
 from bench.qos_sim import QosSim
 from bench.qos_train import default_dir
 from policies.qos_sac import load_checkpoint
-from predictors.base import BUCKET_ESTIMATES
+from predictors.base import BUCKET_ESTIMATES, checkpoint_estimate
 from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 

@@ -38,9 +38,10 @@ from typing import Any
 
 from bench.bench_qos import add_simulator_arguments
 from bench.qos_eval import Router, agent_router, evaluate
-from bench.qos_setup import agents_fleet, checkpoint_estimate, fleet, load_pools
+from bench.qos_setup import agents_fleet, fleet, load_pools
 from bench.qos_sim import QosSim, SimRequest
 from policies.qos_sac import load_checkpoint
+from predictors.base import checkpoint_estimate
 from predictors.cli import REPO
 
 RESULTS = REPO / "docs" / "results"

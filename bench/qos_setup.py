@@ -16,12 +16,12 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 from bench.emulator.profile import Profile, load_profile
 from bench.qos_sim import ExpertSpec, PoolPrompt
 from policies.qos_impact import Coefficients, fit_slope
-from predictors.base import BUCKET_ESTIMATES, BucketEstimate
+from predictors.base import BucketEstimate
 from predictors.buckets_data import PromptRow, fit_buckets, split
 
 DEFAULT_FLEET = {
@@ -170,16 +170,6 @@ def pools(rows: Sequence[PromptRow], prompt_tokens: Sequence[int],
                           tuple(predictions[r.id][1]))
                for r, p in zip(rows, prompt_tokens, strict=True)]
     return ([p for p in prompts if p.id % 5 != 0], [p for p in prompts if p.id % 5 == 0])
-
-
-def checkpoint_estimate(meta: Mapping[str, Any], override: str | None = None
-                        ) -> BucketEstimate:
-    """The bucket estimate a qos_drl checkpoint was trained on (`laneway train qos-drl
-    --bucket-estimate`; midpoint before the option), unless `override` names one."""
-    chosen = override or meta.get("bucket_estimate") or "midpoint"
-    if chosen not in BUCKET_ESTIMATES:
-        raise ValueError(f"bucket estimate {chosen!r}: one of {', '.join(BUCKET_ESTIMATES)}")
-    return cast(BucketEstimate, chosen)
 
 
 def prediction_cache(artifact: Path, estimate: BucketEstimate) -> Path:

