@@ -135,10 +135,12 @@ def partly_oracle(model: dict[int, tuple[list[float], list[float]]],
             for rid, pred in model.items()}
 
 
-def predictions_model(artifact: Path, rows: Sequence[PromptRow], cache: Path,
+def predictions_model(artifact: Path, rows: Sequence[PromptRow],
                       estimate: BucketEstimate = "midpoint"
                       ) -> dict[int, tuple[list[float], list[float]]]:
-    """The bucket predictor's values (`estimate`) for every prompt, cached in `cache`."""
+    """The bucket predictor's values (`estimate`) for every prompt, cached next to the
+    artifact (`prediction_cache`)."""
+    cache = prediction_cache(artifact, estimate)
     version = json.loads((artifact / "meta.json").read_text())["version"]
     if cache.exists():
         cached = json.loads(cache.read_text())
@@ -194,8 +196,7 @@ def load_pools(data: Path, artifact: Path | None, tokenizer: str = "auto",
     experts, rows = load_rows(data, counter)
     prompt_tokens = counter.count_batch([r.prompt for r in rows])
     if artifact is not None and (artifact / "meta.json").exists():
-        predictions = predictions_model(artifact, rows, prediction_cache(artifact, estimate),
-                                        estimate)
+        predictions = predictions_model(artifact, rows, estimate)
         source = f"bucket predictor {artifact.name}"
         if estimate != "midpoint":
             source += f", {estimate} values"

@@ -74,8 +74,8 @@ class QosSim:
     def __init__(self, experts: Sequence[ExpertSpec], pool: Sequence[PoolPrompt],
                  rate: float, limit_s: float, seed: int = 0, cores: float | None = None,
                  solo: float = 1.0, speed: float = 1.0) -> None:
-        """`speed`: every engine step lasts this many times the model's (a machine
-        slower than the one the profiles and `cores` were fitted on)."""
+        """`speed`: every engine step lasts this many times the model's (> 1: a machine
+        slower than the one the profiles and `cores` were fitted on; < 1: faster)."""
         self.specs, self.pool, self.rate, self.limit = list(experts), list(pool), rate, limit_s
         self.seed, self.cores, self.solo, self.speed = seed, cores, solo, speed
         self.reset(seed)

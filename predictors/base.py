@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 if TYPE_CHECKING:
     from proxy.types import RequestContext
@@ -43,15 +43,19 @@ BucketEstimate = Literal["midpoint", "expected"]
 BUCKET_ESTIMATES: tuple[BucketEstimate, ...] = get_args(BucketEstimate)
 
 
+def bucket_estimate(name: str) -> BucketEstimate:
+    """`name` as a `BucketEstimate`; ValueError when it names none."""
+    if name not in BUCKET_ESTIMATES:
+        raise ValueError(f"bucket estimate {name!r}: one of {', '.join(BUCKET_ESTIMATES)}")
+    return name
+
+
 def checkpoint_estimate(meta: Mapping[str, Any], override: str | None = None
                         ) -> BucketEstimate:
     """The bucket estimate a qos_drl checkpoint (its `meta`) was trained on (`laneway
     train qos-drl --bucket-estimate`; midpoint before the option), unless `override`
     names one: what the policy and the benchmarks read the predictor with."""
-    chosen = override or meta.get("bucket_estimate") or "midpoint"
-    if chosen not in BUCKET_ESTIMATES:
-        raise ValueError(f"bucket estimate {chosen!r}: one of {', '.join(BUCKET_ESTIMATES)}")
-    return cast(BucketEstimate, chosen)
+    return bucket_estimate(override or meta.get("bucket_estimate") or "midpoint")
 
 
 class Predictor(Protocol):

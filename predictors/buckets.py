@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from predictors.base import BUCKET_ESTIMATES, BUCKET_RUNTIMES, BucketEstimate, BucketRuntime
+from predictors.base import BUCKET_RUNTIMES, BucketEstimate, BucketRuntime, bucket_estimate
 from predictors.buckets_data import N_BUCKETS, Buckets
 
 PAD_SLACK = 1.25  # a group's padded tokens / its real tokens, at most
@@ -173,11 +173,8 @@ class BucketPredictor:
 
     def __init__(self, model: BucketForward, tokenizer: Any, meta: dict[str, Any],
                  max_len: int | None = None, estimate: BucketEstimate = "midpoint") -> None:
-        if estimate not in BUCKET_ESTIMATES:
-            raise ValueError(f"bucket estimate {estimate!r}: one of "
-                             f"{', '.join(BUCKET_ESTIMATES)}")
         self.model = model
-        self.estimate = estimate
+        self.estimate = bucket_estimate(estimate)
         self.tokenizer = tokenizer
         self.meta = meta
         self.experts: list[str] = list(meta["experts"])
@@ -186,8 +183,8 @@ class BucketPredictor:
         if self.max_len < len(self.experts) + 3:  # [CLS], the expert tokens, a token, [SEP]
             raise ValueError(f"max_len {self.max_len}: below {len(self.experts) + 3} the "
                              "prompt or an expert token is cut")
-        self.score_buckets = Buckets(float(meta["score_top"]))
-        self.length_buckets = Buckets(float(meta["length_top"]))
+        self.score_midpoints = midpoints(Buckets(float(meta["score_top"])))
+        self.length_midpoints = midpoints(Buckets(float(meta["length_top"])))
 
     @torch.inference_mode()
     def logits(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,24 +201,27 @@ class BucketPredictor:
 
     def predict_batch(self, prompts: Sequence[str]) -> list[BucketPrediction]:
         score, length = self.logits(prompts)
-        score_values = self.values(score, self.score_buckets)
-        length_values = self.values(length, self.length_buckets)
+        score_values = self.values(score, self.score_midpoints)
+        length_values = self.values(length, self.length_midpoints)
         return [BucketPrediction(tuple(s_row), tuple(l_row), tuple(s_val), tuple(l_val))
                 for s_row, l_row, s_val, l_val in zip(
                     score.argmax(-1).tolist(), length.argmax(-1).tolist(),
                     score_values.tolist(), length_values.tolist(), strict=True)]
 
-    def values(self, logits: torch.Tensor, buckets: Buckets) -> torch.Tensor:
+    def values(self, logits: torch.Tensor, midpoints: torch.Tensor) -> torch.Tensor:
         """[prompts, experts] values of [prompts, experts, N_BUCKETS] logits: the most
         likely bucket's midpoint ("midpoint", the paper's reading), or the midpoints
         weighted by the softmax ("expected", a deviation: the argmax of a concentrated
         label, such as the judge's win rate, is nearly always the per-expert majority
         bucket, and the expectation keeps what the head learned beyond it)."""
-        midpoints = torch.tensor([buckets.midpoint(b) for b in range(N_BUCKETS)],
-                                 dtype=torch.float64)
         if self.estimate == "expected":
             return logits.double().softmax(-1) @ midpoints
         return midpoints[logits.argmax(-1)]
+
+
+def midpoints(buckets: Buckets) -> torch.Tensor:
+    """[N_BUCKETS] the buckets' midpoints, float64 (a midpoint reads as `Buckets` has it)."""
+    return torch.tensor([buckets.midpoint(b) for b in range(N_BUCKETS)], dtype=torch.float64)
 
 
 def length_groups(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int]]:

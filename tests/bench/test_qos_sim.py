@@ -152,11 +152,10 @@ def test_predictions_are_cached_whole_next_to_the_artifact(
                         lambda artifact, estimate: Predictor())
     (tmp_path / "meta.json").write_text(json.dumps({"version": "v1"}))
     rows = [PromptRow(i, "x" * i, (0.0, 0.0), (1, 1)) for i in range(40)]
-    cache = tmp_path / "predictions.json"
-    first = predictions_model(tmp_path, rows, cache)
+    first = predictions_model(tmp_path, rows)
     assert calls == [32, 8] and first[7] == ([0.5, 0.1], [7.0, 9.0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "predictions.json"]
-    assert predictions_model(tmp_path, rows, cache) == first and calls == [32, 8]
+    assert predictions_model(tmp_path, rows) == first and calls == [32, 8]
     (tmp_path / "meta.json").write_text(json.dumps({"version": "v2"}))  # retrained
-    predictions_model(tmp_path, rows, cache)
+    predictions_model(tmp_path, rows)
     assert calls == [32, 8, 32, 8]
