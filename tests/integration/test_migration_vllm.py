@@ -229,8 +229,11 @@ def test_paced_handoff_of_a_greedy_stream_is_exact(vllm_fleet: list[Running]) ->
         moved = ask_until_moved(proxy.url, body(True, True, ignore_eos=True, max_tokens=900),
                                 20, reference)
         (move,) = moved.moves  # inside the block: a failure shows the proxy's log
-    # vLLM may pack tokens in one event, so the trigger can see 21 or 22 at once.
-    assert 20 <= move["continued_from"] <= 22 and move["at_token"] >= move["continued_from"]
+    # vLLM packs the tokens of every engine step finished since its last send into one
+    # event, so the trigger sees the count at the first event at or past 20: 21 or 22 on
+    # a quiet machine, 24 once under a loaded test run; the bound still catches a
+    # trigger that fires well after its point (at the stream's end it would read 900).
+    assert 20 <= move["continued_from"] <= 30 and move["at_token"] >= move["continued_from"]
 
 
 def test_killing_the_source_mid_stream_loses_nothing(
