@@ -97,7 +97,7 @@ bench-goodput: install
 	test -f $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1/meta.json || \
 		$(MAKE) train-length SHARED=$(SHARED)
 	# every step hides the answer length from the proxy: requests ask for max(512, their
-	# length) tokens and the client stops at their length (README, Goodput: the length leak);
+	# length) tokens and the client stops at their length (docs/goodput.md: the length leak);
 	# alpaca_eval workloads draw only the prompts the length predictor never trained on
 	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --hide-length 512 \
 		--heldout-prompts --only goodput-capability-headroom,goodput-oracle,goodput-quantile-checks \
@@ -107,16 +107,16 @@ bench-goodput: install
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large@mooncake \
 		--fleet emulated:4@mooncake --hide-length 512 --shared $(SHARED)
 	# four GPUs loaded until every baseline misses SLOs at every scale, with protect (a
-	# deviation: no admission that makes a request on the backend miss; README, Goodput);
-	# goodput-quantile-checks: calibrated lengths (README, Goodput: Calibrated lengths);
+	# deviation: no admission that makes a request on the backend miss; docs/goodput.md);
+	# goodput-quantile-checks: calibrated lengths (docs/goodput.md: Calibrated lengths);
 	# ...-rescue-load-stay: with protect, rescue_only, speed_at_load and no harmful moves,
-	# the best measured on this fleet (README, Goodput: No harmful moves)
+	# the best measured on this fleet (docs/goodput.md: No harmful moves)
 	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
 		--hide-length 512 --heldout-prompts \
 		--only goodput-protect,goodput-oracle,goodput-quantile-checks,goodput-quantile-checks-protect-rescue-load-stay \
 		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower, with capability +
-	# calibrated lengths + protect + rescue_only (README, Goodput)
+	# calibrated lengths + protect + rescue_only (docs/goodput.md)
 	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
 		--hide-length 512 --heldout-prompts \
 		--only goodput-capability-quantile-checks-protect-rescue --shared $(SHARED)
@@ -198,7 +198,7 @@ train-qos-drl-tiny: install
 		--out $(QOS_TINY)/qos-baseline-rl-tiny; \
 	status=$$?; wait $$! && exit $$status
 
-# the same pair trained with domain randomization (README, qos_drl: "A machine slower
+# the same pair trained with domain randomization (docs/qos_drl.md: "A machine slower
 # than the fit"): each training episode on a machine 1-1.5x slower than the fit
 train-qos-drl-tiny-jitter: install
 	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
@@ -230,7 +230,7 @@ bench-qos-real: install
 		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt --out docs/results/qos_replay_live.json
 
-# How much QoS is there to gain over Baseline RL (README, qos_drl): clairvoyant lookahead
+# How much QoS is there to gain over Baseline RL (docs/qos_drl.md): clairvoyant lookahead
 # routers and qos_drl with oracle buckets in the simulator, GPU and tiny fleets
 # → docs/results/qos_headroom*.json (~1 h); how predictable quality is from the prompt,
 # for the judge's win rate and a BERTScore-style F1 → docs/results/qos_score_signal.json

@@ -34,7 +34,7 @@ for goes to the least loaded backend, not the least overrun),
 `speed_at_load` (`goodput-quantile-checks-protect-rescue-load`, with or without
 `-least-loaded`: every backend priced at its load fit's TPOT one request further
 loaded, against the fastest backend filling up; measured, it trims that backend's load
-only a little, README: Goodput), and that with `harmful_moves: false`
+only a little, docs/goodput.md), and that with `harmful_moves: false`
 (`goodput-quantile-checks-protect-rescue-load-stay`: a τ-check move every faster backend
 would be harmed by does not happen; `goodput-capability-quantile-checks-protect-rescue-stay`
 the same on the capability combination) run only when named there.
@@ -91,13 +91,13 @@ def default_workload(spec: str, shared: str, time_dilation: float = 1.0) -> list
     `<emulated fleet>@heavy`: the alpaca_eval Poisson workload at 8 req/s per backend
     (32x the default's per-backend load) for 15 s, answers capped at 512 tokens: sized
     for `emulated:4@heavy`, four GPUs where no baseline meets more than ~95 % of SLOs
-    even at scale 3 (the regime of the paper's Fig. 6; README, Goodput); run it time
+    even at scale 3 (the regime of the paper's Fig. 6; docs/goodput.md); run it time
     dilated (`--time-dilation 3`: 10.7 req/s sent).
 
     An emulated fleet of N gets N/4 req/s (16 at 64 backends) for 15 s, answers capped
     at 256 tokens above 64 backends. At 512 (128 req/s) this 2-core machine saturates:
     the proxy, the load generator and the emulator could not keep up (p99 E2E 19-38 s
-    for every policy, no baseline met one SLO; README, Goodput), so `make
+    for every policy, no baseline met one SLO; docs/goodput.md), so `make
     bench-goodput` runs 64 only, or 512 time-dilated (`time_dilation`: arrivals that many
     times sparser, the trace's time scale that many times longer)."""
     fleet, _, tag = spec.partition("@")
@@ -209,7 +209,7 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
     return out
 
 
-# variants that answered one question and run only when named in --only (README, Goodput)
+# variants that answered one question and run only when named in --only (docs/goodput.md)
 ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protect",
                         "goodput-capability-headroom-protect", "goodput-quantile",
                         "goodput-quantile-checks", "goodput-quantile-checks-protect",
@@ -385,8 +385,8 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
     plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name, plan.solo_tier)
     variants_ = {v.label: repeated_ratios(runs, baselines, v.label, plan.scales)
                  for v in plan.variants if v.per_scale}
-    # the same ratio on attainment, which a run's last completion does not move (README,
-    # Goodput: "Goodput per second also counts how long the last request takes")
+    # the same ratio on attainment, which a run's last completion does not move (docs/goodput.md:
+    # "Goodput per second also counts how long the last request takes")
     attainment_ratios = {
         v.label: repeated_ratios(attained, baselines, v.label, plan.scales)[
             "goodput_ratio_vs_best_baseline"] for v in plan.variants if v.per_scale}
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hide-length", type=int, metavar="N", default=None,
                         help="requests ask for max(N, their length) tokens and the client "
                         "stops at their length: max_tokens no longer tells the proxy the "
-                        "true length (default: it does, README Goodput's correction)")
+                        "true length (default: it does, docs/goodput.md's correction)")
     parser.add_argument("--heldout-prompts", action="store_true",
                         help="alpaca_eval workloads: only the held-out prompts (ids %% 5 == "
                         "0), which the length predictor never trained on (default: all "

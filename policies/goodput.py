@@ -25,7 +25,7 @@ remaining length is taken as `overrun_fraction` * generated; a move must win at 
 stream only when the move meets D_r; the paper's rule also moves streams that will
 miss D_r either way, to the least-overrun faster backend, which re-prefills their
 prompt + answer on the target (0.1-0.4 s on vLLM-CPU; negligible on the paper's
-GPUs). Measured side by side (README, Goodput) the two rules are within run-to-run
+GPUs). Measured side by side (docs/goodput.md) the two rules are within run-to-run
 noise, the paper's ahead more often, so it stays the default.
 
 At the τ check the stream's expected speed where it runs is, by default, its own mean
@@ -40,7 +40,7 @@ backends it keeps those whose lightly loaded d_g (`SpeedModel.capability`) is wi
 requests in flight. Algorithm 1's largest current d_g is, among backends of one GPU
 type, the most loaded one, so a burst piles onto a single slow instance until the
 lagging EMA sees it; on a lightly loaded fleet that costs SLOs the load balancers meet
-(README, Goodput).
+(docs/goodput.md).
 
 `speed_at_load` (off by default) prices a request at the speed of the batch it would
 join: d_g in Eq. 2 becomes the backend's TPOT at (its requests in flight + 1), from a
@@ -63,8 +63,8 @@ backend would be harmed to the least overrun of all. τ-check moves are checked 
 same way; with `harmful_moves: false` a stream every faster backend would be harmed by
 stays where it is instead (an arrival has to go somewhere, a move does not); on four
 heavily loaded GPUs that kept the H100 at the load it still serves within SLO and
-lifted scale 1 from 0.95-1.09x to 1.47x the best baseline in two runs (README,
-Goodput: No harmful moves). The requests on g are the ones this policy routed there
+lifted scale 1 from 0.95-1.09x to 1.47x the best baseline in two runs (docs/goodput.md:
+No harmful moves). The requests on g are the ones this policy routed there
 with a deadline (`policies/placements.py`), their generated tokens counted at each τ
 check and extrapolated at d between checks.
 
@@ -93,9 +93,9 @@ Algorithm 1 every one of them lands on the fastest backend and slows the request
 there that can still make it: on four heavily loaded GPUs at SLO scale 1 only the
 H100 meets any SLO, and Algorithm 1 held twice the requests there that least_request
 did (peak 74 in flight against 37), meeting half of them against all. Measured, it
-does not pay (README, Goodput: "The repeat, and the deviations combined"): the H100's
+does not pay (docs/goodput.md: "The repeat, and the deviations combined"): the H100's
 first placements then all meet their SLOs, but fewer go there and the τ checks move
-the hopeless streams to it anyway; nor with `speed_at_load` beside it (README, Goodput).
+the hopeless streams to it anyway; nor with `speed_at_load` beside it (docs/goodput.md).
 """
 
 from __future__ import annotations

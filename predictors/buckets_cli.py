@@ -36,7 +36,7 @@ def default_artifact() -> Path:
 
 
 def distilled_artifact() -> Path:
-    """Its 3-layer distillation (`--distill-from`): what qos_drl decides with (README)."""
+    """Its 3-layer distillation (`--distill-from`): what qos_drl decides with (docs/qos_drl.md)."""
     return laneway_home() / "predictors" / "buckets-minilm-l3-distilled"
 
 
