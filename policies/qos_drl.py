@@ -14,7 +14,10 @@ acts greedily. Drop → `Decision.drop` → 503
 Online learning (`learn_online`, off by default): each outcome's QoS is estimated as
 the predicted score * 1[e2e / tokens ≤ L] (the true score is not observable live),
 rewards follow Eq. 16 with the checkpoint's k1, k2, and one SAC update runs per
-decision once `online_warmup` transitions are stored.
+decision once `online_warmup` transitions are stored. Every `online_report_every`
+updates the policy logs them with the mean reward since the last report and, with
+`online_save`, writes the agent to that checkpoint, so what it learned survives a
+restart.
 
 `mode: bert_router` is the paper's BERT-router baseline on the same machinery: the
 expert with the highest predicted score among those with a backend (ties at random,
@@ -25,6 +28,8 @@ features of the same state.
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -37,6 +42,7 @@ from policies.qos_state import ExpertState, build_state
 from predictors.base import BucketEstimate, BucketRuntime, Prediction, checkpoint_estimate
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
 
+log = logging.getLogger(__name__)
 
 class QosDrlParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -68,6 +74,12 @@ class QosDrlParams(BaseModel):
     learn_online: bool = Field(False, description="keep training on observed outcomes")
     online_warmup: int = Field(256, gt=0, description="transitions before updates")
     online_batch: int = Field(32, gt=0)
+    online_report_every: int = Field(100, gt=0, description="every this many online "
+                                     "updates: log them (INFO) and write `online_save`")
+    online_save: str | None = Field(None, description="write the agent learned online to "
+                                    "this checkpoint (atomically, every "
+                                    "`online_report_every` updates); `checkpoint` can "
+                                    "start from it after a restart")
     predict_max_batch: int = Field(16, gt=0, description="prompts per encoder batch "
                                    "(arrivals during a batch go together in the next)")
     predict_timeout_s: float = Field(2.0, gt=0, description="longer: decide without "
@@ -75,6 +87,12 @@ class QosDrlParams(BaseModel):
     mode: Literal["agent", "bert_router"] = Field(
         "agent", description="agent: the checkpoint's actor; bert_router: the paper's "
         "BERT-router baseline, argmax of the predicted score (needs `buckets`; no drops)")
+
+    @model_validator(mode="after")
+    def _save_needs_learning(self) -> QosDrlParams:
+        if self.online_save is not None and not self.learn_online:
+            raise ValueError("online_save needs learn_online: true")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -159,9 +177,13 @@ class QosDrl:
             self.agent.act(g, greedy=True, mask=mask)[0]
         if self.learner is not None:
             chosen = backends[action - 1] if action else None
+            updates = self.learner.updates
             self.learner.decided(graph, action, self.book.impact(
                 chosen, prompt_tokens, lengths[action - 1] if action else 0,
                 self.k[action - 1] if action else None, view))
+            if self.learner.updates != updates and \
+                    self.learner.updates % self._p.online_report_every == 0:
+                self._report_online()
         if action == 0:
             return Decision(view.candidates[0], "qos_drl: drop",
                             drop=f"no expert meets the {self._p.limit_ms:g} ms/token "
@@ -172,6 +194,28 @@ class QosDrl:
                          lengths[action - 1], view.now)
         return Decision(backend, f"qos_drl: expert {self.experts[action - 1]} "
                                  f"(predicted score {scores[action - 1]:.2f})")
+
+    def _report_online(self) -> None:
+        from policies.qos_sac import save_checkpoint
+
+        assert self.learner is not None
+        rewards = self.learner.take_rewards()
+        mean = sum(rewards) / len(rewards) if rewards else 0.0
+        saved, level = "", logging.INFO
+        if self._p.online_save is not None:
+            path = Path(self._p.online_save)
+            partial = path.with_name(path.name + ".partial")
+            try:
+                save_checkpoint(partial, self.agent, {
+                    **self.meta,  # a restart from it counts on and names the first one
+                    "online_updates": self.meta.get("online_updates", 0) + self.learner.updates,
+                    "online_from": self.meta.get("online_from", self._p.checkpoint)})
+                os.replace(partial, path)  # a reader never sees half a checkpoint
+                saved = f"; saved to {path}"
+            except OSError as exc:  # routing goes on; the next report tries again
+                saved, level = f"; not saved to {path}: {exc}", logging.WARNING
+        log.log(level, "qos_drl online: %d updates, mean reward %.4f over the last %d "
+                "transitions%s", self.learner.updates, mean, len(rewards), saved)
 
     def _best_predicted(self, scores: list[float], backends: list[Backend | None],
                         view: ClusterView) -> Decision:

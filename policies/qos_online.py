@@ -77,6 +77,7 @@ class OnlineLearner:
         self._pending: tuple[GraphState, int, float] | None = None
         self._completed: list[float] = []
         self.updates = 0
+        self.rewards: list[float] = []  # of the transitions stored since `take_rewards`
 
     def completed(self, phi: float) -> None:
         self._completed.append(phi)
@@ -88,6 +89,7 @@ class OnlineLearner:
                 self.replay = Replay(10_000, previous)
             r = reward(self._completed, prev_penalty)
             self.replay.add(previous, prev_action, r, state, False)
+            self.rewards.append(r)
             self._completed = []
             if self.replay.size >= self.warmup:
                 self.agent.train()
@@ -96,3 +98,7 @@ class OnlineLearner:
                 self.updates += 1
         self._pending = (state, action, penalty)
 
+
+    def take_rewards(self) -> list[float]:
+        taken, self.rewards = self.rewards, []
+        return taken

@@ -13,7 +13,7 @@ import torch
 from bench.fake_vllm import FakeConfig
 from policies.base import build_policy
 from policies.qos_drl import QosDrl
-from policies.qos_sac import SacAgent, SacConfig, save_checkpoint
+from policies.qos_sac import SacAgent, SacConfig, load_checkpoint, save_checkpoint
 from predictors import buckets
 from predictors.base import NO_PREDICTION
 from proxy.types import Backend, BackendStats
@@ -251,3 +251,57 @@ def test_the_bucket_estimate_is_the_checkpoint_s_unless_a_param_names_one(
                         (old, {"buckets_estimate": "expected"})):
         build_policy("qos_drl", {"checkpoint": path, "buckets": "x", **given})
     assert estimates == ["midpoint", "expected", "midpoint", "expected"]
+
+
+def online_policy(start: Path, save: Path, **params: Any) -> QosDrl:
+    policy = build_policy("qos_drl", {"checkpoint": str(start), "learn_online": True,
+                                      "online_warmup": 2, "online_batch": 2,
+                                      "online_report_every": 2, "online_save": str(save),
+                                      **params})
+    assert isinstance(policy, QosDrl)
+    return policy
+
+
+def test_online_learning_reports_and_saves_what_it_learned(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    start, saved = checkpoint(tmp_path, 1), tmp_path / "online" / "agent.pt"
+    policy = online_policy(start, saved)
+    backends, stats = fleet_view("big", "small")
+    with caplog.at_level("INFO", logger="policies.qos_drl"):
+        for i in range(7):  # 6 transitions, an update from the 2nd: 5, reports at 2 and 4
+            policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION, view(backends, stats=stats))
+    assert policy.learner is not None and policy.learner.updates == 5
+    reports = [r.getMessage() for r in caplog.records if "qos_drl online" in r.getMessage()]
+    assert len(reports) == 2 and reports[1].startswith("qos_drl online: 4 updates")
+    assert f"saved to {saved}" in reports[1] and not saved.with_name("agent.pt.partial").exists()
+    learned, meta = load_checkpoint(saved)
+    original, _ = load_checkpoint(start)
+    assert meta["online_updates"] == 4 and meta["online_from"] == str(start)
+    assert meta["experts"] == EXPERTS
+    assert any(not torch.equal(a, b) for a, b in zip(
+        learned.q1.parameters(), original.q1.parameters(), strict=True))
+    # a restart from the saved agent counts on and still names the first checkpoint
+    again = online_policy(saved, saved)
+    for i in range(4):  # 3 transitions, updates 2
+        again.pick(ctx(request_id=f"s{i}"), NO_PREDICTION, view(backends, stats=stats))
+    _, meta = load_checkpoint(saved)
+    assert meta["online_updates"] == 6 and meta["online_from"] == str(start)
+
+
+def test_an_online_save_that_fails_never_fails_a_decision(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "a-file").write_text("")
+    policy = online_policy(checkpoint(tmp_path, 1), tmp_path / "a-file" / "x.pt")
+    backends, stats = fleet_view("big", "small")
+    with caplog.at_level("INFO", logger="policies.qos_drl"):
+        decisions = [policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION,
+                                 view(backends, stats=stats)) for i in range(4)]
+    assert [d.backend.model for d in decisions] == ["big"] * 4
+    (warning,) = [r for r in caplog.records if "qos_drl online" in r.getMessage()]
+    assert warning.levelname == "WARNING" and "not saved to" in warning.getMessage()
+
+
+def test_online_save_needs_online_learning(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="online_save needs learn_online"):
+        build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 1)),
+                                 "online_save": str(tmp_path / "x.pt")})
