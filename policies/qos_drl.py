@@ -14,7 +14,9 @@ acts greedily. Drop → `Decision.drop` → 503
 Online learning (`learn_online`, off by default): each outcome's QoS is estimated as
 the predicted score * 1[e2e / tokens ≤ L] (the true score is not observable live),
 rewards follow Eq. 16 with the checkpoint's k1, k2, and one SAC update runs per
-decision once `online_warmup` transitions are stored. Every `online_report_every`
+decision once `online_warmup` transitions are stored, in a thread of its own
+(`online_thread`; `policies/qos_online.py`), so a decision does not wait ~20 ms for
+it. Every `online_report_every`
 updates the policy logs them with the mean reward since the last report and, with
 `online_save`, writes the agent to that checkpoint, so what it learned survives a
 restart.
@@ -32,7 +34,7 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,6 +43,9 @@ from policies.qos_impact import Coefficients, qos
 from policies.qos_state import ExpertState, build_state
 from predictors.base import BucketEstimate, BucketRuntime, Prediction, checkpoint_estimate
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
+
+if TYPE_CHECKING:  # torch loads only when the policy is built
+    from policies.qos_online import OnlineLearner
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,9 @@ class QosDrlParams(BaseModel):
     learn_online: bool = Field(False, description="keep training on observed outcomes")
     online_warmup: int = Field(256, gt=0, description="transitions before updates")
     online_batch: int = Field(32, gt=0)
+    online_thread: bool = Field(True, description="train in a thread of its own, decisions "
+                                "acting on a copy refreshed after each update (false: "
+                                "inline, ~20 ms of every decision on the event loop)")
     online_report_every: int = Field(100, gt=0, description="every this many online "
                                      "updates: log them (INFO) and write `online_save`")
     online_save: str | None = Field(None, description="write the agent learned online to "
@@ -138,8 +146,10 @@ class QosDrl:
         self._ties = random.Random(0)
         self.k = [Coefficients(*self.meta["k"][e]) for e in self.experts]
         self.book = InflightBook(params.limit_ms / 1000, params.default_tpot_s)
-        self.learner = OnlineLearner(self.agent, params.online_warmup, params.online_batch) \
-            if params.learn_online else None
+        self.learner = OnlineLearner(
+            self.agent, params.online_warmup, params.online_batch,
+            background=params.online_thread, report_every=params.online_report_every,
+            on_report=self._report_online) if params.learn_online else None
         self.greedy = GreedyActor(self.agent) if self.learner is None else None
 
     @property
@@ -173,17 +183,15 @@ class QosDrl:
         graph = build_state(prompt_tokens, scores, lengths, states, self._p.limit_ms / 1000)
         mask = torch.tensor([[self._p.allow_drop, *(b is not None for b in backends)]])
         g = batch_states([graph])
-        action = self.greedy(g, mask) if self.greedy is not None else \
-            self.agent.act(g, greedy=True, mask=mask)[0]
-        if self.learner is not None:
+        if self.learner is None:
+            assert self.greedy is not None
+            action = self.greedy(g, mask)
+        else:
+            action = self.learner.acting.act(g, greedy=True, mask=mask)[0]
             chosen = backends[action - 1] if action else None
-            updates = self.learner.updates
             self.learner.decided(graph, action, self.book.impact(
                 chosen, prompt_tokens, lengths[action - 1] if action else 0,
                 self.k[action - 1] if action else None, view))
-            if self.learner.updates != updates and \
-                    self.learner.updates % self._p.online_report_every == 0:
-                self._report_online()
         if action == 0:
             return Decision(view.candidates[0], "qos_drl: drop",
                             drop=f"no expert meets the {self._p.limit_ms:g} ms/token "
@@ -195,11 +203,12 @@ class QosDrl:
         return Decision(backend, f"qos_drl: expert {self.experts[action - 1]} "
                                  f"(predicted score {scores[action - 1]:.2f})")
 
-    def _report_online(self) -> None:
+    def _report_online(self, learner: OnlineLearner) -> None:
+        """Every `online_report_every` updates, in the learning thread (between updates,
+        so the agent saved is whole): a log line and `online_save`."""
         from policies.qos_sac import save_checkpoint
 
-        assert self.learner is not None
-        rewards = self.learner.take_rewards()
+        rewards = learner.take_rewards()
         mean = sum(rewards) / len(rewards) if rewards else 0.0
         saved, level = "", logging.INFO
         if self._p.online_save is not None:
@@ -208,14 +217,15 @@ class QosDrl:
             try:
                 save_checkpoint(partial, self.agent, {
                     **self.meta,  # a restart from it counts on and names the first one
-                    "online_updates": self.meta.get("online_updates", 0) + self.learner.updates,
+                    "online_updates": self.meta.get("online_updates", 0) + learner.updates,
                     "online_from": self.meta.get("online_from", self._p.checkpoint)})
                 os.replace(partial, path)  # a reader never sees half a checkpoint
                 saved = f"; saved to {path}"
             except OSError as exc:  # routing goes on; the next report tries again
                 saved, level = f"; not saved to {path}: {exc}", logging.WARNING
-        log.log(level, "qos_drl online: %d updates, mean reward %.4f over the last %d "
-                "transitions%s", self.learner.updates, mean, len(rewards), saved)
+        log.log(level, "qos_drl online: %d updates (%d skipped), mean reward %.4f over the "
+                "last %d transitions%s", learner.updates, learner.skipped, mean, len(rewards),
+                saved)
 
     def _best_predicted(self, scores: list[float], backends: list[Backend | None],
                         view: ClusterView) -> Decision:

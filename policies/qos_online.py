@@ -4,13 +4,20 @@ pending transition whose reward the next decision completes (Eq. 16)."""
 
 from __future__ import annotations
 
+import atexit
+import logging
+import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.qos_impact import Coefficients, RunningRequest, impact, reward
 from policies.qos_replay import Replay
-from policies.qos_sac import SacAgent
+from policies.qos_sac import ActingCopy, SacAgent
 from policies.qos_state import GraphState, RequestFeatures
 from proxy.types import Backend, BackendStats, ClusterView
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +76,44 @@ class InflightBook:
 
 
 class OnlineLearner:
-    """Turns (decision, completions since, next decision) into SAC transitions."""
+    """Turns (decision, completions since, next decision) into SAC transitions, and trains
+    the agent on them: one update per stored transition once `warmup` are stored, as the
+    simulator trains.
 
-    def __init__(self, agent: SacAgent, warmup: int, batch: int) -> None:
+    A SAC update of the HAN agent takes ~20 ms of CPU, which in the decision would stall
+    the proxy's event loop, and every stream it relays, that long per request. So by
+    default (`background`) the updates run in a thread of their own on the agent, and
+    decisions act on `acting`, a copy of its encoder and actor that the thread replaces
+    after each update (a reference swap: a decision never sees half-updated weights).
+    Updates the thread has not got to are owed, at most `MAX_OWED`; past that the
+    oldest are skipped (`skipped`), so a burst never leaves it training long after.
+    `on_report(self)` runs in the learning thread every `report_every` updates.
+    """
+
+    MAX_OWED = 100
+
+    def __init__(self, agent: SacAgent, warmup: int, batch: int, *, background: bool = True,
+                 report_every: int = 100,
+                 on_report: Callable[[OnlineLearner], None] | None = None) -> None:
         self.agent, self.warmup, self.batch = agent, warmup, batch
+        self.acting = ActingCopy(agent)
+        self.report_every, self.on_report = report_every, on_report
         self.replay: Replay | None = None
         self._pending: tuple[GraphState, int, float] | None = None
         self._completed: list[float] = []
-        self.updates = 0
+        self.updates = self.skipped = 0
         self.rewards: list[float] = []  # of the transitions stored since `take_rewards`
+        self._lock = threading.Lock()  # the replay, `_owed` and `rewards`
+        self._owed = 0
+        self._training = False
+        self._wake: threading.Event | None = None
+        if background:
+            self._wake = threading.Event()
+            thread = threading.Thread(target=_learn, args=(weakref.ref(self), self._wake),
+                                      name="qos-drl-online", daemon=True)
+            _THREADS[:] = [(t, w) for t, w in _THREADS if t.is_alive()]
+            _THREADS.append((thread, self._wake))
+            thread.start()
 
     def completed(self, phi: float) -> None:
         self._completed.append(phi)
@@ -85,20 +121,81 @@ class OnlineLearner:
     def decided(self, state: GraphState, action: int, penalty: float) -> None:
         if self._pending is not None:
             previous, prev_action, prev_penalty = self._pending
-            if self.replay is None:
-                self.replay = Replay(10_000, previous)
             r = reward(self._completed, prev_penalty)
-            self.replay.add(previous, prev_action, r, state, False)
-            self.rewards.append(r)
             self._completed = []
-            if self.replay.size >= self.warmup:
-                self.agent.train()
-                self.agent.update(*self.replay.sample(self.batch))
-                self.agent.eval()
-                self.updates += 1
+            with self._lock:
+                if self.replay is None:
+                    self.replay = Replay(10_000, previous)
+                self.replay.add(previous, prev_action, r, state, False)
+                self.rewards.append(r)
+                if self.replay.size >= self.warmup:
+                    self._owed += 1
+                    if self._owed > self.MAX_OWED:
+                        self._owed, self.skipped = self.MAX_OWED, self.skipped + 1
+            if self._wake is None:
+                self.train_owed()
+            else:
+                self._wake.set()
         self._pending = (state, action, penalty)
 
+    def train_owed(self) -> None:
+        """Run the owed updates (the learning thread's work; inline without one)."""
+        while not _EXITING.is_set():
+            with self._lock:
+                if self._owed == 0 or self.replay is None:
+                    return
+                self._owed -= 1
+                self._training = True
+                sample = self.replay.sample(self.batch)
+            try:
+                self.agent.train()
+                self.agent.update(*sample)
+                self.agent.eval()
+                self.acting = ActingCopy(self.agent)
+                self.updates += 1
+            finally:
+                with self._lock:
+                    self._training = False
+            if self.on_report is not None and self.updates % self.report_every == 0:
+                self.on_report(self)
 
     def take_rewards(self) -> list[float]:
-        taken, self.rewards = self.rewards, []
+        with self._lock:
+            taken, self.rewards = self.rewards, []
         return taken
+
+    def idle(self) -> bool:
+        """No update owed or running (benchmarks and tests wait for the thread)."""
+        with self._lock:
+            return self._owed == 0 and not self._training
+
+
+_THREADS: list[tuple[threading.Thread, threading.Event]] = []  # the learning threads
+_EXITING = threading.Event()
+
+
+@atexit.register
+def _stop_learning() -> None:
+    """At exit, let each learning thread finish its update: the interpreter tearing down
+    under a thread inside torch aborts the process."""
+    _EXITING.set()
+    for thread, wake in _THREADS:
+        wake.set()
+        thread.join(timeout=5)
+
+
+def _learn(ref: weakref.ref[OnlineLearner], wake: threading.Event) -> None:
+    """The learning thread: it holds its learner weakly and ends once the policy that
+    owned it is gone (a policy switch or reload), or at exit."""
+    while True:
+        woken = wake.wait(timeout=1.0)
+        learner = ref()
+        if learner is None or _EXITING.is_set():
+            return
+        if woken:
+            wake.clear()
+            try:
+                learner.train_owed()
+            except Exception:  # one bad batch must not end online learning
+                log.exception("qos_drl online update failed")
+        del learner

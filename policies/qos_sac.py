@@ -151,6 +151,24 @@ class SacAgent(nn.Module):
             target.mul_(1 - self.config.tau).add_(source, alpha=self.config.tau)
 
 
+class ActingCopy:
+    """An agent's acting half (encoder + actor), copied: what an online learner hands to
+    decisions while it goes on training the agent itself in another thread."""
+
+    def __init__(self, agent: SacAgent) -> None:
+        self.encoder = copy.deepcopy(agent.encoder).eval()
+        self.actor = copy.deepcopy(agent.actor).eval()
+
+    @torch.no_grad()
+    def act(self, g: dict[str, torch.Tensor], greedy: bool, mask: torch.Tensor | None = None
+            ) -> list[int]:
+        assert greedy, "decisions are greedy"
+        logits: torch.Tensor = self.actor(self.encoder(g))
+        if mask is not None:
+            logits = logits.masked_fill(~mask, -1e9)
+        return [int(a) for a in logits.argmax(-1)]
+
+
 class _MaskedLogits(nn.Module):
     """`agent.logits(g, mask)` with the state's tensors as positional inputs (`names`),
     the form ONNX export takes."""

@@ -4,6 +4,7 @@ answers and saves what it learned; a drop is a 503 that no backend sees."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,10 @@ def test_routes_to_its_expert_and_learns_online_from_real_answers(
     with running_proxy(config(vllm_fleet, params), log_path=log) as proxy, \
             httpx.Client(timeout=60) as http:
         answers = [ask(http, proxy.url, n) for n in range(6)]
+        deadline = time.monotonic() + 30  # the updates run in the policy's own thread
+        while "qos_drl online: 4 updates" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
     for response in answers:
         assert response.status_code == 200, response.text
         assert response.headers["x-laneway-backend"] in big
@@ -63,7 +68,6 @@ def test_routes_to_its_expert_and_learns_online_from_real_answers(
     assert meta["online_updates"] == 4 and meta["online_from"] == str(start)
     assert any(not torch.equal(a, b) for a, b in zip(
         learned.q1.parameters(), original.q1.parameters(), strict=True))
-    assert "qos_drl online: 4 updates" in log.read_text()
 
 
 def test_a_drop_is_an_openai_503_that_no_backend_sees(

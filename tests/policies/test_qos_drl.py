@@ -3,6 +3,7 @@ the proxy: 503 request_dropped, the backend never contacted)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -82,7 +83,7 @@ def test_expert_mapping_and_unknown_checkpoint(tmp_path: Path) -> None:
 def test_online_learning_updates_the_agent_from_outcomes(tmp_path: Path) -> None:
     policy = build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 1)),
                                       "learn_online": True, "online_warmup": 4,
-                                      "online_batch": 4})
+                                      "online_batch": 4, "online_thread": False})
     assert isinstance(policy, QosDrl) and policy.learner is not None
     backends, stats = fleet_view("big", "small")
     before = [p.clone() for p in policy.agent.q1.parameters()]
@@ -257,7 +258,7 @@ def online_policy(start: Path, save: Path, **params: Any) -> QosDrl:
     policy = build_policy("qos_drl", {"checkpoint": str(start), "learn_online": True,
                                       "online_warmup": 2, "online_batch": 2,
                                       "online_report_every": 2, "online_save": str(save),
-                                      **params})
+                                      "online_thread": False, **params})
     assert isinstance(policy, QosDrl)
     return policy
 
@@ -305,3 +306,26 @@ def test_online_save_needs_online_learning(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="online_save needs learn_online"):
         build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 1)),
                                  "online_save": str(tmp_path / "x.pt")})
+
+
+def test_online_updates_run_beside_the_decisions_which_act_on_a_fresh_copy(
+        tmp_path: Path) -> None:
+    """In its own thread (the default) the learner trains while decisions go on: a
+    decision never waits for an update, and each update hands decisions a new copy."""
+    policy = online_policy(checkpoint(tmp_path, 1), tmp_path / "agent.pt",
+                           online_thread=True, online_report_every=1000)
+    assert policy.learner is not None
+    backends, stats = fleet_view("big", "small")
+    first = policy.learner.acting
+    for i in range(6):  # 5 transitions: 4 updates owed
+        policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION, view(backends, stats=stats))
+    deadline = time.monotonic() + 30
+    while not (policy.learner.idle() and policy.learner.updates == 4):
+        assert time.monotonic() < deadline, policy.learner.updates
+        time.sleep(0.01)
+    assert policy.learner.acting is not first and policy.learner.skipped == 0
+    # the critics' loss trains the shared encoder (this actor is saturated on one action)
+    assert any(not torch.equal(a, b) for a, b in zip(
+        policy.learner.acting.encoder.parameters(), first.encoder.parameters(), strict=True))
+    decision = policy.pick(ctx(request_id="r6"), NO_PREDICTION, view(backends, stats=stats))
+    assert decision.backend.model == "big"
