@@ -15,11 +15,10 @@ Online learning (`learn_online`, off by default): each outcome's QoS is estimate
 the predicted score * 1[e2e / tokens ≤ L] (the true score is not observable live),
 rewards follow Eq. 16 with the checkpoint's k1, k2, and one SAC update runs per
 decision once `online_warmup` transitions are stored, in a thread of its own
-(`online_thread`; `policies/qos_online.py`), so a decision does not wait ~20 ms for
-it. Every `online_report_every`
-updates the policy logs them with the mean reward since the last report and, with
-`online_save`, writes the agent to that checkpoint, so what it learned survives a
-restart.
+(`online_thread`; `policies/qos_online.py`), so a decision does not wait the ~20-25 ms
+it takes. Every `online_report_every` updates the policy logs them with the mean
+reward since the last report and, with `online_save`, writes the agent to that
+checkpoint, so what it learned survives a restart.
 
 `mode: bert_router` is the paper's BERT-router baseline on the same machinery: the
 expert with the highest predicted score among those with a backend (ties at random,
@@ -48,6 +47,7 @@ if TYPE_CHECKING:  # torch loads only when the policy is built
     from policies.qos_online import OnlineLearner
 
 log = logging.getLogger(__name__)
+
 
 class QosDrlParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -81,7 +81,7 @@ class QosDrlParams(BaseModel):
     online_batch: int = Field(32, gt=0)
     online_thread: bool = Field(True, description="train in a thread of its own, decisions "
                                 "acting on a copy refreshed after each update (false: "
-                                "inline, ~20 ms of every decision on the event loop)")
+                                "inline, ~20-25 ms of every decision on the event loop)")
     online_report_every: int = Field(100, gt=0, description="every this many online "
                                      "updates: log them (INFO) and write `online_save`")
     online_save: str | None = Field(None, description="write the agent learned online to "

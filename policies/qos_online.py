@@ -80,13 +80,13 @@ class OnlineLearner:
     the agent on them: one update per stored transition once `warmup` are stored, as the
     simulator trains.
 
-    A SAC update of the HAN agent takes ~20 ms of CPU, which in the decision would stall
-    the proxy's event loop, and every stream it relays, that long per request. So by
-    default (`background`) the updates run in a thread of their own on the agent, and
+    A SAC update of the HAN agent takes ~20-25 ms of CPU, which in the decision would
+    stall the proxy's event loop, and every stream it relays, that long per request. So
+    by default (`background`) the updates run in a thread of their own on the agent, and
     decisions act on `acting`, a copy of its encoder and actor that the thread replaces
     after each update (a reference swap: a decision never sees half-updated weights).
-    Updates the thread has not got to are owed, at most `MAX_OWED`; past that the
-    oldest are skipped (`skipped`), so a burst never leaves it training long after.
+    Updates the thread has not got to are owed, at most `MAX_OWED`; further ones are
+    skipped (counted in `skipped`), so a burst never leaves it training long after.
     `on_report(self)` runs in the learning thread every `report_every` updates.
     """
 
