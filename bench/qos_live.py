@@ -16,7 +16,8 @@ Writes docs/results/qos_live.{json,md} and merges `qos_gain_vs_baseline_rl_live`
 `live` into docs/results/qos_drl.json. `--agent LABEL=CHECKPOINT` adds another qos_drl
 checkpoint to the run as policy LABEL (e.g. two trainings of qos_drl on the same arrivals
 and the same hour of the machine); it is shown beside the others, not counted as a
-baseline of qos_drl.
+baseline of qos_drl. `--policies ...,qos_drl_online` adds the same agent with
+`learn_online` (its defaults: updates from the 257th decision, in the policy's thread).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def policy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     buckets = str(args.buckets) if (args.buckets / "meta.json").exists() else None
     agent = {"checkpoint": str(args.checkpoint), "buckets": buckets, "limit_ms": args.limit_ms}
     params = {"qos_drl": agent, "bert_router": {**agent, "mode": "bert_router"},
+              "qos_drl_online": {**agent, "learn_online": True},
               "baseline_rl": {"checkpoint": str(args.baseline_checkpoint),
                               "limit_ms": args.limit_ms}}
     params |= {label: {**agent, "checkpoint": str(path)} for label, path in args.agent}
