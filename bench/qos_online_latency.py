@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(policy, QosDrl)
         took = decide(policy, args.decisions, args.rate)[args.warmup + 1:]  # updates on
         learner = policy.learner
-        deadline = time.monotonic() + 60  # the thread's owed updates, to count them all
-        while learner is not None and not learner.idle() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if learner is not None:
+            learner.wait_idle(60)  # the thread's owed updates, to count them all
         result[mode] = {"p50_ms": ms(took, 0.5), "p99_ms": ms(took, 0.99),
                         "updates": learner.updates if learner else 0,
                         "skipped": learner.skipped if learner else 0}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,9 +166,19 @@ class OnlineLearner:
         return taken
 
     def idle(self) -> bool:
-        """No update owed or running (benchmarks and tests wait for the thread)."""
+        """No update owed or running."""
         with self._lock:
             return self._owed == 0 and not self._training
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until `idle` (the thread has run every owed update), at most `timeout_s`
+        (benchmarks and tests count updates after it); whether it is."""
+        deadline = time.monotonic() + timeout_s
+        while not self.idle():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
 
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []  # the learning threads

@@ -97,8 +97,7 @@ class SacAgent(nn.Module):
 
     def logits(self, g: dict[str, torch.Tensor], mask: torch.Tensor | None = None
                ) -> torch.Tensor:
-        logits: torch.Tensor = self.actor(self.encoder(g))
-        return logits if mask is None else logits.masked_fill(~mask, -1e9)
+        return masked_logits(self.encoder, self.actor, g, mask)
 
     @torch.no_grad()
     def act(self, g: dict[str, torch.Tensor], greedy: bool, mask: torch.Tensor | None = None
@@ -151,6 +150,13 @@ class SacAgent(nn.Module):
             target.mul_(1 - self.config.tau).add_(source, alpha=self.config.tau)
 
 
+def masked_logits(encoder: nn.Module, actor: nn.Module, g: dict[str, torch.Tensor],
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """The actor's logits of states `g`, masked actions at -1e9."""
+    logits: torch.Tensor = actor(encoder(g))
+    return logits if mask is None else logits.masked_fill(~mask, -1e9)
+
+
 class ActingCopy:
     """An agent's acting half (encoder + actor), copied: what an online learner hands to
     decisions while it goes on training the agent itself in another thread."""
@@ -163,10 +169,7 @@ class ActingCopy:
     def act(self, g: dict[str, torch.Tensor], greedy: bool, mask: torch.Tensor | None = None
             ) -> list[int]:
         assert greedy, "decisions are greedy"
-        logits: torch.Tensor = self.actor(self.encoder(g))
-        if mask is not None:
-            logits = logits.masked_fill(~mask, -1e9)
-        return [int(a) for a in logits.argmax(-1)]
+        return [int(a) for a in masked_logits(self.encoder, self.actor, g, mask).argmax(-1)]
 
 
 class _MaskedLogits(nn.Module):

@@ -3,7 +3,6 @@ the proxy: 503 request_dropped, the backend never contacted)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -319,10 +318,7 @@ def test_online_updates_run_beside_the_decisions_which_act_on_a_fresh_copy(
     first = policy.learner.acting
     for i in range(6):  # 5 transitions: 4 updates owed
         policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION, view(backends, stats=stats))
-    deadline = time.monotonic() + 30
-    while not (policy.learner.idle() and policy.learner.updates == 4):
-        assert time.monotonic() < deadline, policy.learner.updates
-        time.sleep(0.01)
+    assert policy.learner.wait_idle(30) and policy.learner.updates == 4
     assert policy.learner.acting is not first and policy.learner.skipped == 0
     # the critics' loss trains the shared encoder (this actor is saturated on one action)
     assert any(not torch.equal(a, b) for a, b in zip(
