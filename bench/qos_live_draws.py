@@ -6,9 +6,10 @@ seed 7); one draw of 600 arrivals moves the two agents' QoS ratio by several per
 This runs the two agents live (`bench.qos_live --policies qos_drl,baseline_rl --seed s`,
 an emulated fleet per run, ~5 min a seed) and in the simulator on the same arrivals
 (`bench.qos_headroom --only qos_drl baseline_rl --seed s`, seconds), for each seed, and
-reports the gain per draw and the mean. A seed whose live result is already in `--dir`
-(or, for the seed of `--full-run`, in that run's JSON) is not run again. Writes
-`--dir`/draws.{json,md} and merges `live_draws` (and
+reports the gain per draw and the mean (both with the default checkpoints of
+`laneway train qos-drl` and the distilled bucket predictor). A draw whose live result is
+already in `--dir` (or, for the draw of `--full-run`, in that run's JSON) is not run
+live again. Writes `--dir`/draws.{json,md} and merges `live_draws` (and
 `qos_gain_vs_baseline_rl_live_draws_mean`) into docs/results/qos_drl.json; the issue's
 `qos_gain_vs_baseline_rl` stays the full run's (`bench.qos_live`).
 """
@@ -30,14 +31,16 @@ RESULTS = REPO / "docs" / "results"
 AGENTS = ("qos_drl", "baseline_rl")
 
 
-def live_qos(path: Path, seed: int, rate: str) -> dict[str, float] | None:
+def live_qos(path: Path, seed: int, rate: str, arrivals: int) -> dict[str, float] | None:
     """The two agents' live average QoS at λ `rate` from a `bench.qos_live` JSON of
-    this seed, or None when the file is missing or is of another draw."""
+    this draw (seed and number of arrivals), or None when the file is missing or is of
+    another draw."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
     row = data.get("table", {}).get(rate, {})
-    if data.get("seed") != seed or any(agent not in row for agent in AGENTS):
+    if ((data.get("seed"), data.get("arrivals_per_run")) != (seed, arrivals)
+            or any(agent not in row for agent in AGENTS)):
         return None
     return {agent: row[agent]["avg_qos"] for agent in AGENTS}
 
@@ -57,12 +60,13 @@ def gain(qos: dict[str, float]) -> float:
 def draw(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rate = f"{args.rate:g}"
     here = args.dir / f"seed{seed}"
-    live = live_qos(args.full_run, seed, rate) or live_qos(here / "qos_live.json", seed, rate)
+    live = (live_qos(args.full_run, seed, rate, args.arrivals)
+            or live_qos(here / "qos_live.json", seed, rate, args.arrivals))
     if live is None:
         qos_live.main(["--data", str(args.data), "--rates", rate, "--arrivals",
                        str(args.arrivals), "--policies", ",".join(AGENTS), "--seed",
                        str(seed), "--no-merge", "--out", str(here / "qos_live.json")])
-        live = live_qos(here / "qos_live.json", seed, rate)
+        live = live_qos(here / "qos_live.json", seed, rate, args.arrivals)
         assert live is not None, f"bench.qos_live wrote no λ={rate} result for seed {seed}"
     simulated = simulated_qos(args, seed, here / "simulated.json")
     return {"seed": seed, "live": live, "simulated": simulated,

@@ -15,7 +15,7 @@ from bench.qos_live_draws import live_qos, markdown, merge, summarize
 
 def live_json(path: Path, seed: int, table: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"seed": seed, "table": table}))
+    path.write_text(json.dumps({"seed": seed, "arrivals_per_run": 600, "table": table}))
     return path
 
 
@@ -24,11 +24,12 @@ ROW = {"qos_drl": {"avg_qos": 0.36}, "baseline_rl": {"avg_qos": 0.30}}
 
 def test_live_qos_reads_only_its_own_draw_and_rate_with_both_agents(tmp_path: Path) -> None:
     path = live_json(tmp_path / "a.json", 8, {"5": ROW, "8": {"qos_drl": {"avg_qos": 0.2}}})
-    assert live_qos(path, 8, "5") == {"qos_drl": 0.36, "baseline_rl": 0.30}
-    assert live_qos(path, 7, "5") is None  # another draw
-    assert live_qos(path, 8, "8") is None  # Baseline RL not run at λ 8
-    assert live_qos(path, 8, "2") is None
-    assert live_qos(tmp_path / "missing.json", 8, "5") is None
+    assert live_qos(path, 8, "5", 600) == {"qos_drl": 0.36, "baseline_rl": 0.30}
+    assert live_qos(path, 7, "5", 600) is None  # another seed
+    assert live_qos(path, 8, "5", 300) is None  # another number of arrivals
+    assert live_qos(path, 8, "8", 600) is None  # Baseline RL not run at λ 8
+    assert live_qos(path, 8, "2", 600) is None
+    assert live_qos(tmp_path / "missing.json", 8, "5", 600) is None
 
 
 def draws() -> list[dict[str, Any]]:
@@ -75,7 +76,7 @@ def test_a_draw_reuses_the_full_run_or_an_earlier_result_and_runs_nothing_live(
     monkeypatch.setattr(qos_live_draws.qos_live, "main", no_live_run)
     monkeypatch.setattr(qos_live_draws, "simulated_qos",
                         lambda args, seed, out: {"qos_drl": 0.4, "baseline_rl": 0.32})
-    args = argparse.Namespace(rate=5.0, dir=tmp_path / "draws", full_run=full)
+    args = argparse.Namespace(rate=5.0, arrivals=600, dir=tmp_path / "draws", full_run=full)
     seven, eight = qos_live_draws.draw(args, 7), qos_live_draws.draw(args, 8)
     assert (seven["gain_live"], seven["gain_simulated"]) == (0.2, 0.25)
     assert eight["live"] == {"qos_drl": 0.25, "baseline_rl": 0.25}
