@@ -187,7 +187,7 @@ class QosDrl:
             assert self.greedy is not None
             action = self.greedy(g, mask)
         else:
-            action = self.learner.acting.act(g, greedy=True, mask=mask)[0]
+            action = self.learner.acting(g, mask)
             chosen = backends[action - 1] if action else None
             self.learner.decided(graph, action, self.book.impact(
                 chosen, prompt_tokens, lengths[action - 1] if action else 0,

@@ -159,17 +159,16 @@ def masked_logits(encoder: nn.Module, actor: nn.Module, g: dict[str, torch.Tenso
 
 class ActingCopy:
     """An agent's acting half (encoder + actor), copied: what an online learner hands to
-    decisions while it goes on training the agent itself in another thread."""
+    decisions while it goes on training the agent itself in another thread. Called as
+    `GreedyActor` is: the greedy action of one state."""
 
     def __init__(self, agent: SacAgent) -> None:
         self.encoder = copy.deepcopy(agent.encoder).eval()
         self.actor = copy.deepcopy(agent.actor).eval()
 
     @torch.no_grad()
-    def act(self, g: dict[str, torch.Tensor], greedy: bool, mask: torch.Tensor | None = None
-            ) -> list[int]:
-        assert greedy, "decisions are greedy"
-        return [int(a) for a in masked_logits(self.encoder, self.actor, g, mask).argmax(-1)]
+    def __call__(self, g: dict[str, torch.Tensor], mask: torch.Tensor) -> int:
+        return int(masked_logits(self.encoder, self.actor, g, mask).argmax(-1)[0])
 
 
 class _MaskedLogits(nn.Module):
