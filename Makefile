@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -171,6 +171,24 @@ train-qos-drl: install
 	$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--steps 400000 --minutes 240; \
 	status=$$?; wait $$! && exit $$status
+
+# The same comparison on the paper's edge (`--fleet paper`: every expert's own model on
+# an RTX 4090 of its own, bench.qos_setup.PAPER_FLEET): both agents trained 400 k
+# decisions side by side (~45 min), then the simulator table and the headroom routers
+# → docs/results/qos_drl_paper/ (~25 min more; docs/qos_drl.md, "The paper's edge")
+QOS_PAPER := $${LANEWAY_HOME:-.laneway}/policies
+QOS_PAPER_AGENTS := --checkpoint $(QOS_PAPER)/qos-drl-paper/best.pt \
+	--baseline-checkpoint $(QOS_PAPER)/qos-baseline-rl-paper/best.pt
+bench-qos-paper: install
+	$(VENV)/bin/laneway train qos-drl --fleet paper --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--steps 400000 --minutes 240 --out $(QOS_PAPER)/qos-drl-paper & \
+	$(VENV)/bin/laneway train qos-drl --baseline --fleet paper \
+		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--steps 400000 --minutes 240 --out $(QOS_PAPER)/qos-baseline-rl-paper; \
+	status=$$?; wait $$! && test $$status = 0
+	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
+		--out docs/results/qos_drl_paper/400k.json
+	$(QOS_HEADROOM) $(QOS_PAPER_AGENTS) --out docs/results/qos_drl_paper/headroom_400k.json
 
 # qos_drl vs Baseline RL, BERT router, round robin, shortest queue at λ = 2/5/8 on the
 # simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png

@@ -25,10 +25,12 @@ def add_train(train_parsers: Any) -> None:
     p.add_argument("--baseline", action="store_true", help="train Baseline RL instead")
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget")
-    p.add_argument("--fleet", choices=("gpu", "tiny"), default="gpu",
-                   help="the simulated experts' hardware: gpu (bench.qos_setup.DEFAULT_FLEET) "
-                   "or tiny (the vLLM-CPU tiny models of `bench.qos_live --fleet real`, "
-                   "sharing this machine's cores; use with a smaller --rate and --limit-ms)")
+    p.add_argument("--fleet", choices=("gpu", "paper", "tiny"), default="gpu",
+                   help="the simulated experts' hardware: gpu (bench.qos_setup.DEFAULT_FLEET: "
+                   "mixed GPUs, every expert as Llama-3.1-8B), paper (PAPER_FLEET: every "
+                   "expert's own model on an RTX 4090 of its own, the paper's edge) or tiny "
+                   "(the vLLM-CPU tiny models of `bench.qos_live --fleet real`, sharing this "
+                   "machine's cores; use with a smaller --rate and --limit-ms)")
     p.add_argument("--rate", type=float, default=5.0, help="λ, arrivals per second")
     p.add_argument("--limit-ms", type=float, default=30.0, help="L, latency per token")
     p.add_argument("--speed", type=float, default=1.0, metavar="S",

@@ -62,7 +62,20 @@ TINY_CORES = 1.35
 # it). Near saturation latency grows faster than the step time, so 1.09, not 1.13.
 # Checkpoints trained before it record none (1).
 TINY_SOLO_SLOWDOWN = 1.09
-FLEETS = {"gpu": DEFAULT_FLEET, "tiny": TINY_FLEET}
+# The paper's edge (Sec. VI-A: "each edge expert is equipped with an NVIDIA RTX 4090
+# GPU"): every expert on a 4090 of its own, running its own model's shapes, so the experts'
+# speeds differ by model size (1B: 3.4 ms per token alone, the 7-8B ones 20-23 ms, close
+# to L = 30 ms) instead of by GPU. gpt-3.5-turbo's size is not published; it runs as
+# Llama-3.1-8B (bench/emulator/gpu.py, EXPERT_MODELS).
+PAPER_FLEET = {
+    "FuseChat-Llama-3.2-1B-Instruct": "rtx4090-llama-3.2-1b",
+    "FuseChat-Llama-3.2-3B-Instruct": "rtx4090-llama-3.2-3b",
+    "FuseChat-Qwen-2.5-7B-Instruct": "rtx4090-qwen-2.5-7b",
+    "gemma-2b-it": "rtx4090-gemma-2b",
+    "gemma-7b-it": "rtx4090-gemma-7b",
+    "gpt-3.5-turbo-1106": "rtx4090",
+}
+FLEETS = {"gpu": DEFAULT_FLEET, "tiny": TINY_FLEET, "paper": PAPER_FLEET}
 
 
 def fit_coefficients(profile: Profile) -> Coefficients:

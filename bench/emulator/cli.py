@@ -47,15 +47,14 @@ def _profiles(args: argparse.Namespace) -> int:
 
 
 def _gpu_profiles(args: argparse.Namespace) -> int:
-    from bench.emulator.gpu import GPUS, derive
+    from bench.emulator.gpu import GPUS, derive, expert_profiles
     from bench.emulator.profile import dump_profile, profile_path
 
-    for gpu in GPUS:
-        profile = derive(gpu)
-        dump_profile(profile, profile_path(gpu.name))
+    for profile in [derive(gpu) for gpu in GPUS] + expert_profiles():
+        dump_profile(profile, profile_path(profile.name))
         step = profile.step
         context = step.read_context(1024)
-        print(f"{gpu.name:10} decode 1 seq {step.seconds(1, 1, context, 1024) * 1e3:6.2f} ms, "
+        print(f"{profile.name:22} decode 1 seq {step.seconds(1, 1, context, 1024) * 1e3:6.2f} ms, "
               f"prefill 1024 {step.seconds(1024, 1, context, 1024 * 1025 // 2) * 1e3:6.1f} ms, "
               f"KV {profile.kv_tokens:,} tokens")
     return 0

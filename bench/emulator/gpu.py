@@ -48,8 +48,6 @@ SOURCES_COMMON = [
     "TTFT p50 14 ms at 1. https://yobitelcomm.github.io/bench/recipes/concurrency-sweep/",
     "vLLM batch defaults: vllm/engine/arg_utils.py EngineArgs.get_batch_defaults "
     "(OpenAI server: 1024 seqs / 8192 tokens on >= 70 GiB non-A100 GPUs, else 256 / 2048)",
-    "Llama-3.1-8B shapes: 8.03 B parameters, 32 layers, 8 KV heads x 128 dims "
-    "(128 KiB of BF16 KV per token); meta-llama/Llama-3.1-8B-Instruct config.json",
 ]
 
 
@@ -65,10 +63,39 @@ class Gpu:
     quantization: str = "BF16"
 
 
-PARAMS = 8.03e9
-KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
-ATTENTION_FLOP_PER_PAIR = 2 * 2 * 32 * 128 * 32  # QK and AV, 32 heads x 128, 32 layers
-BF16_WEIGHTS = 2 * PARAMS
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A served model's shapes: all the step model needs of it."""
+
+    slug: str
+    hf_id: str
+    params: float
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    source: str
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # K and V, BF16
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    @property
+    def attention_flop_per_pair(self) -> int:  # QK and AV over every head and layer
+        return 2 * 2 * self.heads * self.head_dim * self.layers
+
+    @property
+    def bf16_weights(self) -> float:
+        return 2 * self.params
+
+
+LLAMA_8B = Model("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", 8.03e9, 32, 32, 8, 128,
+                 "Llama-3.1-8B shapes: 8.03 B parameters, 32 layers, 8 KV heads x 128 dims "
+                 "(128 KiB of BF16 KV per token); meta-llama/Llama-3.1-8B-Instruct config.json")
+PARAMS = LLAMA_8B.params
+KV_BYTES_PER_TOKEN = LLAMA_8B.kv_bytes_per_token
+ATTENTION_FLOP_PER_PAIR = LLAMA_8B.attention_flop_per_pair
+BF16_WEIGHTS = LLAMA_8B.bf16_weights
 # AWQ INT4: 4-bit linear layers (6.98 B params) + FP16 embeddings and head (2 x 0.53 B)
 AWQ_WEIGHTS = 0.5 * 6.98e9 + 2 * 2 * 0.525e9 + 0.2e9  # + group scales/zeros
 
@@ -85,37 +112,81 @@ GPUS = (
 )
 
 
+# The qos_drl paper's edge: every expert on its own RTX 4090 (profiles written with the
+# others; `bench.qos_setup.PAPER_FLEET`).
+RTX_4090 = Gpu("rtx4090", "NVIDIA GeForce RTX 4090 (24 GB)", 24 * GIB, 1.008e12, 165.2e12,
+               BF16_WEIGHTS, "NVIDIA Ada (AD102) whitepaper, GeForce RTX 4090: 1,008 GB/s "
+               "GDDR6X, 165.2 TFLOPS BF16 dense with FP32 accumulate, 24 GB")
+
+# The alpaca_eval experts' own shapes (config.json of each); gpt-3.5-turbo's are not
+# published, and Llama-3.1-8B stands in for it.
+EXPERT_MODELS = (
+    Model("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", 1.24e9, 16, 32, 8, 64,
+          "Llama-3.2-1B shapes: 1.24 B parameters (tied embeddings), 16 layers, 32 heads, "
+          "8 KV heads x 64 dims; meta-llama/Llama-3.2-1B-Instruct config.json"),
+    Model("llama-3.2-3b", "meta-llama/Llama-3.2-3B-Instruct", 3.21e9, 28, 24, 8, 128,
+          "Llama-3.2-3B shapes: 3.21 B parameters, 28 layers, 24 heads, 8 KV heads x 128 "
+          "dims; meta-llama/Llama-3.2-3B-Instruct config.json"),
+    Model("qwen-2.5-7b", "Qwen/Qwen2.5-7B-Instruct", 7.62e9, 28, 28, 4, 128,
+          "Qwen2.5-7B shapes: 7.62 B parameters, 28 layers, 28 heads, 4 KV heads x 128 dims; "
+          "Qwen/Qwen2.5-7B-Instruct config.json"),
+    Model("gemma-2b", "google/gemma-2b-it", 2.51e9, 18, 8, 1, 256,
+          "gemma-2b shapes: 2.51 B parameters, 18 layers, 8 heads, 1 KV head x 256 dims "
+          "(multi-query); google/gemma-2b-it config.json"),
+    Model("gemma-7b", "google/gemma-7b-it", 8.54e9, 28, 16, 16, 256,
+          "gemma-7b shapes: 8.54 B parameters, 28 layers, 16 heads, 16 KV heads x 256 dims "
+          "(448 KiB of BF16 KV per token); google/gemma-7b-it config.json"),
+    LLAMA_8B,
+)
+
+
+def expert_profiles() -> list[Profile]:
+    """Every expert model on its own RTX 4090 (Llama-3.1-8B there is `rtx4090`)."""
+    return [derive(RTX_4090, None if m is LLAMA_8B else m) for m in EXPERT_MODELS]
+
+
 def batch_defaults(gpu: Gpu) -> tuple[int, int]:
     large = gpu.memory_bytes >= 70 * GIB and "a100" not in gpu.name
     return (1024, 8192) if large else (256, 2048)
 
 
-def derive(gpu: Gpu) -> Profile:
+def derive(gpu: Gpu, model: Model | None = None) -> Profile:
+    """The profile of `model` (default Llama-3.1-8B, in the GPU's own weight format) on
+    `gpu`; another model runs in BF16 and is named `<gpu>-<model slug>`."""
+    if model is not None and gpu.quantization != "BF16":
+        raise ValueError(f"{gpu.name}: only Llama-3.1-8B has a {gpu.quantization} build here")
+    served = model or LLAMA_8B
+    weights = gpu.weights_bytes if model is None else served.bf16_weights
     bandwidth = gpu.bandwidth * BW_EFFICIENCY
     step = StepModel(
-        base_s=gpu.weights_bytes / bandwidth,
-        per_token_s=2 * PARAMS / (gpu.tensor_flops * MATMUL_EFFICIENCY),
+        base_s=weights / bandwidth,
+        per_token_s=2 * served.params / (gpu.tensor_flops * MATMUL_EFFICIENCY),
         per_seq_s=PER_SEQ_S,
-        per_context_s=KV_BYTES_PER_TOKEN / bandwidth,
-        per_pair_s=ATTENTION_FLOP_PER_PAIR / (gpu.tensor_flops * ATTENTION_EFFICIENCY))
-    kv_bytes = gpu.memory_bytes * GPU_MEMORY_UTILIZATION - gpu.weights_bytes \
-        - ACTIVATION_RESERVE_BYTES
+        per_context_s=served.kv_bytes_per_token / bandwidth,
+        per_pair_s=served.attention_flop_per_pair / (gpu.tensor_flops * ATTENTION_EFFICIENCY))
+    kv_bytes = gpu.memory_bytes * GPU_MEMORY_UTILIZATION - weights - ACTIVATION_RESERVE_BYTES
+    kv_blocks = int(kv_bytes / served.kv_bytes_per_token) // 16
+    if kv_blocks * 16 < 1024:
+        raise ValueError(f"{served.slug} leaves no room for a KV cache on {gpu.name}")
+    # vLLM refuses a max_model_len its KV cache cannot hold: shorten it as a deployment would
+    max_model_len = min(MAX_MODEL_LEN, kv_blocks * 16 // 1024 * 1024)
     max_num_seqs, max_num_batched_tokens = batch_defaults(gpu)
+    title = served.hf_id.split("/")[-1]
     return Profile(
-        name=gpu.name, model="meta-llama/Llama-3.1-8B-Instruct",
-        description=f"{gpu.title}, Llama-3.1-8B-Instruct ({gpu.quantization}), vLLM defaults",
+        name=gpu.name if model is None else f"{gpu.name}-{served.slug}", model=served.hf_id,
+        description=f"{gpu.title}, {title} ({gpu.quantization}), vLLM defaults"
+        + ("" if max_model_len == MAX_MODEL_LEN else f", max_model_len {max_model_len}"),
         step=step, request_overhead_s=REQUEST_OVERHEAD_S,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        kv_blocks=int(kv_bytes / KV_BYTES_PER_TOKEN) // 16, block_size=16,
-        max_model_len=MAX_MODEL_LEN,
-        sources=[gpu.spec_source, *SOURCES_COMMON],
+        kv_blocks=kv_blocks, block_size=16, max_model_len=max_model_len,
+        sources=[gpu.spec_source, *SOURCES_COMMON, served.source],
         derivation=(
             "Derived, not measured on this GPU. "
-            f"a = weights {gpu.weights_bytes / 1e9:.2f} GB / (bandwidth x {BW_EFFICIENCY}); "
-            f"b = 2 x {PARAMS / 1e9:.2f} GFLOP / (tensor peak x {MATMUL_EFFICIENCY}); "
+            f"a = weights {weights / 1e9:.2f} GB / (bandwidth x {BW_EFFICIENCY}); "
+            f"b = 2 x {served.params / 1e9:.2f} GFLOP / (tensor peak x {MATMUL_EFFICIENCY}); "
             f"c = {PER_SEQ_S * 1e3:.1f} ms per request (assumed); "
-            f"d = {KV_BYTES_PER_TOKEN} B KV per token / (bandwidth x {BW_EFFICIENCY}); "
-            f"e = {ATTENTION_FLOP_PER_PAIR} FLOP per attention pair / (tensor peak x "
+            f"d = {served.kv_bytes_per_token} B KV per token / (bandwidth x {BW_EFFICIENCY}); "
+            f"e = {served.attention_flop_per_pair} FLOP per attention pair / (tensor peak x "
             f"{ATTENTION_EFFICIENCY}); request overhead {REQUEST_OVERHEAD_S * 1e3:.0f} ms "
             f"(H100 anchor). KV = memory x {GPU_MEMORY_UTILIZATION} - weights - "
             f"{ACTIVATION_RESERVE_BYTES / 1e9:.1f} GB reserve. BW_EFFICIENCY is anchored "
