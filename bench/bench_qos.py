@@ -31,7 +31,7 @@ from bench.qos_eval import (
     round_robin,
     shortest_queue,
 )
-from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS
+from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS, repo_path
 from bench.qos_setup import agents_fleet, fleet, load_pools
 from bench.qos_sim import QosSim
 from bench.qos_train import default_dir
@@ -186,12 +186,6 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
         "lambdas": args.rates, "avg_qos": qos_at, "simulator": sim,
         "command": " ".join(["python -m bench.bench_qos", *sys.argv[1:]]), "commit": git_commit(),
     }
-
-
-def repo_path(path: Path) -> str:
-    """`path` relative to the repository when it is inside it (results name no machine)."""
-    return str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) \
-        else str(path)
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -6,8 +6,9 @@ seed 7); one draw of 600 arrivals moves the two agents' QoS ratio by several per
 This runs the two agents live (`bench.qos_live --policies qos_drl,baseline_rl --seed s`,
 an emulated fleet per run, ~5 min a seed) and in the simulator on the same arrivals
 (`bench.qos_headroom --only qos_drl baseline_rl --seed s`, seconds), for each seed, and
-reports the gain per draw and the mean (both with the default checkpoints of
-`laneway train qos-drl` and the distilled bucket predictor). A draw whose live result is
+reports the gain per draw and the mean (both with `--checkpoint` and
+`--baseline-checkpoint`, default those of `laneway train qos-drl`, and the distilled
+bucket predictor). A draw whose live result is
 already in `--dir` (or, for the draw of `--full-run`, in that run's JSON) is not run
 live again. Writes `--dir`/draws.{json,md} and merges `live_draws` (and
 `qos_gain_vs_baseline_rl_live_draws_mean`) into docs/results/qos_drl.json; the issue's
@@ -25,30 +26,46 @@ from typing import Any
 
 from bench import qos_headroom, qos_live
 from bench.bench_qos import git_commit
+from bench.qos_live_report import repo_path
+from bench.qos_train import default_dir
 from predictors.cli import DEFAULT_DATA, REPO
 
 RESULTS = REPO / "docs" / "results"
 AGENTS = ("qos_drl", "baseline_rl")
 
 
-def live_qos(path: Path, seed: int, rate: str, arrivals: int) -> dict[str, float] | None:
+def default_checkpoints() -> tuple[str, str]:
+    return repo_path(default_dir(False) / "best.pt"), repo_path(default_dir(True) / "best.pt")
+
+
+def live_qos(path: Path, seed: int, rate: str, arrivals: int,
+             checkpoints: tuple[str, str] | None = None) -> dict[str, float] | None:
     """The two agents' live average QoS at λ `rate` from a `bench.qos_live` JSON of
-    this draw (seed and number of arrivals), or None when the file is missing or is of
-    another draw."""
+    this draw (seed and number of arrivals) and these agents (`checkpoints`, repository
+    paths; default `laneway train qos-drl`'s, which runs before the file recorded them
+    were made with), or None when the file is missing or is of another draw or agents."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
     row = data.get("table", {}).get(rate, {})
+    defaults = default_checkpoints()
+    recorded = (data.get("checkpoint", defaults[0]), data.get("baseline_checkpoint", defaults[1]))
     if ((data.get("seed"), data.get("arrivals_per_run")) != (seed, arrivals)
+            or recorded != (checkpoints or defaults)
             or any(agent not in row for agent in AGENTS)):
         return None
     return {agent: row[agent]["avg_qos"] for agent in AGENTS}
 
 
+def agent_arguments(args: argparse.Namespace) -> list[str]:
+    return ["--checkpoint", str(args.checkpoint),
+            "--baseline-checkpoint", str(args.baseline_checkpoint)]
+
+
 def simulated_qos(args: argparse.Namespace, seed: int, out: Path) -> dict[str, float]:
     qos_headroom.main(["--data", str(args.data), "--rates", f"{args.rate:g}",
                        "--arrivals", str(args.arrivals), "--seed", str(seed),
-                       "--only", *AGENTS, "--out", str(out)])
+                       "--only", *AGENTS, "--out", str(out), *agent_arguments(args)])
     row = json.loads(out.read_text())["table"][f"{args.rate:g}"]
     return {agent: row[agent]["avg_qos"] for agent in AGENTS}
 
@@ -60,13 +77,15 @@ def gain(qos: dict[str, float]) -> float:
 def draw(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rate = f"{args.rate:g}"
     here = args.dir / f"seed{seed}"
-    live = (live_qos(args.full_run, seed, rate, args.arrivals)
-            or live_qos(here / "qos_live.json", seed, rate, args.arrivals))
+    agents = (repo_path(args.checkpoint), repo_path(args.baseline_checkpoint))
+    live = (live_qos(args.full_run, seed, rate, args.arrivals, agents)
+            or live_qos(here / "qos_live.json", seed, rate, args.arrivals, agents))
     if live is None:
         qos_live.main(["--data", str(args.data), "--rates", rate, "--arrivals",
                        str(args.arrivals), "--policies", ",".join(AGENTS), "--seed",
-                       str(seed), "--no-merge", "--out", str(here / "qos_live.json")])
-        live = live_qos(here / "qos_live.json", seed, rate, args.arrivals)
+                       str(seed), "--no-merge", "--out", str(here / "qos_live.json"),
+                       *agent_arguments(args)])
+        live = live_qos(here / "qos_live.json", seed, rate, args.arrivals, agents)
         assert live is not None, f"bench.qos_live wrote no λ={rate} result for seed {seed}"
     simulated = simulated_qos(args, seed, here / "simulated.json")
     return {"seed": seed, "live": live, "simulated": simulated,
@@ -117,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=RESULTS / "qos_live_draws")
     parser.add_argument("--full-run", type=Path, default=RESULTS / "qos_live.json",
                         help="a full `make bench-qos-live` result whose draw is reused")
+    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
+    parser.add_argument("--baseline-checkpoint", type=Path,
+                        default=default_dir(True) / "best.pt")
     parser.add_argument("--merge-into", type=Path, default=RESULTS / "qos_drl.json")
     parser.add_argument("--no-merge", action="store_true")
     args = parser.parse_args(argv)

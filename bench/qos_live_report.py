@@ -24,6 +24,12 @@ from predictors.cli import REPO
 POLICIES = ("qos_drl", "baseline_rl", "bert_router", "round_robin", "shortest_queue")
 
 
+def repo_path(path: Path) -> str:
+    """`path` relative to the repository when it is inside it (results name no machine)."""
+    return str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) \
+        else str(path)
+
+
 def live_keys(name: str) -> tuple[str, str, str]:
     """(gain vs Baseline RL, beats every baseline, the run) keys of live run `name`."""
     return (f"qos_gain_vs_baseline_rl_{name}", f"beats_all_baselines_every_lambda_{name}",
@@ -69,6 +75,8 @@ def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, An
             "experts": list(experts), "fleet": fleet, "limit_ms": args.limit_ms,
             "arrivals_per_run": args.arrivals, "lambdas": [float(r) for r in rates],
             "seed": args.seed, "answer_cap_tokens": cap, "policies": list(table[rates[0]]),
+            "checkpoint": repo_path(args.checkpoint),
+            "baseline_checkpoint": repo_path(args.baseline_checkpoint),
             "avg_qos": {r: {p: v["avg_qos"] for p, v in table[r].items()} for r in rates},
             "table": table,
             "command": " ".join(["python -m bench.qos_live", *sys.argv[1:]]),

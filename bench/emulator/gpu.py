@@ -154,7 +154,8 @@ def derive(gpu: Gpu, model: Model | None = None) -> Profile:
     """The profile of `model` (default Llama-3.1-8B, in the GPU's own weight format) on
     `gpu`; another model runs in BF16 and is named `<gpu>-<model slug>`."""
     if model is not None and gpu.quantization != "BF16":
-        raise ValueError(f"{gpu.name}: only Llama-3.1-8B has a {gpu.quantization} build here")
+        raise ValueError(f"{gpu.name} serves only its own Llama-3.1-8B build "
+                         f"({gpu.quantization}): derive it without a model")
     served = model or LLAMA_8B
     weights = gpu.weights_bytes if model is None else served.bf16_weights
     bandwidth = gpu.bandwidth * BW_EFFICIENCY

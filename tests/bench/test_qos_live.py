@@ -33,6 +33,7 @@ from bench.qos_live_client import (
 from bench.qos_live_report import GAIN_NOTE, beats_all, markdown, merge, report, summarize
 from bench.qos_setup import fit_coefficients
 from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim
+from predictors.cli import REPO
 
 EXPERTS = ["fast", "slow"]
 
@@ -131,13 +132,18 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
                 "baseline_rl": {**base, "avg_qos": baseline}}
 
     args = argparse.Namespace(reference_rate=None, fleet="emulated", variants="small",
-                              limit_ms=30.0, arrivals=4, seed=7)
+                              limit_ms=30.0, arrivals=4, seed=7,
+                              checkpoint=REPO / ".laneway/policies/a/best.pt",
+                              baseline_checkpoint=Path("/elsewhere/b/best.pt"))
     table = {"2": row(0.3, 0.2), "5": row(0.3, 0.4), "8": row(0.1, 0.1)}
     result = report(args, EXPERTS, table, None, {e: "t4" for e in EXPERTS})
     assert result["reference_lambda"] == 5.0
     assert result["fleet"] == {"kind": "emulated", "backends": {e: "t4" for e in EXPERTS}}
     assert result["qos_gain_vs_baseline_rl_live"] == pytest.approx(-0.25)
     assert result["avg_qos"]["2"] == {"qos_drl": 0.3, "baseline_rl": 0.2}
+    # the agents, by repository path when inside it (draws are matched on them)
+    assert result["checkpoint"] == ".laneway/policies/a/best.pt"
+    assert result["baseline_checkpoint"] == "/elsewhere/b/best.pt"
     simulated = tmp_path / "qos_drl.json"
     simulated.write_text(json.dumps({"qos_gain_vs_baseline_rl_sim": -0.33, "commit": "abc",
                                      "qos_gain_vs_baseline_rl_note": "live not done"}))

@@ -11,6 +11,8 @@ import pytest
 
 from bench import qos_live_draws
 from bench.qos_live_draws import live_qos, markdown, merge, summarize
+from bench.qos_live_report import repo_path
+from bench.qos_train import default_dir
 
 
 def live_json(path: Path, seed: int, table: dict[str, Any]) -> Path:
@@ -30,6 +32,20 @@ def test_live_qos_reads_only_its_own_draw_and_rate_with_both_agents(tmp_path: Pa
     assert live_qos(path, 8, "8", 600) is None  # Baseline RL not run at λ 8
     assert live_qos(path, 8, "2", 600) is None
     assert live_qos(tmp_path / "missing.json", 8, "5", 600) is None
+
+
+def test_live_qos_reads_only_the_agents_it_was_asked_for(tmp_path: Path) -> None:
+    old = live_json(tmp_path / "old.json", 7, {"5": ROW})  # recorded no checkpoints
+    assert live_qos(old, 7, "5", 600) == {"qos_drl": 0.36, "baseline_rl": 0.30}
+    paper = (".laneway/policies/qos-drl-paper/best.pt",
+             ".laneway/policies/qos-baseline-rl-paper/best.pt")
+    assert live_qos(old, 7, "5", 600, paper) is None  # made with the default agents
+    data = json.loads(old.read_text()) | {"checkpoint": paper[0],
+                                          "baseline_checkpoint": paper[1]}
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps(data))
+    assert live_qos(new, 7, "5", 600, paper) == {"qos_drl": 0.36, "baseline_rl": 0.30}
+    assert live_qos(new, 7, "5", 600) is None
 
 
 def draws() -> list[dict[str, Any]]:
@@ -76,8 +92,38 @@ def test_a_draw_reuses_the_full_run_or_an_earlier_result_and_runs_nothing_live(
     monkeypatch.setattr(qos_live_draws.qos_live, "main", no_live_run)
     monkeypatch.setattr(qos_live_draws, "simulated_qos",
                         lambda args, seed, out: {"qos_drl": 0.4, "baseline_rl": 0.32})
-    args = argparse.Namespace(rate=5.0, arrivals=600, dir=tmp_path / "draws", full_run=full)
+    args = argparse.Namespace(rate=5.0, arrivals=600, dir=tmp_path / "draws", full_run=full,
+                              checkpoint=default_dir(False) / "best.pt",
+                              baseline_checkpoint=default_dir(True) / "best.pt")
     seven, eight = qos_live_draws.draw(args, 7), qos_live_draws.draw(args, 8)
     assert (seven["gain_live"], seven["gain_simulated"]) == (0.2, 0.25)
     assert eight["live"] == {"qos_drl": 0.25, "baseline_rl": 0.25}
     assert eight["gain_live"] == 0.0
+
+
+def test_a_missing_draw_runs_live_with_the_agents_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the default agents' draw is there, but these are other agents: it is run again
+    full = live_json(tmp_path / "qos_live.json", 7, {"5": ROW})
+    calls: list[list[str]] = []
+
+    def live_run(argv: list[str]) -> int:
+        calls.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        live_json(out, 7, {"5": {"qos_drl": {"avg_qos": 0.5}, "baseline_rl": {"avg_qos": 0.4}}})
+        data = json.loads(out.read_text())
+        data["checkpoint"] = repo_path(Path(argv[argv.index("--checkpoint") + 1]))
+        data["baseline_checkpoint"] = repo_path(
+            Path(argv[argv.index("--baseline-checkpoint") + 1]))
+        out.write_text(json.dumps(data))
+        return 0
+
+    monkeypatch.setattr(qos_live_draws.qos_live, "main", live_run)
+    monkeypatch.setattr(qos_live_draws, "simulated_qos",
+                        lambda args, seed, out: {"qos_drl": 0.4, "baseline_rl": 0.4})
+    args = argparse.Namespace(rate=5.0, arrivals=600, dir=tmp_path / "draws", full_run=full,
+                              data=tmp_path / "data.jsonl", checkpoint=Path("paper/best.pt"),
+                              baseline_checkpoint=Path("paper-baseline/best.pt"))
+    row = qos_live_draws.draw(args, 7)
+    assert len(calls) == 1 and "paper/best.pt" in calls[0]
+    assert row["live"] == {"qos_drl": 0.5, "baseline_rl": 0.4}
