@@ -175,7 +175,8 @@ train-qos-drl: install
 # The same comparison on the paper's edge (`--fleet paper`: every expert's own model on
 # an RTX 4090 of its own, bench.qos_setup.PAPER_FLEET): both agents trained 400 k
 # decisions side by side (~45 min), then the simulator table and the headroom routers
-# → docs/results/qos_drl_paper/ (~25 min more; docs/qos_drl.md, "The paper's edge")
+# (~25 min) and the two agents live over five draws of the arrivals (~30 min, a quiet
+# machine) → docs/results/qos_drl_paper/ (docs/qos_drl.md, "The paper's edge")
 QOS_PAPER := $${LANEWAY_HOME:-.laneway}/policies
 QOS_PAPER_AGENTS := --checkpoint $(QOS_PAPER)/qos-drl-paper/best.pt \
 	--baseline-checkpoint $(QOS_PAPER)/qos-baseline-rl-paper/best.pt
@@ -189,6 +190,11 @@ bench-qos-paper: install
 	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
 		--out docs/results/qos_drl_paper/400k.json
 	$(QOS_HEADROOM) $(QOS_PAPER_AGENTS) --out docs/results/qos_drl_paper/headroom_400k.json
+	$(QOS_HEADROOM) $(QOS_PAPER_AGENTS) --oracle-buckets --only baseline_rl qos_drl \
+		--out docs/results/qos_drl_paper/headroom_oracle_buckets_400k.json
+	$(PY) -m bench.qos_live_draws --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
+		--seeds 7 8 9 10 11 --dir docs/results/qos_drl_paper/draws \
+		--full-run docs/results/qos_drl_paper/live.json --no-merge
 
 # qos_drl vs Baseline RL, BERT router, round robin, shortest queue at λ = 2/5/8 on the
 # simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png

@@ -42,8 +42,9 @@ def live_qos(path: Path, seed: int, rate: str, arrivals: int,
              checkpoints: tuple[str, str] | None = None) -> dict[str, float] | None:
     """The two agents' live average QoS at λ `rate` from a `bench.qos_live` JSON of
     this draw (seed and number of arrivals) and these agents (`checkpoints`, repository
-    paths; default `laneway train qos-drl`'s, which runs before the file recorded them
-    were made with), or None when the file is missing or is of another draw or agents."""
+    paths, default `laneway train qos-drl`'s), or None when the file is missing or is of
+    another draw or other agents. A file that names no agents predates the field and was
+    made with the default ones."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
