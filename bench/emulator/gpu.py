@@ -92,9 +92,6 @@ class Model:
 LLAMA_8B = Model("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", 8.03e9, 32, 32, 8, 128,
                  "Llama-3.1-8B shapes: 8.03 B parameters, 32 layers, 8 KV heads x 128 dims "
                  "(128 KiB of BF16 KV per token); meta-llama/Llama-3.1-8B-Instruct config.json")
-PARAMS = LLAMA_8B.params
-KV_BYTES_PER_TOKEN = LLAMA_8B.kv_bytes_per_token
-ATTENTION_FLOP_PER_PAIR = LLAMA_8B.attention_flop_per_pair
 BF16_WEIGHTS = LLAMA_8B.bf16_weights
 # AWQ INT4: 4-bit linear layers (6.98 B params) + FP16 embeddings and head (2 x 0.53 B)
 AWQ_WEIGHTS = 0.5 * 6.98e9 + 2 * 2 * 0.525e9 + 0.2e9  # + group scales/zeros
@@ -118,8 +115,9 @@ RTX_4090 = Gpu("rtx4090", "NVIDIA GeForce RTX 4090 (24 GB)", 24 * GIB, 1.008e12,
                BF16_WEIGHTS, "NVIDIA Ada (AD102) whitepaper, GeForce RTX 4090: 1,008 GB/s "
                "GDDR6X, 165.2 TFLOPS BF16 dense with FP32 accumulate, 24 GB")
 
-# The alpaca_eval experts' own shapes (config.json of each); gpt-3.5-turbo's are not
-# published, and Llama-3.1-8B stands in for it.
+# The alpaca_eval experts' own shapes (config.json of each; the FuseChat models are
+# fine-tunes with their base models' shapes); gpt-3.5-turbo's are not published, and
+# Llama-3.1-8B stands in for it.
 EXPERT_MODELS = (
     Model("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", 1.24e9, 16, 32, 8, 64,
           "Llama-3.2-1B shapes: 1.24 B parameters (tied embeddings), 16 layers, 32 heads, "
