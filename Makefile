@@ -177,15 +177,16 @@ train-qos-drl: install
 # decisions side by side (~45 min), then the simulator table and the headroom routers
 # (~25 min) and the two agents live over five draws of the arrivals (~30 min, a quiet
 # machine) → docs/results/qos_drl_paper/ (docs/qos_drl.md, "The paper's edge")
-QOS_PAPER := $${LANEWAY_HOME:-.laneway}/policies
-QOS_PAPER_AGENTS := --checkpoint $(QOS_PAPER)/qos-drl-paper/best.pt \
-	--baseline-checkpoint $(QOS_PAPER)/qos-baseline-rl-paper/best.pt
+# where `laneway train qos-drl` checkpoints live
+QOS_POLICIES := $${LANEWAY_HOME:-.laneway}/policies
+QOS_PAPER_AGENTS := --checkpoint $(QOS_POLICIES)/qos-drl-paper/best.pt \
+	--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-paper/best.pt
 bench-qos-paper: install
 	$(VENV)/bin/laneway train qos-drl --fleet paper --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--steps 400000 --minutes 240 --out $(QOS_PAPER)/qos-drl-paper & \
+		--steps 400000 --minutes 240 --out $(QOS_POLICIES)/qos-drl-paper & \
 	$(VENV)/bin/laneway train qos-drl --baseline --fleet paper \
 		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--steps 400000 --minutes 240 --out $(QOS_PAPER)/qos-baseline-rl-paper; \
+		--steps 400000 --minutes 240 --out $(QOS_POLICIES)/qos-baseline-rl-paper; \
 	status=$$?; wait $$! && test $$status = 0
 	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
 		--out docs/results/qos_drl_paper/400k.json
@@ -218,14 +219,13 @@ bench-qos-draws: install
 # machine's two cores left to them (TINY_CORES), an engine busy alone 1.09 times slower
 # than its profile (TINY_SOLO_SLOWDOWN), λ = 1/s, L = 10 ms, 400 k decisions each (~75
 # and ~30 min; they run side by side, one core each)
-QOS_TINY := $${LANEWAY_HOME:-.laneway}/policies
 train-qos-drl-tiny: install
 	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
 		--minutes 240 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--out $(QOS_TINY)/qos-drl-tiny & \
+		--out $(QOS_POLICIES)/qos-drl-tiny & \
 	$(VENV)/bin/laneway train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
 		--steps 400000 --minutes 240 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--out $(QOS_TINY)/qos-baseline-rl-tiny; \
+		--out $(QOS_POLICIES)/qos-baseline-rl-tiny; \
 	status=$$?; wait $$! && exit $$status
 
 # the same pair trained with domain randomization (docs/qos_drl.md: "A machine slower
@@ -233,11 +233,11 @@ train-qos-drl-tiny: install
 train-qos-drl-tiny-jitter: install
 	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
 		--minutes 240 --speed-jitter 0.5 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--out $(QOS_TINY)/qos-drl-tiny-jitter & \
+		--out $(QOS_POLICIES)/qos-drl-tiny-jitter & \
 	$(VENV)/bin/laneway train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
 		--steps 400000 --minutes 240 --speed-jitter 0.5 \
 		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--out $(QOS_TINY)/qos-baseline-rl-tiny-jitter; \
+		--out $(QOS_POLICIES)/qos-baseline-rl-tiny-jitter; \
 	status=$$?; wait $$! && exit $$status
 
 # the tiny-fleet agents against the baselines: in the simulator at λ = 0.7/1/1.5 →
@@ -248,25 +248,25 @@ train-qos-drl-tiny-jitter: install
 QOS_RECORDS := $${LANEWAY_HOME:-.laneway}/records/qos-live-real
 bench-qos-real: install
 	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
-		--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny/best.pt \
+		--checkpoint $(QOS_POLICIES)/qos-drl-tiny/best.pt \
+		--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-tiny/best.pt \
 		--rates 0.7 1 1.5 --reference-rate 1 --out docs/results/qos_drl_tiny.json
 	$(PY) -m bench.qos_live --fleet real --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
-		--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny/best.pt \
+		--checkpoint $(QOS_POLICIES)/qos-drl-tiny/best.pt \
+		--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-tiny/best.pt \
 		--rates 0.7 1 1.5 --reference-rate 1 --arrivals 200 \
 		--out docs/results/qos_live_real.json --records $(QOS_RECORDS)
 	$(PY) -m bench.qos_replay_live --records $(QOS_RECORDS) \
 		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt --out docs/results/qos_replay_live.json
+		--checkpoint $(QOS_POLICIES)/qos-drl-tiny/best.pt --out docs/results/qos_replay_live.json
 
 # How much QoS is there to gain over Baseline RL (docs/qos_drl.md): clairvoyant lookahead
 # routers and qos_drl with oracle buckets in the simulator, GPU and tiny fleets
 # → docs/results/qos_headroom*.json (~1 h); how predictable quality is from the prompt,
 # for the judge's win rate and a BERTScore-style F1 → docs/results/qos_score_signal.json
 QOS_HEADROOM := $(PY) -m bench.qos_headroom --data $(SHARED)/data/alpaca_eval_experts.jsonl
-QOS_TINY_AGENTS := --checkpoint $(QOS_TINY)/qos-drl-tiny/best.pt \
-	--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny/best.pt --rates 0.7 1 1.5
+QOS_TINY_AGENTS := --checkpoint $(QOS_POLICIES)/qos-drl-tiny/best.pt \
+	--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-tiny/best.pt --rates 0.7 1 1.5
 bench-qos-headroom: install
 	$(QOS_HEADROOM)
 	$(QOS_HEADROOM) --oracle-buckets --only baseline_rl qos_drl \
@@ -285,10 +285,10 @@ bench-qos-headroom: install
 # checkpoints serve both)
 train-qos-drl-expected: install
 	$(VENV)/bin/laneway train qos-drl --steps 152000 --minutes 240 --bucket-estimate expected \
-		--data $(SHARED)/data/alpaca_eval_experts.jsonl --out $(QOS_TINY)/qos-drl-v1-expected & \
+		--data $(SHARED)/data/alpaca_eval_experts.jsonl --out $(QOS_POLICIES)/qos-drl-v1-expected & \
 	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
 		--minutes 240 --bucket-estimate expected --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--out $(QOS_TINY)/qos-drl-tiny-expected; \
+		--out $(QOS_POLICIES)/qos-drl-tiny-expected; \
 	status=$$?; wait $$! && exit $$status
 
 # midpoint against expected values, each agent against Baseline RL, mean over five draws
@@ -296,11 +296,11 @@ train-qos-drl-expected: install
 QOS_SEEDS := --seeds 7 8 9 10 11
 bench-qos-estimate: install
 	$(QOS_ROBUST) $(QOS_SEEDS) --out docs/results/qos_estimate/gpu_midpoint.json
-	$(QOS_ROBUST) $(QOS_SEEDS) --checkpoint $(QOS_TINY)/qos-drl-v1-expected/best.pt \
+	$(QOS_ROBUST) $(QOS_SEEDS) --checkpoint $(QOS_POLICIES)/qos-drl-v1-expected/best.pt \
 		--out docs/results/qos_estimate/gpu_expected.json
 	$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --out docs/results/qos_estimate/tiny_midpoint.json
 	$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) \
-		--checkpoint $(QOS_TINY)/qos-drl-tiny-expected/best.pt \
+		--checkpoint $(QOS_POLICIES)/qos-drl-tiny-expected/best.pt \
 		--out docs/results/qos_estimate/tiny_expected.json
 	# the tiny fleet on a machine faster than the fit (speed 0.6: the quiet machine's
 	# live QoS), both agents of each estimate
@@ -308,22 +308,22 @@ bench-qos-estimate: install
 		$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --speed $$speed \
 			--out docs/results/qos_estimate/tiny_speed$$speed.json && \
 		$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --speed $$speed \
-			--checkpoint $(QOS_TINY)/qos-drl-tiny-expected/best.pt \
+			--checkpoint $(QOS_POLICIES)/qos-drl-tiny-expected/best.pt \
 			--out docs/results/qos_estimate/tiny-expected_speed$$speed.json || exit 1; \
 	done
 	# ... and at that speed under loads scaled up with it (λ 1.2 / 1.7 / 2.5)
 	$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --speed 0.6 --rates 1.2 1.7 2.5 \
 		--out docs/results/qos_estimate/tiny_speed0.6_loaded.json
 	$(QOS_ROBUST) $(QOS_SEEDS) $(QOS_TINY_AGENTS) --speed 0.6 --rates 1.2 1.7 2.5 \
-		--checkpoint $(QOS_TINY)/qos-drl-tiny-expected/best.pt \
+		--checkpoint $(QOS_POLICIES)/qos-drl-tiny-expected/best.pt \
 		--out docs/results/qos_estimate/tiny-expected_speed0.6_loaded.json
 
 # Which half of the predictor's error costs QoS (oracle score or length buckets only),
 # and both tiny-fleet pairs (plain, jitter) on machines 1, 1.25 and 1.5x slower than the
 # fit, in the simulator → docs/results/qos_robust/*.json (~5 min)
 QOS_ROBUST := $(QOS_HEADROOM) --only baseline_rl qos_drl
-QOS_JITTER_AGENTS := --checkpoint $(QOS_TINY)/qos-drl-tiny-jitter/best.pt \
-	--baseline-checkpoint $(QOS_TINY)/qos-baseline-rl-tiny-jitter/best.pt --rates 0.7 1 1.5
+QOS_JITTER_AGENTS := --checkpoint $(QOS_POLICIES)/qos-drl-tiny-jitter/best.pt \
+	--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-tiny-jitter/best.pt --rates 0.7 1 1.5
 bench-qos-robust: install
 	for part in score length both; do \
 		$(QOS_ROBUST) --oracle-buckets $$part --out docs/results/qos_robust/gpu_oracle_$$part.json && \
