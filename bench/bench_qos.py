@@ -34,7 +34,7 @@ from bench.qos_eval import (
 from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS, repo_path
 from bench.qos_setup import agents_fleet, fleet, load_pools
 from bench.qos_sim import QosSim
-from bench.qos_train import default_dir
+from bench.qos_train import add_agent_arguments
 from policies.qos_sac import load_checkpoint
 from predictors.base import BUCKET_ESTIMATES, checkpoint_estimate
 from predictors.buckets_cli import distilled_artifact
@@ -61,9 +61,7 @@ def add_simulator_arguments(parser: argparse.ArgumentParser) -> None:
     """The prompts, predictions, agents, λs and arrivals of a simulator comparison."""
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--buckets", type=Path, default=distilled_artifact())
-    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
-    parser.add_argument("--baseline-checkpoint", type=Path,
-                        default=default_dir(True) / "best.pt")
+    add_agent_arguments(parser)
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 8.0])
     parser.add_argument("--arrivals", type=int, default=600)
     parser.add_argument("--seed", type=int, default=7)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.qos_train import default_dir
+from bench.qos_train import default_checkpoint
 from bench.report import pct
 from predictors.base import BUCKET_RUNTIMES, BucketRuntime
 from predictors.buckets_cli import distilled_artifact
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--buckets", type=Path, default=distilled_artifact())
-    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
+    parser.add_argument("--checkpoint", type=Path, default=default_checkpoint(False))
     add_runtime_argument(parser)
     parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))
     parser.add_argument("--reference-rate", type=float, default=5.0)

@@ -47,7 +47,7 @@ from bench.proxy_process import running_proxy
 from bench.qos_live_client import GROUP, LiveRecord, LiveRequest, replay, schedule
 from bench.qos_live_report import POLICIES, markdown, merge, report, summarize
 from bench.qos_setup import load_pools, trained_fleet
-from bench.qos_train import default_dir
+from bench.qos_train import add_agent_arguments
 from bench.tiny_models import DEFAULT_SHARED
 from policies.qos_sac import load_checkpoint
 from predictors.buckets_cli import distilled_artifact
@@ -278,9 +278,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--buckets", type=Path, default=distilled_artifact())
-    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
-    parser.add_argument("--baseline-checkpoint", type=Path,
-                        default=default_dir(True) / "best.pt")
+    add_agent_arguments(parser)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--agent", type=agent_option, action="append", default=[],
                         metavar="LABEL=CHECKPOINT", help="run qos_drl on this checkpoint "

@@ -27,7 +27,7 @@ from typing import Any
 from bench import qos_headroom, qos_live
 from bench.bench_qos import git_commit
 from bench.qos_live_report import repo_path
-from bench.qos_train import default_dir
+from bench.qos_train import add_agent_arguments, default_checkpoint
 from predictors.cli import DEFAULT_DATA, REPO
 
 RESULTS = REPO / "docs" / "results"
@@ -35,7 +35,7 @@ AGENTS = ("qos_drl", "baseline_rl")
 
 
 def default_checkpoints() -> tuple[str, str]:
-    return repo_path(default_dir(False) / "best.pt"), repo_path(default_dir(True) / "best.pt")
+    return repo_path(default_checkpoint(False)), repo_path(default_checkpoint(True))
 
 
 def live_qos(path: Path, seed: int, rate: str, arrivals: int,
@@ -137,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=RESULTS / "qos_live_draws")
     parser.add_argument("--full-run", type=Path, default=RESULTS / "qos_live.json",
                         help="a full `make bench-qos-live` result whose draw is reused")
-    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt")
-    parser.add_argument("--baseline-checkpoint", type=Path,
-                        default=default_dir(True) / "best.pt")
+    add_agent_arguments(parser)
     parser.add_argument("--merge-into", type=Path, default=RESULTS / "qos_drl.json")
     parser.add_argument("--no-merge", action="store_true")
     args = parser.parse_args(argv)

@@ -29,7 +29,7 @@ import numpy as np
 from bench.qos_live import REAL_ANSWER_CAP
 from bench.qos_setup import fleet, load_pools, trained_fleet
 from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim, SimRequest
-from bench.qos_train import default_dir
+from bench.qos_train import default_checkpoint
 from policies.qos_sac import load_checkpoint
 from predictors.cli import DEFAULT_DATA, REPO
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=Path, required=True,
                         help="a `bench.qos_live --records` directory")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--checkpoint", type=Path, default=default_dir(False) / "best.pt",
+    parser.add_argument("--checkpoint", type=Path, default=default_checkpoint(False),
                         help="the live run's qos_drl checkpoint: its fleet and L")
     parser.add_argument("--cores", type=float, nargs="*", default=None,
                         help="shared cores to simulate on (default: the checkpoint's)")

@@ -31,6 +31,17 @@ def default_dir(baseline: bool) -> Path:
     return laneway_home() / "policies" / ("qos-baseline-rl-v1" if baseline else "qos-drl-v1")
 
 
+def default_checkpoint(baseline: bool) -> Path:
+    """The best checkpoint `laneway train qos-drl [--baseline]` writes by default."""
+    return default_dir(baseline) / "best.pt"
+
+
+def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--checkpoint` (qos_drl) and `--baseline-checkpoint` (Baseline RL) of a comparison."""
+    parser.add_argument("--checkpoint", type=Path, default=default_checkpoint(False))
+    parser.add_argument("--baseline-checkpoint", type=Path, default=default_checkpoint(True))
+
+
 def _progress(step: int, total: int, started: float, note: str) -> None:
     done = step / total
     bar = "#" * int(30 * done)

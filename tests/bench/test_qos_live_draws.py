@@ -12,7 +12,7 @@ import pytest
 from bench import qos_live_draws
 from bench.qos_live_draws import live_qos, markdown, merge, summarize
 from bench.qos_live_report import repo_path
-from bench.qos_train import default_dir
+from bench.qos_train import default_checkpoint
 
 
 def live_json(path: Path, seed: int, table: dict[str, Any]) -> Path:
@@ -93,8 +93,8 @@ def test_a_draw_reuses_the_full_run_or_an_earlier_result_and_runs_nothing_live(
     monkeypatch.setattr(qos_live_draws, "simulated_qos",
                         lambda args, seed, out: {"qos_drl": 0.4, "baseline_rl": 0.32})
     args = argparse.Namespace(rate=5.0, arrivals=600, dir=tmp_path / "draws", full_run=full,
-                              checkpoint=default_dir(False) / "best.pt",
-                              baseline_checkpoint=default_dir(True) / "best.pt")
+                              checkpoint=default_checkpoint(False),
+                              baseline_checkpoint=default_checkpoint(True))
     seven, eight = qos_live_draws.draw(args, 7), qos_live_draws.draw(args, 8)
     assert (seven["gain_live"], seven["gain_simulated"]) == (0.2, 0.25)
     assert eight["live"] == {"qos_drl": 0.25, "baseline_rl": 0.25}
