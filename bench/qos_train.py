@@ -42,10 +42,11 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-checkpoint", type=Path, default=default_checkpoint(True))
 
 
-def _progress(step: int, total: int, started: float, note: str) -> None:
+def _progress(step: int, first: int, total: int, started: float, note: str) -> None:
+    """The bar at `step` of `total`; the rate counts this run's steps (from `first`)."""
     done = step / total
     bar = "#" * int(30 * done)
-    rate = step / max(1e-9, time.monotonic() - started)
+    rate = (step - first) / max(1e-9, time.monotonic() - started)
     sys.stderr.write(f"\r[{bar:<30}] {step}/{total} {rate:.0f} steps/s {note}")
     sys.stderr.flush()
 
@@ -125,7 +126,7 @@ def train(args: argparse.Namespace) -> int:
                 best = result.avg_qos
                 save_checkpoint(args.out / "best.pt", agent, {**meta, "eval_qos": best})
         if step % 50 == 0:
-            _progress(step, args.steps, started, f"best eval QoS {best:.3f}")
+            _progress(step, first, args.steps, started, f"best eval QoS {best:.3f}")
     meta.update(steps=step, train_s=round(time.monotonic() - started, 1), best_eval_qos=best)
     save_checkpoint(args.out / "last.pt", agent, meta)
     (args.out / "curve.json").write_text(json.dumps({**curve, "meta": meta}) + "\n")
