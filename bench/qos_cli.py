@@ -48,6 +48,9 @@ def add_train(train_parsers: Any) -> None:
     p.add_argument("--buffer", type=int, default=100_000)
     p.add_argument("--eval-every", type=int, default=2000)
     p.add_argument("--eval-arrivals", type=int, default=300)
+    p.add_argument("--keep-best", type=int, default=0, metavar="K",
+                   help="also keep the K best-evaluated checkpoints in OUT/top/ for "
+                   "python -m bench.qos_select to pick among on a larger evaluation")
     p.add_argument("--resume", action="store_true", help="continue from --out's last.pt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)

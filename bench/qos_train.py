@@ -88,6 +88,7 @@ def train(args: argparse.Namespace) -> int:
     step = resume(args, agent, curve, meta)
     if args.resume and (args.out / "best.pt").exists():
         best = float(torch.load(args.out / "best.pt", weights_only=True)["meta"]["eval_qos"])
+    top = TopCheckpoints(args.out / "top", args.keep_best, args.resume)
     first, started = step, time.monotonic()
     while step < args.steps and time.monotonic() - started < args.minutes * 60:
         step += 1
@@ -125,6 +126,7 @@ def train(args: argparse.Namespace) -> int:
             if result.avg_qos > best:
                 best = result.avg_qos
                 save_checkpoint(args.out / "best.pt", agent, {**meta, "eval_qos": best})
+            top.offer(agent, {**meta, "eval_qos": result.avg_qos})
         if step % 50 == 0:
             _progress(step, first, args.steps, started, f"best eval QoS {best:.3f}")
     meta.update(steps=step, train_s=round(time.monotonic() - started, 1), best_eval_qos=best)
@@ -134,6 +136,37 @@ def train(args: argparse.Namespace) -> int:
     print(f"\ntrained {step} steps in {meta['train_s']} s; best held-out QoS {best:.3f}; "
           f"wrote {args.out}")
     return 0
+
+
+class TopCheckpoints:
+    """With `--keep-best K`: the K checkpoints with the highest held-out evaluations so
+    far, as top/step-NNNNNNN.pt, for a larger evaluation to pick among
+    (`python -m bench.qos_select`). A resumed run goes on from what the directory holds;
+    a new one in the same place removes it (as it overwrites best.pt and last.pt)."""
+
+    def __init__(self, directory: Path, keep: int, resume: bool = False) -> None:
+        import torch
+
+        self.directory, self.keep = directory, keep
+        self.kept: dict[Path, float] = {}
+        for path in directory.glob("step-*.pt"):
+            if resume:
+                self.kept[path] = float(torch.load(path, weights_only=True)["meta"]["eval_qos"])
+            else:
+                path.unlink()
+
+    def offer(self, agent: SacAgent, meta: dict[str, Any]) -> None:
+        """`meta` has the evaluation's `eval_qos` and the `steps`."""
+        qos = float(meta["eval_qos"])
+        if self.keep <= 0 or (len(self.kept) >= self.keep and qos <= min(self.kept.values())):
+            return
+        path = self.directory / f"step-{meta['steps']:07d}.pt"
+        save_checkpoint(path, agent, meta)
+        self.kept[path] = qos
+        while len(self.kept) > self.keep:
+            evicted = min(self.kept, key=lambda p: self.kept[p])
+            del self.kept[evicted]
+            evicted.unlink()
 
 
 def resume(args: argparse.Namespace, agent: SacAgent, curve: dict[str, list[Any]],

@@ -28,7 +28,7 @@ def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool
         data=DATA, buckets=tmp_path / "none", out=tmp_path / "run", baseline=baseline,
         steps=240, minutes=5.0, fleet="tiny", rate=1.0, limit_ms=10.0, episode=100,
         warmup=100, batch=16, update_every=4, buffer=1000, eval_every=120,
-        eval_arrivals=10, resume=False, seed=0, threads=1, speed_jitter=jitter,
+        eval_arrivals=10, resume=False, seed=0, threads=1, speed_jitter=jitter, keep_best=0,
         bucket_estimate=estimate, speed=speed)
     assert train(args) == 0
     meta = load_checkpoint(tmp_path / "run" / "last.pt")[1]
@@ -85,3 +85,26 @@ def test_each_estimate_of_an_artifact_has_its_own_cache(tmp_path: Path) -> None:
     # read back from each cache as computed
     assert all(prediction_cache(tmp_path, e).exists() for e in ("midpoint", "expected"))
     assert predictions_model(tmp_path, rows, "expected") == got["expected"]
+
+
+def test_the_k_best_evaluated_checkpoints_are_kept_across_a_resume_only(tmp_path: Path) -> None:
+    import torch
+
+    from bench.qos_train import TopCheckpoints
+    from policies.qos_sac import SacAgent, SacConfig
+
+    agent = SacAgent(SacConfig(n_experts=2, graph=False))
+    top = TopCheckpoints(tmp_path / "top", 2)
+    for steps, qos in ((2, 0.3), (4, 0.5), (6, 0.1), (8, 0.4), (10, 0.4)):
+        top.offer(agent, {"steps": steps, "eval_qos": qos})
+    assert sorted(p.name for p in (tmp_path / "top").iterdir()) == [
+        "step-0000004.pt", "step-0000008.pt"]  # a tie does not displace
+    resumed = TopCheckpoints(tmp_path / "top", 2, resume=True)
+    resumed.offer(agent, {"steps": 12, "eval_qos": 0.45})
+    kept = {p.name: float(torch.load(p, weights_only=True)["meta"]["eval_qos"])
+            for p in (tmp_path / "top").iterdir()}
+    assert kept == {"step-0000004.pt": 0.5, "step-0000012.pt": 0.45}
+    TopCheckpoints(tmp_path / "top", 2)  # a new run in the same place starts empty
+    assert not list((tmp_path / "top").iterdir())
+    TopCheckpoints(tmp_path / "off", 0).offer(agent, {"steps": 14, "eval_qos": 0.9})
+    assert not (tmp_path / "off").exists()
