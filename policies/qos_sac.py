@@ -146,7 +146,7 @@ class SacAgent(nn.Module):
     def _polyak(self) -> None:
         online: list[torch.Tensor] = [*self.encoder.parameters(), *self.q1.parameters(),
                                       *self.q2.parameters()]
-        # target ← target + τ·(online − target), every tensor in one call
+        # target ← target + τ·(online - target), every tensor in one call
         torch._foreach_lerp_(list(self.target.parameters()), online, self.config.tau)
 
 
