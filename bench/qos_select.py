@@ -21,32 +21,40 @@ import shutil
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.bench_qos import git_commit
 from bench.qos_eval import agent_router, evaluate
 from bench.qos_setup import fleet, load_pools, trained_fleet
 from bench.qos_sim import QosSim
-from policies.qos_sac import load_checkpoint
+from policies.qos_sac import SacAgent, load_checkpoint
 from predictors.base import checkpoint_estimate
 from predictors.buckets_cli import default_artifact
 from predictors.cli import DEFAULT_DATA
 
 
-def candidates(run: Path) -> list[Path]:
-    """The run's kept checkpoints, one per training step (best.pt is often a top one)."""
-    by_step: dict[int, Path] = {}
+class Candidate(NamedTuple):
+    path: Path
+    agent: SacAgent
+    meta: dict[str, Any]
+
+
+def candidates(run: Path) -> list[Candidate]:
+    """The run's kept checkpoints, loaded, one per training step in step order (best.pt
+    is often a top one)."""
+    by_step: dict[int, Candidate] = {}
     for path in [*sorted((run / "top").glob("step-*.pt")), run / "best.pt", run / "last.pt"]:
         if path.exists():
-            by_step.setdefault(int(load_checkpoint(path)[1]["steps"]), path)
+            agent, meta = load_checkpoint(path)
+            by_step.setdefault(int(meta["steps"]), Candidate(path, agent, meta))
     return [by_step[step] for step in sorted(by_step)]
 
 
 def select(args: argparse.Namespace) -> dict[str, Any]:
-    paths = candidates(args.run)
-    if not paths:
+    loaded = candidates(args.run)
+    if not loaded:
         raise SystemExit(f"{args.run}: no checkpoints (best.pt, last.pt or top/*.pt)")
-    meta = load_checkpoint(paths[0])[1]
+    meta = loaded[0].meta
     experts, _, heldout, source = load_pools(args.data, args.buckets,
                                              estimate=checkpoint_estimate(meta))
     mapping, cores, solo = trained_fleet(meta)
@@ -55,8 +63,7 @@ def select(args: argparse.Namespace) -> dict[str, Any]:
                    seed=seed, cores=cores, solo=solo, speed=float(meta.get("speed", 1.0)))
             for seed in args.seeds]
     rows, means = [], []
-    for path in paths:
-        agent, own = load_checkpoint(path)
+    for path, agent, own in loaded:
         qos = [evaluate(sim, agent_router(agent), args.arrivals).avg_qos for sim in sims]
         name = path.name if path.parent == args.run else f"{path.parent.name}/{path.name}"
         means.append(statistics.fmean(qos))
@@ -67,7 +74,7 @@ def select(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name:22s} step {own['steps']:>7} trainer's evaluation {trainer:>5}  "
               f"mean over {len(qos)} draws {means[-1]:.3f}", flush=True)
     chosen = means.index(max(means))
-    shutil.copyfile(paths[chosen], args.run / "selected.pt")
+    shutil.copyfile(loaded[chosen].path, args.run / "selected.pt")
     return {"run": str(args.run), "selected": rows[chosen], "candidates": rows,
             "arrivals": args.arrivals, "seeds": args.seeds, "rate": meta["rate"],
             "predictions": source,

@@ -119,8 +119,10 @@ class HANLayer(nn.Module):
         h: a [B,1,H], e [B,N,H], r and w packed [P,H] (`slots`)."""
         a, e = h["a"], h["e"]
         b, n, hidden = e.shape
-        to_e = [self.relation(f"e_from_{k}")(e, self.relation(f"e_from_{k}").src(h[k]),
-                                             slots[k]) for k in "rw"]
+        to_e = []
+        for k in "rw":
+            relation = self.relation(f"e_from_{k}")
+            to_e.append(relation(e, relation.src(h[k]), slots[k]))
         # one source (A) per expert: the message is the projection (module docstring)
         to_e.append(self.relation("e_from_a").src(a).expand(b, n, hidden))
         new_e = self.expert_semantic(to_e)
