@@ -35,6 +35,7 @@ from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS, repo_path
 from bench.qos_setup import agents_fleet, fleet, load_pools
 from bench.qos_sim import QosSim
 from bench.qos_train import add_agent_arguments
+from bench.results import write_json
 from policies.qos_sac import load_checkpoint
 from predictors.base import BUCKET_ESTIMATES, checkpoint_estimate
 from predictors.buckets_cli import distilled_artifact
@@ -287,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = json.loads(args.out.read_text())
         result |= {k: previous[k] for k in LIVE_KEYS if k in previous}
         result["qos_gain_vs_baseline_rl"] = result.get("qos_gain_vs_baseline_rl_live")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     args.out.with_suffix(".md").write_text(markdown(result))
     plot(result, args.out.with_suffix(""))
     for run in (args.checkpoint.parent, args.baseline_checkpoint.parent):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import numpy as np
 
 from bench.eldr_fleet import FleetResult
 from bench.eldr_real import PolicyRun
+from bench.results import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
@@ -91,8 +91,7 @@ def write(real: dict[str, PolicyRun], emulated: dict[str, dict[str, FleetResult]
         "command": "make bench-eldr (" + " ".join(["python -m bench.bench_eldr", *sys.argv[1:]])
         + ")", "commit": _commit(),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "eldr.json").write_text(json.dumps(body, indent=1))
+    write_json(RESULTS / "eldr.json", body)
     (RESULTS / "eldr.md").write_text(_markdown(real_rows, emulated_rows,
                                                int(options.get("real_servers", 2))))
     _plot(emulated_rows, RESULTS / "eldr_tpot.png")

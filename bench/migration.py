@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import aiohttp
 from bench.overhead_procs import fake_process
 from bench.ports import free_port
 from bench.proxy_process import running_proxy
-from bench.results import RequestResult
+from bench.results import RequestResult, write_json
 from bench.sse_client import Target, stream_one
 from bench.vllm_server import Running, Spec, start, stop
 from bench.workloads import WorkloadRequest
@@ -243,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result, plan))
     print(f"worst median stall with the paced handoff: "
           f"{result['worst_paced_stall_over_tpot']:.2f}x TPOT (target <= {STALL_TARGET}x)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     print(f"written to {args.json}")
     return 0 if result["meets_target"] else 1
 

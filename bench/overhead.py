@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import signal
 import sys
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import aiohttp
 
 from bench.overhead_load import cpu_seconds, latency_legs, stream_legs, throughput
 from bench.overhead_procs import fake_process, minimal_relay, proxy_for
+from bench.results import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 3.0, "throughput_ratio_256": 0.95}
@@ -191,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  else argv)}
     print(table(result))
     print("meets targets:", result["meets_targets"])
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     print(f"\nwritten to {args.json}")
     return 0
 

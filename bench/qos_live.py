@@ -48,6 +48,7 @@ from bench.qos_live_client import GROUP, LiveRecord, LiveRequest, replay, schedu
 from bench.qos_live_report import POLICIES, markdown, merge, report, summarize
 from bench.qos_setup import load_pools, trained_fleet
 from bench.qos_train import add_agent_arguments
+from bench.results import write_json
 from bench.tiny_models import DEFAULT_SHARED
 from policies.qos_sac import load_checkpoint
 from predictors.buckets_cli import distilled_artifact
@@ -320,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         table = evaluate_live(fresh, experts, policies, requests, args.limit_ms / 1000, cap,
                               args.records)
     result = report(args, experts, table, cap, hardware)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     args.out.with_suffix(".md").write_text(markdown(result))
     if not args.no_merge:
         merge(args.merge_into, result, "live" if args.fleet == "emulated" else "live_real")

@@ -28,6 +28,7 @@ from bench import qos_headroom, qos_live
 from bench.bench_qos import git_commit
 from bench.qos_live_report import repo_path
 from bench.qos_train import add_agent_arguments, default_checkpoint
+from bench.results import write_json
 from predictors.cli import DEFAULT_DATA, REPO
 
 RESULTS = REPO / "docs" / "results"
@@ -147,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python -m bench.qos_live_draws",
                                    *(sys.argv[1:] if argv is None else argv)]),
               "commit": git_commit()}
-    args.dir.mkdir(parents=True, exist_ok=True)
-    (args.dir / "draws.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.dir / "draws.json", result)
     (args.dir / "draws.md").write_text(markdown(result))
     if not args.no_merge:
         merge(args.merge_into, result)

@@ -12,12 +12,12 @@ policy's own book of routed requests filling the state graph as it would live.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.qos_latency import ms
+from bench.results import write_json
 from bench.tiny_models import laneway_home
 from policies.base import build_policy
 from policies.qos_drl import QosDrl
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:7s} decision p50 {result[mode]['p50_ms']:.2f} ms, "
               f"p99 {result[mode]['p99_ms']:.2f} ms, updates {result[mode]['updates']}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     return 0
 
 

@@ -30,6 +30,7 @@ from bench.qos_live import REAL_ANSWER_CAP
 from bench.qos_setup import fleet, load_pools, trained_fleet
 from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim, SimRequest
 from bench.qos_train import default_checkpoint
+from bench.results import write_json
 from policies.qos_sac import load_checkpoint
 from predictors.cli import DEFAULT_DATA, REPO
 
@@ -149,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
               "fleet": mapping, "limit_ms": limit_s * 1000, "answer_cap": cap,
               "runs": runs, "command": " ".join(["python -m bench.qos_replay_live",
                                                  *sys.argv[1:]])}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -14,7 +14,6 @@ States: the paper's edge (`--fleet`), λ = 5, training prompts, routed by the ag
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -31,6 +30,7 @@ from bench.bench_qos import git_commit
 from bench.qos_han_dense import DenseHAN
 from bench.qos_setup import fleet, fleet_meta, load_pools, trained_fleet
 from bench.qos_sim import QosSim
+from bench.results import write_json
 from bench.tiny_models import laneway_home
 from policies.qos_sac import SacAgent, SacConfig, batch_states, load_checkpoint
 from policies.qos_state import GraphState
@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['act_ms']['dense']} ms; slots filled {fill['running']:.0%} running, "
           f"{fill['waiting']:.0%} waiting")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     return 0
 
 

@@ -8,6 +8,7 @@ All times are seconds. `arrival_s` and `sent_s` are offsets from the run's start
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,3 +121,9 @@ def read(path: Path) -> RunFile:
     if not header:
         raise ValueError(f"{path}: no run header; not a `laneway bench run` result file")
     return RunFile(path, header, tuple(results))
+
+
+def write_json(path: Path, data: Any) -> None:
+    """A benchmark's summary JSON (indented, one trailing newline), its folder made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")

@@ -47,6 +47,7 @@ from bench.emulator.measure import (
 from bench.emulator.profile import Profile, StepModel, dump_profile, load_profile, profile_path
 from bench.overhead_procs import child
 from bench.ports import free_port
+from bench.results import write_json
 from bench.tiny_models import REPO
 from bench.vllm_server import Spec, start, stop
 
@@ -267,8 +268,7 @@ def run(variants: Sequence[str], refit: bool, url: str | None, model: str, out: 
             "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "load_average": [round(x, 2) for x in os.getloadavg()]})
     report = build_report(results, load, threshold, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(out, report)
     print(f"max rel error TTFT {report['max_rel_error_ttft']:.3f}, "
           f"TPOT {report['max_rel_error_tpot']:.3f} (threshold {threshold}); wrote {out}")
     if not report["passed"]:

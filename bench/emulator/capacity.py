@@ -31,6 +31,7 @@ import orjson
 from bench.emulator.measure import cpu_times
 from bench.overhead_procs import child, wait_ok
 from bench.ports import free_port_range
+from bench.results import write_json
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -157,7 +158,6 @@ def run(n: int, profile: str, processes: int, rates: Sequence[float], duration_s
               "duration_s": duration_s, "cpus": os.cpu_count(),
               "load_average_after": [round(x, 2) for x in os.getloadavg()],
               "points": [asdict(p) for p in points]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(out, report)
     print(f"wrote {out}")
     return 0
