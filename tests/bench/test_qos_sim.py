@@ -3,6 +3,8 @@ impact coefficients from the step model, and the baseline routers."""
 
 from __future__ import annotations
 
+import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from bench.emulator.profile import load_profile
 from bench.qos_eval import bert_router, evaluate, round_robin, shortest_queue
 from bench.qos_setup import fit_coefficients
-from bench.qos_sim import QosSim
+from bench.qos_sim import QosSim, TraceArrivals, spread_groups
 from policies.qos_impact import impact
 from tests.bench.qos_helpers import pool, specs
 
@@ -159,3 +161,41 @@ def test_predictions_are_cached_whole_next_to_the_artifact(
     (tmp_path / "meta.json").write_text(json.dumps({"version": "v2"}))  # retrained
     predictions_model(tmp_path, rows)
     assert calls == [32, 8, 32, 8]
+
+
+TIMES = (*(float(3 * (i // 4)) for i in range(40)), 200.0, 201.0)  # groups of 4, 3 s apart
+
+
+def test_a_trace_window_is_scaled_to_the_rate_and_reproducible() -> None:
+    trace = TraceArrivals(TIMES, window=12, spread=False)
+    gaps = trace.gaps(random.Random(1), rate=5.0)
+    assert len(gaps) == 12 and sum(gaps) / 12 == pytest.approx(1 / 5)
+    assert gaps == trace.gaps(random.Random(1), rate=5.0)
+    # logged together, they arrive together: three of every four gaps are zero
+    assert 6 <= sum(g == 0 for g in gaps) <= 9
+    spread = TraceArrivals(TIMES, window=12).gaps(random.Random(1), rate=5.0)
+    assert all(g > 0 for g in spread) and sum(spread) / 12 == pytest.approx(1 / 5)
+
+
+def test_spread_groups_stay_within_their_logged_step() -> None:
+    times = spread_groups([0.0, 0.0, 0.0, 3.0, 3.0, 9.0], random.Random(2))
+    assert times == sorted(times)
+    assert all(0 <= t < 3 for t in times[:3]) and all(3 <= t < 9 for t in times[3:5])
+    assert 9 <= times[5] < 9 + 4.5  # the last group: over the median step (3, 6 → 6)
+
+
+def test_the_simulator_arrives_at_the_traces_times() -> None:
+    trace = TraceArrivals(TIMES, window=20)
+    sim = QosSim(specs(), pool(), rate=5.0, limit_s=1.0, seed=3, trace=trace)
+    expected = trace.gaps(random.Random(3 + 2), 5.0)
+    arrivals = [sim.arrive().arrival for _ in range(25)]  # past the window: from its start
+    assert arrivals == pytest.approx(list(itertools.accumulate(expected + expected[:5])))
+    # A Poisson simulator's arrivals are the same with a trace elsewhere in the process.
+    poisson = [QosSim(specs(), pool(), rate=5.0, limit_s=1.0, seed=3).arrive().arrival
+               for _ in range(2)]
+    assert poisson[0] == poisson[1] and poisson[0] != arrivals[0]
+
+
+def test_a_trace_without_a_whole_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="no window"):
+        TraceArrivals(TIMES[:5], window=5)
