@@ -27,22 +27,23 @@ import torch
 from bench.bench_qos import git_commit
 from bench.results import write_json
 from bench.tiny_models import REPO
+from predictors.cli import training_rows
 from predictors.features import Featurizer, SparseRow
 from predictors.length_data import (
+    ANY_KEY,
     Row,
     Sample,
-    TokenCounter,
     arrival_rows,
     is_heldout,
     load_samples,
     token_counter,
-    window_rows,
 )
 from predictors.length_eval import Method, Score, baselines, score
 from predictors.length_moe import MoEConfig, SparseBatch
 from predictors.length_train import Trained, train_moe
 
 KEY_MARK = "\x00"  # a pooled Sample's prompt is "<model>\x00<prompt>"
+ROWS = {"tau": 50, "windows": 2, "seed": 0}  # `laneway train length`'s defaults
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,12 +82,6 @@ def moe_method(trained: Trained, featurizer: Featurizer) -> Method:
     return predict
 
 
-def training_rows(samples: Sequence[Sample], counter: TokenCounter) -> list[Row]:
-    """As `laneway train length` builds them: arrival rows + two windows (τ = 50)."""
-    train = [s for s in samples if not is_heldout(s.id)]
-    return arrival_rows(train) + window_rows(train, counter, tau=50, per_answer=2, seed=0)
-
-
 def pooled_score(name: str, predicted: np.ndarray, test: Sequence[Sample],
                  longest: dict[str, float]) -> Score:
     """One method over every model's held-out answers (each model's own bucket width),
@@ -120,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     predicted: dict[str, np.ndarray] = {}
     started = time.monotonic()
     for key in keys:  # per model, as `laneway train length` does
-        rows = training_rows([s for s in samples if s.key == key], counter)
+        rows = training_rows(samples, counter, key, ROWS)
         mine = [i for i, s in enumerate(test) if s.key == key]
         methods = {**baselines(rows, featurizer, config),
                    "moe": moe_method(train_moe(rows, featurizer, config), featurizer)}
@@ -129,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             out[mine] = method(arrival_rows([test[i] for i in mine]))
         print(f"per model {key}: {time.monotonic() - started:.0f} s", flush=True)
     pooled_featurizer = KeyedFeaturizer.of(featurizer, keys)
-    rows = training_rows([keyed(s) for s in samples], counter)
+    rows = training_rows([keyed(s) for s in samples], counter, ANY_KEY, ROWS)
     trained = train_moe(rows, pooled_featurizer, config)
     methods = {**baselines(rows, pooled_featurizer, config),
                "moe": moe_method(trained, pooled_featurizer)}
