@@ -47,6 +47,7 @@ from bench.proxy_process import running_proxy
 from bench.qos_live_client import GROUP, LiveRecord, LiveRequest, replay, schedule
 from bench.qos_live_report import POLICIES, markdown, merge, report, summarize
 from bench.qos_setup import load_pools, trained_fleet
+from bench.qos_sim import TraceArrivals, trace_times
 from bench.qos_train import add_agent_arguments
 from bench.results import write_json
 from bench.tiny_models import DEFAULT_SHARED
@@ -291,6 +292,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit-ms", type=float,
                         help="L (default: the one qos_drl's checkpoint was trained with)")
     parser.add_argument("--seed", type=int, default=7, help="bench_qos's: same arrivals")
+    parser.add_argument("--trace", type=Path, help="arrivals at this trace's times, "
+                        "time-scaled to mean λ (bench.qos_trace's, same seed: same arrivals)")
+    parser.add_argument("--trace-bursts", action="store_true", help="with --trace: "
+                        "arrivals logged at one time arrive together (default: spread)")
     parser.add_argument("--max-answer-tokens", type=int, help="cap answers (default: none; "
                         f"real fleet {REAL_ANSWER_CAP})")
     parser.add_argument("--out", type=Path, default=RESULTS / "qos_live.json")
@@ -312,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompt_texts(args.data)
     cap = args.max_answer_tokens or (REAL_ANSWER_CAP if args.fleet == "real" else None)
     policies = {name: policy_config(name, args) for name in args.policies.split(",")}
-    requests = {rate: schedule(heldout, texts, rate, args.arrivals, args.seed, cap)
+    trace = None if args.trace is None else TraceArrivals(
+        trace_times(args.trace), args.arrivals, spread=not args.trace_bursts)
+    requests = {rate: schedule(heldout, texts, rate, args.arrivals, args.seed, cap, trace)
                 for rate in args.rates}
     mapping = trained_fleet(trained).mapping
     hardware = mapping if args.fleet == "emulated" else dict(

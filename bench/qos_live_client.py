@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from bench.qos_sim import PoolPrompt
+from bench.qos_sim import PoolPrompt, TraceArrivals
 from policies.qos_impact import qos
 
 GROUP = "experts"  # the request model: a model group over every expert
@@ -51,12 +51,14 @@ class LiveRecord:
 
 
 def schedule(pool: Sequence[PoolPrompt], texts: Mapping[int, str], rate: float,
-             arrivals: int, seed: int, cap: int | None = None) -> list[LiveRequest]:
-    """The simulator's arrivals (QosSim.reset/arrive): with the same seed, the same
-    prompts at the same offsets as `bench.bench_qos`."""
+             arrivals: int, seed: int, cap: int | None = None,
+             trace: TraceArrivals | None = None) -> list[LiveRequest]:
+    """The simulator's arrivals (QosSim.reset/arrive): with the same seed (and `trace`),
+    the same prompts at the same offsets as `bench.bench_qos` (`bench.qos_trace`)."""
     rng, now, out = random.Random(seed), 0.0, []
+    gaps = trace.gaps(random.Random(seed + 2), rate) if trace is not None else []
     for seq in range(arrivals):
-        now += rng.expovariate(rate)
+        now += gaps[seq % len(gaps)] if gaps else rng.expovariate(rate)
         prompt = rng.choice(pool)
         out.append(LiveRequest(seq, now, prompt, texts[prompt.id],
                                capped(max(prompt.lengths), cap)))

@@ -74,13 +74,22 @@ def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, An
     return {"qos_gain_vs_baseline_rl_live": gain, "reference_lambda": float(ref),
             "experts": list(experts), "fleet": fleet, "limit_ms": args.limit_ms,
             "arrivals_per_run": args.arrivals, "lambdas": [float(r) for r in rates],
-            "seed": args.seed, "answer_cap_tokens": cap, "policies": list(table[rates[0]]),
+            "seed": args.seed, "arrival_process": arrival_process(args),
+            "answer_cap_tokens": cap, "policies": list(table[rates[0]]),
             "checkpoint": repo_path(args.checkpoint),
             "baseline_checkpoint": repo_path(args.baseline_checkpoint),
             "avg_qos": {r: {p: v["avg_qos"] for p, v in table[r].items()} for r in rates},
             "table": table,
             "command": " ".join(["python -m bench.qos_live", *sys.argv[1:]]),
             "commit": commit}
+
+
+def arrival_process(args: argparse.Namespace) -> str:
+    """Poisson, or the trace `bench.qos_live --trace` replayed (spread or in bursts)."""
+    trace = getattr(args, "trace", None)
+    if trace is None:
+        return "poisson"
+    return f"{repo_path(trace)}, {'in bursts' if args.trace_bursts else 'spread'}"
 
 
 def beats_all(table: dict[str, dict[str, dict[str, Any]]]) -> bool | None:

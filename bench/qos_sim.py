@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.emulator.engine import Engine
 from bench.emulator.profile import Profile
@@ -79,6 +81,12 @@ class TraceArrivals:
         if mean <= 0:
             raise ValueError("a trace window whose arrivals all share one time")
         return [g / (mean * rate) for g in gaps]
+
+
+def trace_times(path: Path) -> tuple[float, ...]:
+    """Arrival times in seconds of a Mooncake-format trace (`timestamp`, ms), sorted."""
+    with path.open() as f:
+        return tuple(sorted(json.loads(line)["timestamp"] / 1000 for line in f if line.strip()))
 
 
 def spread_groups(times: Sequence[float], rng: random.Random) -> list[float]:

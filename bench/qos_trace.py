@@ -18,7 +18,6 @@ Held-out prompts, greedy agents, the checkpoints' fleet and L, as `bench.bench_q
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -30,19 +29,13 @@ from bench.bench_qos import add_simulator_arguments, git_commit, routers
 from bench.qos_eval import beats_every_baseline, evaluate
 from bench.qos_live_report import repo_path
 from bench.qos_setup import agents_fleet, fleet, load_pools
-from bench.qos_sim import QosSim, TraceArrivals
+from bench.qos_sim import QosSim, TraceArrivals, trace_times
 from bench.results import write_json
 from policies.qos_sac import load_checkpoint
 from predictors.base import checkpoint_estimate
 from predictors.cli import REPO
 
 PROCESSES = ("poisson", "trace", "trace_bursts")
-
-
-def trace_times(path: Path) -> tuple[float, ...]:
-    """Arrival times in seconds of a Mooncake-format trace (`timestamp`, ms), sorted."""
-    with path.open() as f:
-        return tuple(sorted(json.loads(line)["timestamp"] / 1000 for line in f if line.strip()))
 
 
 def arrival_processes(times: tuple[float, ...], window: int

@@ -32,7 +32,7 @@ from bench.qos_live_client import (
 )
 from bench.qos_live_report import GAIN_NOTE, beats_all, markdown, merge, report, summarize
 from bench.qos_setup import fit_coefficients
-from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim
+from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim, TraceArrivals
 from predictors.cli import REPO
 
 EXPERTS = ["fast", "slow"]
@@ -246,3 +246,20 @@ def test_real_variants_follow_the_trained_fleet_or_the_cycle() -> None:
     assert real_variants(EXPERTS, {"fast": "t4", "slow": "t4"}, "large") == ["large"] * 2
     with pytest.raises(SystemExit, match="GPU profiles"):
         real_variants(EXPERTS, {"fast": "t4", "slow": "tiny-llama-large"}, None)
+
+
+def test_trace_arrivals_are_the_simulators_for_the_same_seed() -> None:
+    times = tuple(float(3 * (i // 5)) for i in range(80))
+    for spread in (True, False):
+        trace = TraceArrivals(times, window=40, spread=spread)
+        profile = load_profile("tiny-llama-small")
+        sim = QosSim([ExpertSpec(e, profile, fit_coefficients(profile)) for e in EXPERTS],
+                     pool(), rate=5.0, limit_s=0.03, seed=9, trace=trace)
+        expected = []
+        for _ in range(45):  # past the window too
+            arrived = sim.arrive()
+            expected.append((arrived.arrival, arrived.prompt.id))
+            sim.route(0)
+        requests = schedule(pool(), texts(), 5.0, 45, seed=9, trace=trace)
+        assert [r.prompt.id for r in requests] == [prompt_id for _, prompt_id in expected]
+        assert [r.arrival_s for r in requests] == pytest.approx([at for at, _ in expected])
