@@ -57,6 +57,11 @@ def gain(a: float, b: float) -> float | None:
     return a / b - 1 if b > 0 else None
 
 
+def percent(gain: float | None) -> str:
+    """A gain for the log; "n/a" where Baseline RL's QoS was 0."""
+    return "n/a" if gain is None else f"{gain:+.1%}"
+
+
 def summarize(cells: Mapping[str, list[float]]) -> dict[str, Any]:
     """One (process, λ): each policy's per-draw average QoS → means and qos_drl's gains."""
     means = {name: statistics.fmean(values) for name, values in cells.items()}
@@ -110,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             row["gap_cv"] = [burstiness(trace, seed, rate) for seed in args.seeds]
             table.setdefault(process, {})[f"{rate:g}"] = row
             print(f"{process} λ={rate:g}: qos_drl vs Baseline RL "
-                  f"{row['gain_vs_baseline_rl']:+.1%} (draws " + ", ".join(
-                      f"{g:+.1%}" for g in row["gain_vs_baseline_rl_draws"] if g is not None)
+                  f"{percent(row['gain_vs_baseline_rl'])} (draws " + ", ".join(
+                      percent(g) for g in row["gain_vs_baseline_rl_draws"])
                   + f"), beats every baseline: {row['beats_every_baseline']}", flush=True)
     write_json(args.out, {
         "table": table, "trace": repo_path(args.trace), "arrivals_per_draw": args.arrivals,
