@@ -56,7 +56,7 @@ def schedule(pool: Sequence[PoolPrompt], texts: Mapping[int, str], rate: float,
     """The simulator's arrivals (QosSim.reset/arrive): with the same seed (and `trace`),
     the same prompts at the same offsets as `bench.bench_qos` (`bench.qos_trace`)."""
     rng, now, out = random.Random(seed), 0.0, []
-    gaps = trace.gaps(random.Random(seed + 2), rate) if trace is not None else []
+    gaps = trace.draw(seed, rate) if trace is not None else []
     for seq in range(arrivals):
         now += gaps[seq % len(gaps)] if gaps else rng.expovariate(rate)
         prompt = rng.choice(pool)

@@ -16,7 +16,6 @@ figures. The draws' seeds differ from the trainer's (1) and the benches' (7-12).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -27,6 +26,7 @@ from bench.bench_qos import git_commit
 from bench.qos_eval import agent_router, evaluate
 from bench.qos_setup import fleet, load_pools, trained_fleet
 from bench.qos_sim import QosSim
+from bench.results import write_json
 from policies.qos_sac import SacAgent, load_checkpoint
 from predictors.base import checkpoint_estimate
 from predictors.buckets_cli import default_artifact
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[101, 102, 103, 104])
     args = parser.parse_args(argv)
     result = select(args)
-    (args.run / "selection.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.run / "selection.json", result)
     chosen = result["selected"]
     print(f"selected {chosen['checkpoint']} (step {chosen['steps']}, mean QoS "
           f"{chosen['mean_qos']:.3f}) → {args.run / 'selected.pt'}")

@@ -70,6 +70,10 @@ class TraceArrivals:
             raise ValueError(f"a trace of {len(self.times)} arrivals has no window of "
                              f"{self.window}")
 
+    def draw(self, seed: int, rate: float) -> list[float]:
+        """The gaps `QosSim.reset(seed)` replays (and `bench.qos_live` sends) at `rate`."""
+        return self.gaps(random.Random(seed + 2), rate)
+
     def gaps(self, rng: random.Random, rate: float) -> list[float]:
         """The gaps of one window, seeded by `rng`, scaled to mean 1/`rate`."""
         start = rng.randrange(len(self.times) - self.window)
@@ -142,8 +146,7 @@ class QosSim:
         if seed is not None:
             self.rng = random.Random(seed)
             self.ids_rng = random.Random(seed + 1)
-            self.trace_gaps = [] if self.trace is None else self.trace.gaps(
-                random.Random(seed + 2), self.rate)
+            self.trace_gaps = [] if self.trace is None else self.trace.draw(seed, self.rate)
             self.arrived = 0
         self.experts = [Expert(s, Engine(s.profile, FakeStats(keep_bodies=False), manual=True))
                         for s in self.specs]

@@ -18,7 +18,6 @@ Held-out prompts, greedy agents, the checkpoints' fleet and L, as `bench.bench_q
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 from collections.abc import Mapping
@@ -49,7 +48,7 @@ def burstiness(trace: TraceArrivals | None, seed: int, rate: float) -> float | N
     burstier), None for Poisson itself."""
     if trace is None:
         return None
-    gaps = trace.gaps(random.Random(seed + 2), rate)  # the draw QosSim.reset(seed) makes
+    gaps = trace.draw(seed, rate)
     return statistics.pstdev(gaps) / statistics.fmean(gaps)
 
 
