@@ -32,12 +32,12 @@ from bench.qos_eval import (
     shortest_queue,
 )
 from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS, repo_path
-from bench.qos_setup import agents_fleet, fleet, load_pools
+from bench.qos_setup import comparison
 from bench.qos_sim import QosSim
 from bench.qos_train import add_agent_arguments
 from bench.results import write_json
 from policies.qos_sac import load_checkpoint
-from predictors.base import BUCKET_ESTIMATES, checkpoint_estimate
+from predictors.base import BUCKET_ESTIMATES
 from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
@@ -76,11 +76,9 @@ def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
                   ) -> dict[str, Any]:
     """Every router (or those in `only`) on the fleet qos_drl's checkpoint was trained
     on; on `args.cores` shared cores instead of the checkpoint's when given."""
-    experts, _, heldout, source = load_pools(
-        args.data, args.buckets, estimate=checkpoint_estimate(qos_meta, args.bucket_estimate))
-    mapping, cores, solo = agents_fleet(qos_meta, baseline_meta)
+    setup = comparison(args.data, args.buckets, qos_meta, baseline_meta, args.bucket_estimate)
+    (mapping, cores, solo), specs, heldout, source = setup
     cores = args.cores if args.cores is not None else cores
-    specs = fleet(experts, mapping)
     table: dict[str, dict[str, Any]] = {}
     for rate in args.rates:
         sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed, cores=cores,

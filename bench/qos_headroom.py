@@ -38,10 +38,10 @@ from typing import Any
 
 from bench.bench_qos import add_simulator_arguments
 from bench.qos_eval import Router, agent_router, evaluate
-from bench.qos_setup import agents_fleet, fleet, load_pools
+from bench.qos_setup import comparison
 from bench.qos_sim import QosSim, SimRequest
+from bench.results import write_json
 from policies.qos_sac import load_checkpoint
-from predictors.base import checkpoint_estimate
 from predictors.cli import REPO
 
 RESULTS = REPO / "docs" / "results"
@@ -119,13 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     qos_agent, qos_meta = load_checkpoint(args.checkpoint)
     baseline_agent, baseline_meta = load_checkpoint(args.baseline_checkpoint)
-    trained = agents_fleet(qos_meta, baseline_meta)
     both = args.oracle_buckets == "both"
     buckets = None if both else args.buckets  # None: the true buckets
     part = None if both else args.oracle_buckets
-    experts, _, heldout, source = load_pools(
-        args.data, buckets, oracle=part,
-        estimate=checkpoint_estimate(qos_meta, args.bucket_estimate))
+    trained, specs, heldout, source = comparison(
+        args.data, buckets, qos_meta, baseline_meta, args.bucket_estimate, oracle=part)
     limit = qos_meta.get("limit_ms", 30.0) / 1000
     routers: dict[str, Router] = {
         "baseline_rl": agent_router(baseline_agent), "qos_drl": agent_router(qos_agent),
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
              "baseline_checkpoint": str(args.baseline_checkpoint)}
     table = previous_table(args.out, setup)
     for rate in args.rates:
-        sims = [QosSim(fleet(experts, trained.mapping), heldout, rate, limit, seed=seed,
+        sims = [QosSim(specs, heldout, rate, limit, seed=seed,
                        cores=trained.cores, solo=trained.solo, speed=args.speed)
                 for seed in seeds]
         row = table.setdefault(f"{rate:g}", {})
@@ -155,9 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         base = row.get("baseline_rl", {}).get("avg_qos")
         for result in row.values():
             result["gain_vs_baseline_rl"] = (result["avg_qos"] / base - 1) if base else None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     table = dict(sorted(table.items(), key=lambda item: float(item[0])))
-    args.out.write_text(json.dumps(setup | {"table": table}, indent=1) + "\n")
+    write_json(args.out, setup | {"table": table})
     print(f"wrote {args.out}")
     return 0
 

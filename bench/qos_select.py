@@ -24,11 +24,10 @@ from typing import Any, NamedTuple
 
 from bench.bench_qos import git_commit
 from bench.qos_eval import agent_router, evaluate
-from bench.qos_setup import fleet, load_pools, trained_fleet
+from bench.qos_setup import comparison
 from bench.qos_sim import QosSim
 from bench.results import write_json
 from policies.qos_sac import SacAgent, load_checkpoint
-from predictors.base import checkpoint_estimate
 from predictors.buckets_cli import default_artifact
 from predictors.cli import DEFAULT_DATA
 
@@ -55,10 +54,8 @@ def select(args: argparse.Namespace) -> dict[str, Any]:
     if not loaded:
         raise SystemExit(f"{args.run}: no checkpoints (best.pt, last.pt or top/*.pt)")
     meta = loaded[0].meta
-    experts, _, heldout, source = load_pools(args.data, args.buckets,
-                                             estimate=checkpoint_estimate(meta))
-    mapping, cores, solo = trained_fleet(meta)
-    specs = fleet(experts, mapping)
+    # one run: its fleet and bucket estimate on both sides
+    (_, cores, solo), specs, heldout, source = comparison(args.data, args.buckets, meta, meta)
     sims = [QosSim(specs, heldout, float(meta["rate"]), float(meta["limit_ms"]) / 1000,
                    seed=seed, cores=cores, solo=solo, speed=float(meta.get("speed", 1.0)))
             for seed in args.seeds]

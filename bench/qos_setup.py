@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from bench.emulator.profile import Profile, load_profile
 from bench.qos_sim import ExpertSpec, PoolPrompt
 from policies.qos_impact import Coefficients, fit_slope
-from predictors.base import BucketEstimate
+from predictors.base import BucketEstimate, checkpoint_estimate
 from predictors.buckets_data import PromptRow, fit_buckets, split
 
 DEFAULT_FLEET = {
@@ -129,6 +129,25 @@ def agents_fleet(qos_meta: Mapping[str, Any], baseline_meta: Mapping[str, Any]
     if trained_fleet(baseline_meta) != trained:
         raise SystemExit("qos_drl and Baseline RL were trained on different fleets")
     return trained
+
+
+class Comparison(NamedTuple):
+    """What a simulator comparison of a qos_drl and a Baseline RL checkpoint runs on."""
+    trained: TrainedFleet
+    specs: list[ExpertSpec]  # the experts on the trained fleet's hardware
+    heldout: list[PoolPrompt]
+    predictions: str  # the predictions the prompts carry (`load_pools`)
+
+
+def comparison(data: Path, buckets: Path | None, qos_meta: Mapping[str, Any],
+               baseline_meta: Mapping[str, Any], estimate: str | None = None,
+               oracle: str | None = None) -> Comparison:
+    """The held-out prompts, predicted as qos_drl's checkpoint reads its buckets (or as
+    `estimate` overrides), on the fleet both checkpoints were trained on."""
+    trained = agents_fleet(qos_meta, baseline_meta)
+    experts, _, heldout, source = load_pools(
+        data, buckets, oracle=oracle, estimate=checkpoint_estimate(qos_meta, estimate))
+    return Comparison(trained, fleet(experts, trained.mapping), heldout, source)
 
 
 def predictions_oracle(rows: Sequence[PromptRow]) -> dict[int, tuple[list[float], list[float]]]:

@@ -27,11 +27,10 @@ from typing import Any
 from bench.bench_qos import add_simulator_arguments, git_commit, routers
 from bench.qos_eval import beats_every_baseline, evaluate
 from bench.qos_live_report import repo_path
-from bench.qos_setup import agents_fleet, fleet, load_pools
+from bench.qos_setup import comparison
 from bench.qos_sim import QosSim, TraceArrivals, trace_times
 from bench.results import write_json
 from policies.qos_sac import load_checkpoint
-from predictors.base import checkpoint_estimate
 from predictors.cli import REPO
 
 PROCESSES = ("poisson", "trace", "trace_bursts")
@@ -93,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     qos_meta = load_checkpoint(args.checkpoint)[1]
     baseline_meta = load_checkpoint(args.baseline_checkpoint)[1]
     limit_s = qos_meta.get("limit_ms", 30.0) / 1000
-    experts, _, heldout, source = load_pools(
-        args.data, args.buckets, estimate=checkpoint_estimate(qos_meta, args.bucket_estimate))
-    mapping, cores, solo = agents_fleet(qos_meta, baseline_meta)
-    specs = fleet(experts, mapping)
+    setup = comparison(args.data, args.buckets, qos_meta, baseline_meta, args.bucket_estimate)
+    (mapping, cores, solo), specs, heldout, source = setup
     processes = {k: v for k, v in arrival_processes(trace_times(args.trace), args.arrivals)
                  .items() if k in args.processes}
     table: dict[str, dict[str, Any]] = {}
