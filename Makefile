@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -208,6 +208,32 @@ bench-qos: install
 	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl
 	$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--trace $(SHARED)/traces/mooncake_conversation.jsonl
+
+# qos_drl's gain over Baseline RL across training seeds (docs/qos_drl.md, "Five training
+# seeds"): both agents trained 152 k decisions with each seed of QOS_SEEDS (~20 min a
+# pair, side by side), each pair on twelve draws at λ = 5 under Poisson, trace and
+# bursty trace arrivals (~10 min), then every qos_drl run against every Baseline RL run
+# → docs/results/qos_drl_rerun/trace_12_draws_seedS.json, seeds.json (~2.5 h for five)
+QOS_SEEDS ?= 1 2 3 4 5
+QOS_SEED_RESULTS := docs/results/qos_drl_rerun
+bench-qos-seeds: install
+	for s in $(QOS_SEEDS); do \
+		$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+			--steps 152000 --keep-best 5 --minutes 150 --seed $$s \
+			--out $(QOS_POLICIES)/qos-drl-152k-s$$s & \
+		$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+			--steps 152000 --keep-best 5 --minutes 150 --seed $$s \
+			--out $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s || exit 1; \
+		wait $$! || exit 1; \
+		$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+			--checkpoint $(QOS_POLICIES)/qos-drl-152k-s$$s/best.pt \
+			--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s/best.pt \
+			--trace $(SHARED)/traces/mooncake_conversation.jsonl \
+			--seeds 7 8 9 10 11 12 13 14 15 16 17 18 \
+			--out $(QOS_SEED_RESULTS)/trace_12_draws_seed$$s.json || exit 1; \
+	done
+	$(PY) -m bench.qos_seeds $(foreach s,$(QOS_SEEDS),$(QOS_SEED_RESULTS)/trace_12_draws_seed$(s).json) \
+		--out $(QOS_SEED_RESULTS)/seeds.json
 
 # the same comparison live: Poisson arrivals through `laneway serve` (model group
 # "experts") to an emulated fleet with one instance per expert; QoS as the client sees
