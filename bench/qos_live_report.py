@@ -120,9 +120,12 @@ def merge(path: Path, result: dict[str, Any], name: str = "live") -> None:
 
 def markdown(result: dict[str, Any]) -> str:
     short = " / ".join(result["experts"])
+    process = result.get("arrival_process") or "poisson"  # older runs: Poisson
+    arrivals = ("Poisson arrivals" if process == "poisson"
+                else f"arrivals of the trace {process},")
     lines = [f"Live through `laneway serve` ({result['fleet']['kind']} fleet, one backend "
              f"per expert), held-out prompts, L = {result['limit_ms']:g} ms/token, "
-             f"{result['arrivals_per_run']} Poisson arrivals per run (seed "
+             f"{result['arrivals_per_run']} {arrivals} per run (seed "
              f"{result['seed']}). Expert share in the order {short}.\n",
              "| λ | policy | avg QoS | drop | errors | lpt p50 ms | lpt p90 ms | within L "
              "| expert share |", "|---|---|---|---|---|---|---|---|---|"]

@@ -168,6 +168,9 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
     assert "live" in merged and "live_real" in merged
     text = markdown(result)
     assert "| 5 | qos_drl | 0.300 | 25.0% | 25.0% |" in text and "-25.0%" in text
+    assert "Poisson arrivals per run (seed" in text
+    bursts = markdown({**result, "arrival_process": "traces/t.jsonl, in bursts"})
+    assert "arrivals of the trace traces/t.jsonl, in bursts, per run (seed" in bursts
 
 
 def test_a_small_live_run_through_the_proxy(tmp_path: Path) -> None:
