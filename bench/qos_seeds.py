@@ -5,7 +5,7 @@
 
 Each RUN is one `bench.qos_trace` output for one training seed's pair (qos_drl and
 Baseline RL trained with the same `--seed`). The runs must share their draws (seeds,
-arrivals, trace, fleet, L, predictions), and the routers that do not learn must score
+arrivals, trace, fleet, L, predictions, speed), and the routers that do not learn must score
 the same on every draw in every run (checked): then any qos_drl run can be set against
 any Baseline RL run on the same draws. Per arrival process and λ this reports each
 agent run's average QoS, the paired gains (seed s against seed s), every cross pair
@@ -35,6 +35,10 @@ FIXED_ROUTERS = ("bert_router", "round_robin", "shortest_queue")
 TARGET = 0.30  # issue 8: ≥ 30 % over Baseline RL
 
 
+def speed(run: Mapping[str, Any]) -> float:
+    return float(run.get("speed", 1.0))  # runs before `bench.qos_trace --speed`: the fit
+
+
 def check_same_draws(runs: Sequence[Mapping[str, Any]]) -> None:
     """Raise ValueError unless every run evaluated the same draws."""
     first = runs[0]
@@ -42,6 +46,8 @@ def check_same_draws(runs: Sequence[Mapping[str, Any]]) -> None:
         for key in SHARED_KEYS:
             if run[key] != first[key]:
                 raise ValueError(f"runs differ in {key}: {first[key]!r} vs {run[key]!r}")
+        if speed(run) != speed(first):
+            raise ValueError(f"runs differ in speed: {speed(first)} vs {speed(run)}")
         for process, rates in first["table"].items():
             for rate, row in rates.items():
                 other = run["table"].get(process, {}).get(rate)
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, {
         "table": table, "runs": [repo_path(path) for path in args.runs],
         "checkpoints": [[run["checkpoint"], run["baseline_checkpoint"]] for run in runs],
-        **{key: runs[0][key] for key in SHARED_KEYS},
+        **{key: runs[0][key] for key in SHARED_KEYS}, "speed": speed(runs[0]),
         "command": " ".join(["python -m bench.qos_seeds", *sys.argv[1:]]),
         "commit": git_commit()})
     print(f"wrote {args.out}")

@@ -2,7 +2,7 @@
 
     python -m bench.qos_trace --checkpoint Q --baseline-checkpoint B [--rates 5]
         [--seeds 7 8 9 10 11 12] [--trace ../shared/traces/mooncake_conversation.jsonl]
-        [--out docs/results/qos_drl/trace.json]
+        [--speed 1.0] [--out docs/results/qos_drl/trace.json]
 
 The paper trains on Poisson arrivals at λ = 5 and then replays a real workload
 (BurstGPT) "during a period with average arrival rate λ = 5", reporting at least
@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path,
                         default=REPO.parent / "shared/traces/mooncake_conversation.jsonl")
     parser.add_argument("--processes", nargs="+", choices=PROCESSES, default=list(PROCESSES))
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="every engine step lasts this many times the fitted model's "
+                        "(as bench.qos_headroom --speed: how near L each router runs)")
     parser.add_argument("--out", type=Path,
                         default=REPO / "docs/results/qos_drl/trace.json")
     parser.set_defaults(rates=[5.0])
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             cells: dict[str, list[float]] = {}
             for seed in args.seeds:
                 sim = QosSim(specs, heldout, rate, limit_s, seed=seed, cores=cores, solo=solo,
-                             trace=trace)
+                             speed=args.speed, trace=trace)
                 for name, router in routers(args).items():
                     cells.setdefault(name, []).append(evaluate(sim, router, args.arrivals).avg_qos)
                 print(f"{process} λ={rate:g} seed {seed}: " + ", ".join(
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                   + f"), beats every baseline: {row['beats_every_baseline']}", flush=True)
     write_json(args.out, {
         "table": table, "trace": repo_path(args.trace), "arrivals_per_draw": args.arrivals,
-        "seeds": args.seeds, "limit_ms": limit_s * 1000, "fleet": mapping, "cores": cores,
+        "seeds": args.seeds, "limit_ms": limit_s * 1000, "speed": args.speed,
+        "fleet": mapping, "cores": cores,
         "predictions": source, "checkpoint": repo_path(args.checkpoint),
         "baseline_checkpoint": repo_path(args.baseline_checkpoint),
         "command": " ".join(["python -m bench.qos_trace", *sys.argv[1:]]),

@@ -30,5 +30,7 @@ def test_every_qos_drl_run_is_set_against_every_baseline_rl_run() -> None:
 def test_runs_on_different_draws_are_refused() -> None:
     with pytest.raises(ValueError, match="seeds"):
         summarize_runs([run(0.4, 0.3), run(0.4, 0.3, seeds=[8])])
+    with pytest.raises(ValueError, match="speed"):
+        summarize_runs([run(0.4, 0.3), {**run(0.4, 0.3), "speed": 0.95}])
     with pytest.raises(ValueError, match="bert_router"):
         summarize_runs([run(0.4, 0.3), run(0.4, 0.3, bert=0.25)])
