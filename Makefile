@@ -223,8 +223,8 @@ bench-qos-seeds: install
 			--out $(QOS_POLICIES)/qos-drl-152k-s$$s & \
 		$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 			--steps 152000 --keep-best 5 --minutes 150 --seed $$s \
-			--out $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s || exit 1; \
-		wait $$! || exit 1; \
+			--out $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s; \
+		status=$$?; wait $$! && [ $$status -eq 0 ] || exit 1; \
 		$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 			--checkpoint $(QOS_POLICIES)/qos-drl-152k-s$$s/best.pt \
 			--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s/best.pt \

@@ -35,19 +35,19 @@ FIXED_ROUTERS = ("bert_router", "round_robin", "shortest_queue")
 TARGET = 0.30  # issue 8: ≥ 30 % over Baseline RL
 
 
-def speed(run: Mapping[str, Any]) -> float:
-    return float(run.get("speed", 1.0))  # runs before `bench.qos_trace --speed`: the fit
+def draw_setup(run: Mapping[str, Any]) -> dict[str, Any]:
+    """What a run's draws depend on (runs before `bench.qos_trace --speed`: the fit, 1)."""
+    return {**{key: run[key] for key in SHARED_KEYS}, "speed": float(run.get("speed", 1.0))}
 
 
 def check_same_draws(runs: Sequence[Mapping[str, Any]]) -> None:
     """Raise ValueError unless every run evaluated the same draws."""
     first = runs[0]
+    expected = draw_setup(first)
     for run in runs[1:]:
-        for key in SHARED_KEYS:
-            if run[key] != first[key]:
-                raise ValueError(f"runs differ in {key}: {first[key]!r} vs {run[key]!r}")
-        if speed(run) != speed(first):
-            raise ValueError(f"runs differ in speed: {speed(first)} vs {speed(run)}")
+        for key, value in draw_setup(run).items():
+            if value != expected[key]:
+                raise ValueError(f"runs differ in {key}: {expected[key]!r} vs {value!r}")
         for process, rates in first["table"].items():
             for rate, row in rates.items():
                 other = run["table"].get(process, {}).get(rate)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, {
         "table": table, "runs": [repo_path(path) for path in args.runs],
         "checkpoints": [[run["checkpoint"], run["baseline_checkpoint"]] for run in runs],
-        **{key: runs[0][key] for key in SHARED_KEYS}, "speed": speed(runs[0]),
+        **draw_setup(runs[0]),
         "command": " ".join(["python -m bench.qos_seeds", *sys.argv[1:]]),
         "commit": git_commit()})
     print(f"wrote {args.out}")
