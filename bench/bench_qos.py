@@ -69,6 +69,10 @@ def add_simulator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-estimate", choices=BUCKET_ESTIMATES, default=None,
                         help="the value read from each predicted bucket distribution "
                         "(default: the one qos_drl's checkpoint was trained on)")
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="every engine step lasts this many times the fitted model's "
+                        "(> 1: a machine slower than the fit, < 1: faster; live runs found "
+                        "both; how near L each router runs)")
 
 
 def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
@@ -82,7 +86,7 @@ def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
     table: dict[str, dict[str, Any]] = {}
     for rate in args.rates:
         sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed, cores=cores,
-                     solo=solo)
+                     solo=solo, speed=args.speed)
         row: dict[str, Any] = {}
         for name, router in routers(args).items():
             if only is not None and name not in only:
@@ -93,7 +97,7 @@ def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
                   f"{result.drop_rate:.1%} lpt p50 {result.lpt_p50_ms:.1f} ms", flush=True)
         table[f"{rate:g}"] = row
     return {"predictions": {"source": source}, "fleet": mapping, "cores": cores,
-            "solo_slowdown": solo, "table": table}
+            "solo_slowdown": solo, "speed": args.speed, "table": table}
 
 
 def fit_cores(args: argparse.Namespace, qos_meta: dict[str, Any],

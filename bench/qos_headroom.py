@@ -104,10 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="give every router the midpoints of the true score and "
                         "length buckets instead of --buckets' predictions (score or "
                         "length: only that half, the other still --buckets')")
-    parser.add_argument("--speed", type=float, default=1.0,
-                        help="every engine step lasts this many times the fitted model's "
-                        "(> 1: a machine slower than the fit, < 1: faster; live runs found "
-                        "both)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="run the held-out arrivals of each of these seeds (instead of "
                         "--seed's alone) and report each router's mean over them")

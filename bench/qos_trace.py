@@ -2,7 +2,7 @@
 
     python -m bench.qos_trace --checkpoint Q --baseline-checkpoint B [--rates 5]
         [--seeds 7 8 9 10 11 12] [--trace ../shared/traces/mooncake_conversation.jsonl]
-        [--speed 1.0] [--out docs/results/qos_drl/trace.json]
+        [--speed 1.0] [--out docs/results/qos_drl/trace.json]   (--speed: bench_qos's)
 
 The paper trains on Poisson arrivals at λ = 5 and then replays a real workload
 (BurstGPT) "during a period with average arrival rate λ = 5", reporting at least
@@ -82,9 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path,
                         default=REPO.parent / "shared/traces/mooncake_conversation.jsonl")
     parser.add_argument("--processes", nargs="+", choices=PROCESSES, default=list(PROCESSES))
-    parser.add_argument("--speed", type=float, default=1.0,
-                        help="every engine step lasts this many times the fitted model's "
-                        "(as bench.qos_headroom --speed: how near L each router runs)")
     parser.add_argument("--out", type=Path,
                         default=REPO / "docs/results/qos_drl/trace.json")
     parser.set_defaults(rates=[5.0])
