@@ -31,7 +31,7 @@ from bench.qos_eval import (
     round_robin,
     shortest_queue,
 )
-from bench.qos_live_report import GAIN_NOTE, LIVE_KEYS, repo_path
+from bench.qos_live_report import GAIN_NOTE, agents_of, carried_over, repo_path
 from bench.qos_setup import comparison
 from bench.qos_sim import QosSim
 from bench.qos_train import add_agent_arguments
@@ -185,6 +185,7 @@ def summary(args: argparse.Namespace, sim: dict[str, Any], latency: dict[str, fl
         "baseline_rl_checkpoint_steps": baseline_meta.get("steps"),
         "training": qos_meta, "limit_ms": args.limit_ms, "arrivals_per_run": args.arrivals,
         "lambdas": args.rates, "avg_qos": qos_at, "simulator": sim,
+        "agents": agents_of(args.checkpoint, args.baseline_checkpoint),
         "command": " ".join(["python -m bench.bench_qos", *sys.argv[1:]]), "commit": git_commit(),
     }
 
@@ -286,9 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         qos_latency.heldout_prompts(args.data, 160), args.checkpoint, args.buckets,
         args.runtime, qos_latency.RATES, args.reference_rate)
     result = summary(args, sim, latency, qos_meta, baseline_meta)
-    if args.out.exists():  # the live run's keys (bench.qos_live) survive a simulator re-run
-        previous = json.loads(args.out.read_text())
-        result |= {k: previous[k] for k in LIVE_KEYS if k in previous}
+    if args.out.exists():  # the live runs' keys (bench.qos_live) of these agents survive
+        result |= carried_over(json.loads(args.out.read_text()), result["agents"])
         result["qos_gain_vs_baseline_rl"] = result.get("qos_gain_vs_baseline_rl_live")
     write_json(args.out, result)
     args.out.with_suffix(".md").write_text(markdown(result))

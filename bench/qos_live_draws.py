@@ -21,12 +21,13 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from bench import qos_headroom, qos_live
 from bench.bench_qos import git_commit
-from bench.qos_live_report import repo_path
+from bench.qos_live_report import AGENT_KEYS, agents_of, repo_path, same_agents
 from bench.qos_train import add_agent_arguments, default_checkpoint
 from bench.results import write_json
 from predictors.cli import DEFAULT_DATA, REPO
@@ -35,25 +36,25 @@ RESULTS = REPO / "docs" / "results"
 AGENTS = ("qos_drl", "baseline_rl")
 
 
-def default_checkpoints() -> tuple[str, str]:
-    return repo_path(default_checkpoint(False)), repo_path(default_checkpoint(True))
+def default_checkpoints() -> dict[str, str]:
+    return {"checkpoint": repo_path(default_checkpoint(False)),
+            "baseline_checkpoint": repo_path(default_checkpoint(True))}
 
 
 def live_qos(path: Path, seed: int, rate: str, arrivals: int,
-             checkpoints: tuple[str, str] | None = None) -> dict[str, float] | None:
+             agents: Mapping[str, str] | None = None) -> dict[str, float] | None:
     """The two agents' live average QoS at λ `rate` from a `bench.qos_live` JSON of
-    this draw (seed and number of arrivals) and these agents (`checkpoints`, repository
-    paths, default `laneway train qos-drl`'s), or None when the file is missing or is of
-    another draw or other agents. A file that names no agents predates the field and was
-    made with the default ones."""
+    this draw (seed and number of arrivals) and these agents (`agents_of`'s, default
+    `laneway train qos-drl`'s paths), or None when the file is missing or is of another
+    draw or other agents (`same_agents`). A file that names no agents predates the field
+    and was made with the default ones."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
     row = data.get("table", {}).get(rate, {})
-    defaults = default_checkpoints()
-    recorded = (data.get("checkpoint", defaults[0]), data.get("baseline_checkpoint", defaults[1]))
+    recorded = default_checkpoints() | {k: data[k] for k in AGENT_KEYS if k in data}
     if ((data.get("seed"), data.get("arrivals_per_run")) != (seed, arrivals)
-            or recorded != (checkpoints or defaults)
+            or not same_agents(recorded, agents or default_checkpoints())
             or any(agent not in row for agent in AGENTS)):
         return None
     return {agent: row[agent]["avg_qos"] for agent in AGENTS}
@@ -79,7 +80,7 @@ def gain(qos: dict[str, float]) -> float:
 def draw(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rate = f"{args.rate:g}"
     here = args.dir / f"seed{seed}"
-    agents = (repo_path(args.checkpoint), repo_path(args.baseline_checkpoint))
+    agents = agents_of(args.checkpoint, args.baseline_checkpoint)
     live = (live_qos(args.full_run, seed, rate, args.arrivals, agents)
             or live_qos(here / "qos_live.json", seed, rate, args.arrivals, agents))
     if live is None:
@@ -125,7 +126,8 @@ def merge(path: Path, result: dict[str, Any]) -> None:
     data = json.loads(path.read_text()) if path.exists() else {}
     data["qos_gain_vs_baseline_rl_live_draws_mean"] = result["summary"]["gain_live_mean"]
     data["live_draws"] = {key: result[key] for key in
-                          ("lambda", "arrivals", "summary", "draws", "command", "commit")}
+                          ("lambda", "arrivals", "summary", "draws", *AGENT_KEYS,
+                           "command", "commit") if key in result}
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     draws = [draw(args, seed) for seed in args.seeds]
     result = {"lambda": args.rate, "arrivals": args.arrivals, "draws": draws,
-              "summary": summarize(draws),
+              "summary": summarize(draws), **agents_of(args.checkpoint, args.baseline_checkpoint),
               "command": " ".join(["python -m bench.qos_live_draws",
                                    *(sys.argv[1:] if argv is None else argv)]),
               "commit": git_commit()}

@@ -5,6 +5,7 @@ the simulator's docs/results/qos_drl.json."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -30,17 +31,56 @@ def repo_path(path: Path) -> str:
         else str(path)
 
 
+AGENT_DIGESTS = ("checkpoint_sha256", "baseline_checkpoint_sha256")
+AGENT_KEYS = ("checkpoint", "baseline_checkpoint", *AGENT_DIGESTS)
+
+
+def agents_of(checkpoint: Path, baseline: Path) -> dict[str, str]:
+    """Which two agents a run used: the checkpoints' paths and the first 16 hex digits of
+    their SHA-256 (the path alone outlives a retraining)."""
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+    return {"checkpoint": repo_path(checkpoint), "checkpoint_sha256": digest(checkpoint),
+            "baseline_checkpoint": repo_path(baseline),
+            "baseline_checkpoint_sha256": digest(baseline)}
+
+
+def same_agents(recorded: Mapping[str, Any], agents: Mapping[str, str]) -> bool:
+    """Whether a result that `recorded` its agents was made with `agents` (agents_of's
+    keys): by the checkpoints' digests when both name them, else by their paths."""
+    if all(key in recorded and key in agents for key in AGENT_DIGESTS):
+        return all(recorded[key] == agents[key] for key in AGENT_DIGESTS)
+    return all(recorded.get(key) == agents.get(key)
+               for key in ("checkpoint", "baseline_checkpoint"))
+
+
 def live_keys(name: str) -> tuple[str, str, str]:
     """(gain vs Baseline RL, beats every baseline, the run) keys of live run `name`."""
     return (f"qos_gain_vs_baseline_rl_{name}", f"beats_all_baselines_every_lambda_{name}",
             name)
 
 
-# what the live runs add to qos_drl.json (and a simulator re-run keeps): the emulated
-# fleet's as "live" (the issue's qos_gain_vs_baseline_rl), the real fleet's as "live_real",
-# the arrival draws of bench.qos_live_draws as "live_draws"
-LIVE_KEYS = (*live_keys("live"), *live_keys("live_real"), "live_draws",
-             "qos_gain_vs_baseline_rl_live_draws_mean")
+# what the live runs add to qos_drl.json: the emulated fleet's as "live" (the issue's
+# qos_gain_vs_baseline_rl), the real fleet's as "live_real", the arrival draws of
+# bench.qos_live_draws as "live_draws"
+DRAW_KEYS = ("live_draws", "qos_gain_vs_baseline_rl_live_draws_mean")
+
+
+def carried_over(previous: Mapping[str, Any], agents: Mapping[str, str]) -> dict[str, Any]:
+    """The live keys of an earlier qos_drl.json that a simulator re-run with `agents`
+    keeps: the emulated fleet's run and its draws only if made with the same two agents
+    (runs that name none are of agents no longer known), the real fleet's always (its
+    agents are the tiny fleet's own)."""
+    kept = {key: previous[key] for key in live_keys("live_real") if key in previous}
+    for run, keys in (("live", live_keys("live")), ("live_draws", DRAW_KEYS)):
+        if run in previous and same_agents(previous[run], agents):
+            kept |= {key: previous[key] for key in keys if key in previous}
+        elif run in previous:
+            print(f"dropping {run} from the earlier results: made with other agents")
+    return kept
+
+
 GAIN_NOTE = ("qos_gain_vs_baseline_rl is the live run's (make bench-qos-live, "
              "= qos_gain_vs_baseline_rl_live); the simulator's: qos_gain_vs_baseline_rl_sim")
 
@@ -76,8 +116,7 @@ def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, An
             "arrivals_per_run": args.arrivals, "lambdas": [float(r) for r in rates],
             "seed": args.seed, "arrival_process": arrival_process(args),
             "answer_cap_tokens": cap, "policies": list(table[rates[0]]),
-            "checkpoint": repo_path(args.checkpoint),
-            "baseline_checkpoint": repo_path(args.baseline_checkpoint),
+            **agents_of(args.checkpoint, args.baseline_checkpoint),
             "avg_qos": {r: {p: v["avg_qos"] for p, v in table[r].items()} for r in rates},
             "table": table,
             "command": " ".join(["python -m bench.qos_live", *sys.argv[1:]]),
@@ -114,7 +153,8 @@ def merge(path: Path, result: dict[str, Any], name: str = "live") -> None:
             data["qos_gain_vs_baseline_rl_note"] = GAIN_NOTE
     data[run_key] = {k: result[k] for k in ("reference_lambda", "fleet", "limit_ms",
                                             "arrivals_per_run", "lambdas", "table",
-                                            "command", "commit")}
+                                            *AGENT_KEYS, "command", "commit")
+                     if k in result}
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 

@@ -5,6 +5,7 @@ one small run through `laneway serve` against an emulated two-expert fleet."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from bench import qos_live_report
 from bench.emulator.profile import load_profile
 from bench.qos_live import (
     agent_option,
@@ -30,10 +32,17 @@ from bench.qos_live_client import (
     schedule,
     token_count,
 )
-from bench.qos_live_report import GAIN_NOTE, beats_all, markdown, merge, report, summarize
+from bench.qos_live_report import (
+    GAIN_NOTE,
+    beats_all,
+    carried_over,
+    markdown,
+    merge,
+    report,
+    summarize,
+)
 from bench.qos_setup import fit_coefficients
 from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim, TraceArrivals
-from predictors.cli import REPO
 
 EXPERTS = ["fast", "slow"]
 
@@ -125,7 +134,13 @@ def test_summary_counts_drops_and_failures_as_zero() -> None:
 
 
 def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(qos_live_report, "REPO", tmp_path / "repo")
+    checkpoint, baseline = tmp_path / "repo/.laneway/policies/a/best.pt", tmp_path / "b.pt"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"agent a")
+    baseline.write_bytes(b"agent b")
+
     def row(qos_drl: float, baseline: float) -> dict[str, dict[str, object]]:
         base = summarize(records(), 2, 0.03)
         return {"qos_drl": {**base, "avg_qos": qos_drl},
@@ -133,17 +148,19 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
 
     args = argparse.Namespace(reference_rate=None, fleet="emulated", variants="small",
                               limit_ms=30.0, arrivals=4, seed=7,
-                              checkpoint=REPO / ".laneway/policies/a/best.pt",
-                              baseline_checkpoint=Path("/elsewhere/b/best.pt"))
+                              checkpoint=checkpoint, baseline_checkpoint=baseline)
     table = {"2": row(0.3, 0.2), "5": row(0.3, 0.4), "8": row(0.1, 0.1)}
     result = report(args, EXPERTS, table, None, {e: "t4" for e in EXPERTS})
     assert result["reference_lambda"] == 5.0
     assert result["fleet"] == {"kind": "emulated", "backends": {e: "t4" for e in EXPERTS}}
     assert result["qos_gain_vs_baseline_rl_live"] == pytest.approx(-0.25)
     assert result["avg_qos"]["2"] == {"qos_drl": 0.3, "baseline_rl": 0.2}
-    # the agents, by repository path when inside it (draws are matched on them)
+    # the agents, by repository path when inside it, and by digest (draws and simulator
+    # re-runs are matched on them)
     assert result["checkpoint"] == ".laneway/policies/a/best.pt"
-    assert result["baseline_checkpoint"] == "/elsewhere/b/best.pt"
+    assert result["baseline_checkpoint"] == str(baseline)
+    assert result["checkpoint_sha256"] == hashlib.sha256(b"agent a").hexdigest()[:16]
+    assert result["baseline_checkpoint_sha256"] != result["checkpoint_sha256"]
     simulated = tmp_path / "qos_drl.json"
     simulated.write_text(json.dumps({"qos_gain_vs_baseline_rl_sim": -0.33, "commit": "abc",
                                      "qos_gain_vs_baseline_rl_note": "live not done"}))
@@ -160,6 +177,7 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
     other = {"2": {**row(0.3, 0.2), "qos_drl_other": {"avg_qos": 0.9}}}
     assert beats_all(other) is True
     assert merged["live"]["table"]["5"]["baseline_rl"]["avg_qos"] == 0.4
+    assert merged["live"]["checkpoint_sha256"] == result["checkpoint_sha256"]
     real = {**result, "qos_gain_vs_baseline_rl_live": 0.5}
     merge(simulated, real, "live_real")  # the real fleet's run sits beside the emulated one
     merged = json.loads(simulated.read_text())
@@ -171,6 +189,24 @@ def test_report_gain_at_the_middle_lambda_and_merge_keeps_existing_keys(
     assert "Poisson arrivals per run (seed" in text
     bursts = markdown({**result, "arrival_process": "traces/t.jsonl, in bursts"})
     assert "arrivals of the trace traces/t.jsonl, in bursts, per run (seed" in bursts
+
+
+def test_a_simulator_rerun_keeps_only_the_live_runs_of_its_own_agents() -> None:
+    agents = {"checkpoint": "q.pt", "checkpoint_sha256": "aa",
+              "baseline_checkpoint": "b.pt", "baseline_checkpoint_sha256": "bb"}
+    retrained = agents | {"checkpoint_sha256": "cc"}  # the same path, other weights
+    previous = {"qos_gain_vs_baseline_rl_live": 0.1, "beats_all_baselines_every_lambda_live":
+                True, "live": dict(agents), "qos_gain_vs_baseline_rl_live_real": 0.2,
+                "live_real": {"commit": "x"},  # the tiny fleet's own agents: always kept
+                "live_draws": {"draws": []},  # names no agents: of ones no longer known
+                "qos_gain_vs_baseline_rl_live_draws_mean": 0.3, "training_steps": 5}
+    kept = carried_over(previous, agents)
+    assert set(kept) == {"qos_gain_vs_baseline_rl_live", "beats_all_baselines_every_lambda_live",
+                         "live", "qos_gain_vs_baseline_rl_live_real", "live_real"}
+    assert set(carried_over(previous, retrained)) == {"qos_gain_vs_baseline_rl_live_real",
+                                                      "live_real"}
+    previous["live_draws"] |= agents
+    assert "qos_gain_vs_baseline_rl_live_draws_mean" in carried_over(previous, agents)
 
 
 def test_a_small_live_run_through_the_proxy(tmp_path: Path) -> None:

@@ -15,6 +15,11 @@ from bench.qos_live_report import repo_path
 from bench.qos_train import default_checkpoint
 
 
+def agents_by_path(checkpoint: Path, baseline: Path) -> dict[str, str]:
+    """agents_of without the digests (these tests' checkpoints are names only)."""
+    return {"checkpoint": repo_path(checkpoint), "baseline_checkpoint": repo_path(baseline)}
+
+
 def live_json(path: Path, seed: int, table: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"seed": seed, "arrivals_per_run": 600, "table": table}))
@@ -37,15 +42,20 @@ def test_live_qos_reads_only_its_own_draw_and_rate_with_both_agents(tmp_path: Pa
 def test_live_qos_reads_only_the_agents_it_was_asked_for(tmp_path: Path) -> None:
     old = live_json(tmp_path / "old.json", 7, {"5": ROW})  # recorded no checkpoints
     assert live_qos(old, 7, "5", 600) == {"qos_drl": 0.36, "baseline_rl": 0.30}
-    paper = (".laneway/policies/qos-drl-paper/best.pt",
-             ".laneway/policies/qos-baseline-rl-paper/best.pt")
+    paper = {"checkpoint": ".laneway/policies/qos-drl-paper/best.pt",
+             "baseline_checkpoint": ".laneway/policies/qos-baseline-rl-paper/best.pt"}
     assert live_qos(old, 7, "5", 600, paper) is None  # made with the default agents
-    data = json.loads(old.read_text()) | {"checkpoint": paper[0],
-                                          "baseline_checkpoint": paper[1]}
+    data = json.loads(old.read_text()) | paper
     new = tmp_path / "new.json"
     new.write_text(json.dumps(data))
     assert live_qos(new, 7, "5", 600, paper) == {"qos_drl": 0.36, "baseline_rl": 0.30}
     assert live_qos(new, 7, "5", 600) is None
+    # with digests, the same paths after a retraining are other agents
+    digests = {"checkpoint_sha256": "aa", "baseline_checkpoint_sha256": "bb"}
+    new.write_text(json.dumps(data | digests))
+    assert live_qos(new, 7, "5", 600, paper | digests) == {"qos_drl": 0.36,
+                                                           "baseline_rl": 0.30}
+    assert live_qos(new, 7, "5", 600, paper | digests | {"checkpoint_sha256": "cc"}) is None
 
 
 def draws() -> list[dict[str, Any]]:
@@ -89,6 +99,7 @@ def test_a_draw_reuses_the_full_run_or_an_earlier_result_and_runs_nothing_live(
     def no_live_run(argv: list[str]) -> int:
         raise AssertionError(f"ran live: {argv}")
 
+    monkeypatch.setattr(qos_live_draws, "agents_of", agents_by_path)
     monkeypatch.setattr(qos_live_draws.qos_live, "main", no_live_run)
     monkeypatch.setattr(qos_live_draws, "simulated_qos",
                         lambda args, seed, out: {"qos_drl": 0.4, "baseline_rl": 0.32})
@@ -118,6 +129,7 @@ def test_a_missing_draw_runs_live_with_the_agents_asked_for(
         out.write_text(json.dumps(data))
         return 0
 
+    monkeypatch.setattr(qos_live_draws, "agents_of", agents_by_path)
     monkeypatch.setattr(qos_live_draws.qos_live, "main", live_run)
     monkeypatch.setattr(qos_live_draws, "simulated_qos",
                         lambda args, seed, out: {"qos_drl": 0.4, "baseline_rl": 0.4})
