@@ -61,9 +61,9 @@ def live_keys(name: str) -> tuple[str, str, str]:
             name)
 
 
-# what the live runs add to qos_drl.json: the emulated fleet's as "live" (the issue's
-# qos_gain_vs_baseline_rl), the real fleet's as "live_real", the arrival draws of
-# bench.qos_live_draws as "live_draws"
+# what the live runs add to qos_drl.json: the emulated fleet's run under live_keys("live")
+# (the qos_gain_vs_baseline_rl), the real fleet's under live_keys("live_real"),
+# the arrival draws of bench.qos_live_draws under these
 DRAW_KEYS = ("live_draws", "qos_gain_vs_baseline_rl_live_draws_mean")
 
 
