@@ -48,9 +48,10 @@ def agents_of(checkpoint: Path, baseline: Path) -> dict[str, str]:
 
 def same_agents(recorded: Mapping[str, Any], agents: Mapping[str, str]) -> bool:
     """Whether a result that `recorded` its agents was made with `agents` (agents_of's
-    keys): by the checkpoints' digests when both name them, else by their paths."""
-    if all(key in recorded and key in agents for key in AGENT_DIGESTS):
-        return all(recorded[key] == agents[key] for key in AGENT_DIGESTS)
+    keys): by the checkpoints' digests when `agents` names them (a result that names
+    none is of weights no longer known, whatever its paths), else by their paths."""
+    if any(key in agents for key in AGENT_DIGESTS):
+        return all(recorded.get(key) == agents.get(key) for key in AGENT_DIGESTS)
     return all(recorded.get(key) == agents.get(key)
                for key in ("checkpoint", "baseline_checkpoint"))
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench import qos_live_draws
-from bench.qos_live_draws import live_qos, markdown, merge, summarize
+from bench.qos_live_draws import default_checkpoints, live_qos, markdown, merge, summarize
 from bench.qos_live_report import repo_path
 from bench.qos_train import default_checkpoint
 
@@ -56,6 +56,8 @@ def test_live_qos_reads_only_the_agents_it_was_asked_for(tmp_path: Path) -> None
     assert live_qos(new, 7, "5", 600, paper | digests) == {"qos_drl": 0.36,
                                                            "baseline_rl": 0.30}
     assert live_qos(new, 7, "5", 600, paper | digests | {"checkpoint_sha256": "cc"}) is None
+    # a file without digests is of weights no longer known: not these, whatever its paths
+    assert live_qos(old, 7, "5", 600, default_checkpoints() | digests) is None
 
 
 def draws() -> list[dict[str, Any]]:
