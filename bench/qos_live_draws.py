@@ -47,7 +47,7 @@ def live_qos(path: Path, seed: int, rate: str, arrivals: int,
     this draw (seed and number of arrivals) and these agents (`agents_of`'s, default
     `laneway train qos-drl`'s paths), or None when the file is missing or is of another
     draw or other agents (`same_agents`). A file that names no agents predates the field
-    and was made with the default ones."""
+    and was made with the default ones: it matches only agents asked for by path alone."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
@@ -127,7 +127,7 @@ def merge(path: Path, result: dict[str, Any]) -> None:
     data["qos_gain_vs_baseline_rl_live_draws_mean"] = result["summary"]["gain_live_mean"]
     data["live_draws"] = {key: result[key] for key in
                           ("lambda", "arrivals", "summary", "draws", *AGENT_KEYS,
-                           "command", "commit") if key in result}
+                           "command", "commit")}
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 

@@ -154,8 +154,7 @@ def merge(path: Path, result: dict[str, Any], name: str = "live") -> None:
             data["qos_gain_vs_baseline_rl_note"] = GAIN_NOTE
     data[run_key] = {k: result[k] for k in ("reference_lambda", "fleet", "limit_ms",
                                             "arrivals_per_run", "lambdas", "table",
-                                            *AGENT_KEYS, "command", "commit")
-                     if k in result}
+                                            *AGENT_KEYS, "command", "commit")}
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 

@@ -84,7 +84,9 @@ def test_merge_keeps_the_full_runs_headline(tmp_path: Path) -> None:
     path = tmp_path / "qos_drl.json"
     path.write_text(json.dumps({"qos_gain_vs_baseline_rl": 0.078, "training_steps": 5}))
     result = {"lambda": 5.0, "arrivals": 600, "draws": draws(),
-              "summary": summarize(draws()), "command": "c", "commit": "x"}
+              "summary": summarize(draws()), "command": "c", "commit": "x",
+              **agents_by_path(Path("q.pt"), Path("b.pt")),
+              "checkpoint_sha256": "aa", "baseline_checkpoint_sha256": "bb"}
     merge(path, result)
     data = json.loads(path.read_text())
     assert data["qos_gain_vs_baseline_rl"] == 0.078 and data["training_steps"] == 5
