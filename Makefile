@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-migration bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -234,6 +234,34 @@ bench-qos-seeds: install
 	done
 	$(PY) -m bench.qos_seeds $(foreach s,$(QOS_SEEDS),$(QOS_SEED_RESULTS)/trace_12_draws_seed$(s).json) \
 		--out $(QOS_SEED_RESULTS)/seeds.json
+
+# the paper's ablation (§VI-C, Fig. 17; docs/qos_drl.md, "The paper's ablation"):
+# "Baseline RL + DSA" (qos_drl's HAN state, Baseline RL's completed-QoS reward) trained
+# 152 k decisions with each seed of QOS_SEEDS (side by side, ~1 h for five), each on the
+# same twelve draws against that seed's Baseline RL (~10 min), then Baseline RL → + DSA
+# → + QoS-aware reward per seed; needs bench-qos-seeds' runs and checkpoints
+# → docs/results/qos_drl_ablation/trace_12_draws_dsa_seedS.json, ablation.json
+QOS_ABLATION_RESULTS := docs/results/qos_drl_ablation
+bench-qos-ablation: install
+	pids=; for s in $(QOS_SEEDS); do \
+		$(VENV)/bin/laneway train qos-drl --reward completed \
+			--data $(SHARED)/data/alpaca_eval_experts.jsonl \
+			--steps 152000 --keep-best 5 --minutes 150 --seed $$s \
+			--out $(QOS_POLICIES)/qos-dsa-152k-s$$s & pids="$$pids $$!"; \
+	done; \
+	for pid in $$pids; do wait $$pid || exit 1; done
+	for s in $(QOS_SEEDS); do \
+		$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+			--checkpoint $(QOS_POLICIES)/qos-dsa-152k-s$$s/best.pt \
+			--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s/best.pt \
+			--trace $(SHARED)/traces/mooncake_conversation.jsonl \
+			--seeds 7 8 9 10 11 12 13 14 15 16 17 18 \
+			--out $(QOS_ABLATION_RESULTS)/trace_12_draws_dsa_seed$$s.json || exit 1; \
+	done
+	$(PY) -m bench.qos_ablation \
+		--full $(foreach s,$(QOS_SEEDS),$(QOS_SEED_RESULTS)/trace_12_draws_seed$(s).json) \
+		--dsa $(foreach s,$(QOS_SEEDS),$(QOS_ABLATION_RESULTS)/trace_12_draws_dsa_seed$(s).json) \
+		--out $(QOS_ABLATION_RESULTS)/ablation.json
 
 # the same comparison live: Poisson arrivals through `laneway serve` (model group
 # "experts") to an emulated fleet with one instance per expert; QoS as the client sees

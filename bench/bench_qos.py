@@ -36,7 +36,7 @@ from bench.qos_setup import comparison
 from bench.qos_sim import QosSim
 from bench.qos_train import add_agent_arguments
 from bench.results import write_json
-from policies.qos_sac import load_checkpoint
+from policies.qos_sac import SacAgent, load_checkpoint
 from predictors.base import BUCKET_ESTIMATES
 from predictors.buckets_cli import distilled_artifact
 from predictors.cli import DEFAULT_DATA, REPO
@@ -44,11 +44,19 @@ from predictors.cli import DEFAULT_DATA, REPO
 RESULTS = REPO / "docs" / "results"
 
 
-def routers(args: argparse.Namespace) -> dict[str, Router]:
+def load_agents(args: argparse.Namespace) -> tuple[SacAgent, SacAgent]:
+    """qos_drl's and Baseline RL's agents, loaded once for every draw of a run."""
+    return load_checkpoint(args.checkpoint)[0], load_checkpoint(args.baseline_checkpoint)[0]
+
+
+def routers(args: argparse.Namespace, agents: tuple[SacAgent, SacAgent]
+            ) -> dict[str, Router]:
+    """Every router of a comparison, fresh for one draw: the routers with state (round
+    robin's turn, the BERT router's ties, the sampled actor's generator) start anew;
+    the greedy agents, which keep none, are `agents`."""
     import torch
 
-    qos_agent, _ = load_checkpoint(args.checkpoint)
-    baseline_agent, _ = load_checkpoint(args.baseline_checkpoint)
+    qos_agent, baseline_agent = agents
     torch.manual_seed(args.seed)
     # qos_drl_sampled: the same actor sampling its softmax (a diagnostic row; the policy
     # and every comparison use the greedy action)
@@ -84,11 +92,12 @@ def run_simulator(args: argparse.Namespace, qos_meta: dict[str, Any],
     (mapping, cores, solo), specs, heldout, source = setup
     cores = args.cores if args.cores is not None else cores
     table: dict[str, dict[str, Any]] = {}
+    agents = load_agents(args)
     for rate in args.rates:
         sim = QosSim(specs, heldout, rate, args.limit_ms / 1000, seed=args.seed, cores=cores,
                      solo=solo, speed=args.speed)
         row: dict[str, Any] = {}
-        for name, router in routers(args).items():
+        for name, router in routers(args, agents).items():
             if only is not None and name not in only:
                 continue
             result: EvalResult = evaluate(sim, router, args.arrivals)

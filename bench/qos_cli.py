@@ -23,6 +23,12 @@ def add_train(train_parsers: Any) -> None:
                    "policy and the benchmarks then read with the same estimate)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--baseline", action="store_true", help="train Baseline RL instead")
+    p.add_argument("--reward", choices=("qos-aware", "completed"), default=None,
+                   help="the reward trained on: qos-aware (Eq. 16: completed QoS minus the "
+                   "action impact estimate) or completed (Baseline RL's: completed QoS "
+                   "only); default: qos-aware, completed with --baseline. qos_drl's "
+                   "state with --reward completed is the paper's ablation \"Baseline RL + "
+                   "DSA\" (§VI-C, Fig. 17)")
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget")
     p.add_argument("--fleet", choices=("gpu", "paper", "tiny"), default="gpu",

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.bench_qos import add_simulator_arguments, git_commit, routers
+from bench.bench_qos import add_simulator_arguments, git_commit, load_agents, routers
 from bench.qos_eval import beats_every_baseline, evaluate
 from bench.qos_live_report import repo_path
 from bench.qos_setup import comparison
@@ -97,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     processes = {k: v for k, v in arrival_processes(trace_times(args.trace), args.arrivals)
                  .items() if k in args.processes}
     table: dict[str, dict[str, Any]] = {}
+    agents = load_agents(args)
     for process, trace in processes.items():
         for rate in args.rates:
             cells: dict[str, list[float]] = {}
             for seed in args.seeds:
                 sim = QosSim(specs, heldout, rate, limit_s, seed=seed, cores=cores, solo=solo,
                              speed=args.speed, trace=trace)
-                for name, router in routers(args).items():
+                for name, router in routers(args, agents).items():
                     cells.setdefault(name, []).append(evaluate(sim, router, args.arrivals).avg_qos)
                 print(f"{process} λ={rate:g} seed {seed}: " + ", ".join(
                     f"{k} {v[-1]:.3f}" for k, v in cells.items()), flush=True)

@@ -5,7 +5,9 @@ training prompts; after `--warmup` random actions, one SAC update per decision.
 Every `--eval-every` steps the greedy agent runs on the held-out prompts; the best
 is kept (the paper: "save the models that achieve the best evaluation results"),
 the latest too, and a learning curve PNG is drawn. `--baseline` trains the paper's
-Baseline RL instead (expert-level MLP, completed-QoS reward).
+Baseline RL instead (expert-level MLP, completed-QoS reward). `--reward completed`
+without `--baseline` is the paper's ablation "Baseline RL + DSA" (§VI-C, Fig. 17): the
+HAN state with Baseline RL's reward.
 """
 
 from __future__ import annotations
@@ -42,6 +44,22 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-checkpoint", type=Path, default=default_checkpoint(True))
 
 
+def reward_of(args: argparse.Namespace) -> str:
+    """`--reward`, or the paper's pairing when not given: Eq. 16 for qos_drl, the
+    completed QoS for Baseline RL."""
+    chosen = getattr(args, "reward", None)
+    return str(chosen) if chosen else ("completed" if args.baseline else "qos-aware")
+
+
+def agent_title(baseline: bool, reward_name: str) -> str:
+    """What a run trains, by the paper's names (§VI-C)."""
+    if baseline:
+        return "Baseline RL" + (" + QoS-aware reward" if reward_name == "qos-aware" else "")
+    if reward_name == "completed":
+        return "Baseline RL + DSA (HAN + discrete SAC, completed-QoS reward)"
+    return "qos_drl (HAN + discrete SAC)"
+
+
 def _progress(step: int, first: int, total: int, started: float, note: str) -> None:
     """The bar at `step` of `total`; the rate counts this run's steps (from `first`)."""
     done = step / total
@@ -74,6 +92,7 @@ def train(args: argparse.Namespace) -> int:
     eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores,
                       solo=solo, speed=args.speed)
     agent = SacAgent(SacConfig(n_experts=len(experts), graph=not args.baseline))
+    reward_name = reward_of(args)
     sim.arrive()
     state = sim.state()
     replay = Replay(args.buffer, state, args.seed)
@@ -84,7 +103,8 @@ def train(args: argparse.Namespace) -> int:
             **hardware, "speed": args.speed, "speed_jitter": args.speed_jitter,
             "k": {s.name: [s.k.k1, s.k.k2] for s in specs}, "rate": args.rate,
             "limit_ms": args.limit_ms, "predictions": source,
-            "bucket_estimate": args.bucket_estimate, "baseline": args.baseline}
+            "bucket_estimate": args.bucket_estimate, "baseline": args.baseline,
+            "reward": reward_name}
     step = resume(args, agent, curve, meta)
     if args.resume and (args.out / "best.pt").exists():
         best = float(torch.load(args.out / "best.pt", weights_only=True)["meta"]["eval_qos"])
@@ -98,7 +118,7 @@ def train(args: argparse.Namespace) -> int:
             action = agent.act(batch_states([state]), greedy=False)[0]
         penalty = sim.route(action)
         sim.arrive()
-        r = reward(sim.take_completed(), penalty, qos_aware=not args.baseline)
+        r = reward(sim.take_completed(), penalty, qos_aware=reward_name == "qos-aware")
         in_episode += 1
         done = in_episode >= args.episode
         next_state = sim.state()
@@ -132,7 +152,7 @@ def train(args: argparse.Namespace) -> int:
     meta.update(steps=step, train_s=round(time.monotonic() - started, 1), best_eval_qos=best)
     save_checkpoint(args.out / "last.pt", agent, meta)
     (args.out / "curve.json").write_text(json.dumps({**curve, "meta": meta}) + "\n")
-    plot_curve(curve, args.out / "learning_curve.png", args.baseline)
+    plot_curve(curve, args.out / "learning_curve.png", agent_title(args.baseline, reward_name))
     print(f"\ntrained {step} steps in {meta['train_s']} s; best held-out QoS {best:.3f}; "
           f"wrote {args.out}")
     return 0
@@ -187,7 +207,7 @@ def resume(args: argparse.Namespace, agent: SacAgent, curve: dict[str, list[Any]
     return int(blob["meta"]["steps"])
 
 
-def plot_curve(curve: dict[str, list[Any]], path: Path, baseline: bool) -> None:
+def plot_curve(curve: dict[str, list[Any]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,7 +219,7 @@ def plot_curve(curve: dict[str, list[Any]], path: Path, baseline: bool) -> None:
     bottom.plot(curve["eval_step"], curve["eval_qos"], marker=".")
     bottom.set_ylabel("held-out avg QoS (greedy)")
     bottom.set_xlabel("training steps (decisions)")
-    top.set_title("Baseline RL" if baseline else "qos_drl (HAN + discrete SAC)")
+    top.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,12 +20,24 @@ DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
 
 
 @pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
-@pytest.mark.parametrize(("baseline", "jitter", "estimate", "speed"),
-                         [(False, 0.0, "expected", 1.0), (True, 0.4, "midpoint", 0.6)])
-def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool,
-                                                  jitter: float, estimate: str,
-                                                  speed: float) -> None:
-    args = argparse.Namespace(
+@pytest.mark.parametrize(("baseline", "jitter", "estimate", "speed", "reward", "trained_on"),
+                         [(False, 0.0, "expected", 1.0, None, "qos-aware"),
+                          (True, 0.4, "midpoint", 0.6, None, "completed"),
+                          (False, 0.0, "midpoint", 1.0, "completed", "completed")])
+def test_a_short_run_on_the_tiny_fleet_records_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, baseline: bool, jitter: float,
+        estimate: str, speed: float, reward: str | None, trained_on: str) -> None:
+    import bench.qos_train
+
+    asked: set[bool] = set()
+
+    def recording_reward(completed: Any, penalty: float, qos_aware: bool = True) -> float:
+        asked.add(qos_aware)
+        return eq16(completed, penalty, qos_aware=qos_aware)
+
+    eq16 = bench.qos_train.reward
+    monkeypatch.setattr(bench.qos_train, "reward", recording_reward)
+    args = argparse.Namespace(reward=reward,
         data=DATA, buckets=tmp_path / "none", out=tmp_path / "run", baseline=baseline,
         steps=240, minutes=5.0, fleet="tiny", rate=1.0, limit_ms=10.0, episode=100,
         warmup=100, batch=16, update_every=4, buffer=1000, eval_every=120,
@@ -33,6 +46,9 @@ def test_a_short_run_on_the_tiny_fleet_records_it(tmp_path: Path, baseline: bool
     assert train(args) == 0
     meta = load_checkpoint(tmp_path / "run" / "last.pt")[1]
     assert meta["steps"] == 240 and meta["limit_ms"] == 10.0 and meta["baseline"] is baseline
+    # the reward: Eq. 16 for qos_drl, completed QoS for Baseline RL and for the paper's
+    # ablation "Baseline RL + DSA" (qos_drl's state, --reward completed)
+    assert meta["reward"] == trained_on and asked == {trained_on == "qos-aware"}
     assert meta["speed_jitter"] == jitter and meta["speed"] == speed
     assert checkpoint_estimate(meta) == estimate  # what the policy and the benches read
     assert trained_fleet(meta) == (TINY_FLEET, TINY_CORES, TINY_SOLO_SLOWDOWN)

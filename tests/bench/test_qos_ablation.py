@@ -1,0 +1,45 @@
+"""`bench.qos_ablation`: the paper's Fig. 17 steps from qos_trace runs of three agents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.qos_ablation import summarize
+
+
+def run(agent: float, baseline_rl: float, baseline: str = "b1.pt",
+        bert: float = 0.2) -> dict[str, Any]:
+    """A qos_trace run of one draw; `agent` is what it calls qos_drl."""
+    fixed = {"bert_router": [bert], "round_robin": [0.1], "shortest_queue": [0.1]}
+    row = {"avg_qos_mean": {"qos_drl": agent, "baseline_rl": baseline_rl, "bert_router": bert,
+                            "round_robin": 0.1, "shortest_queue": 0.1},
+           "avg_qos_draws": {"qos_drl": [agent], "baseline_rl": [baseline_rl], **fixed}}
+    return {"table": {"poisson": {"5": row}}, "seeds": [7], "arrivals_per_draw": 600,
+            "trace": "t", "fleet": {}, "limit_ms": 30.0, "predictions": "p",
+            "checkpoint": "a.pt", "baseline_checkpoint": baseline}
+
+
+def test_each_step_is_set_against_the_one_below_it_seed_by_seed() -> None:
+    full = [run(0.45, 0.30), run(0.40, 0.40, baseline="b2.pt")]
+    dsa = [run(0.36, 0.30), run(0.32, 0.40, baseline="b2.pt")]
+    row = summarize(full, dsa)["poisson"]["5"]
+    assert row["qos"] == {"baseline_rl": [0.30, 0.40], "dsa": [0.36, 0.32],
+                          "qos_drl": [0.45, 0.40]}
+    assert row["mean"]["dsa"] == pytest.approx(0.34)
+    assert row["dsa_vs_baseline_rl"]["paired"] == pytest.approx([0.2, -0.2])
+    assert row["qos_aware_vs_dsa"]["paired"] == pytest.approx([0.25, 0.25])
+    assert row["qos_aware_vs_dsa"]["of_means"] == pytest.approx(0.425 / 0.34 - 1)
+    assert row["qos_drl_vs_baseline_rl"]["of_means"] == pytest.approx(0.425 / 0.35 - 1)
+
+
+def test_a_seed_whose_two_runs_saw_different_baselines_is_refused() -> None:
+    with pytest.raises(ValueError, match="Baseline RL b1.pt against b2.pt"):
+        summarize([run(0.45, 0.30)], [run(0.36, 0.30, baseline="b2.pt")])
+    with pytest.raises(ValueError, match="scores differ"):
+        summarize([run(0.45, 0.30)], [run(0.36, 0.31)])
+    with pytest.raises(ValueError, match="1 --full runs against 2"):
+        summarize([run(0.45, 0.30)], [run(0.36, 0.30), run(0.36, 0.30)])
+    with pytest.raises(ValueError, match="bert_router"):  # not the same draws
+        summarize([run(0.45, 0.30)], [run(0.36, 0.30, bert=0.25)])
