@@ -216,6 +216,9 @@ bench-qos: install
 # → docs/results/qos_drl_rerun/trace_12_draws_seedS.json, seeds.json (~2.5 h for five)
 QOS_SEEDS ?= 1 2 3 4 5
 QOS_SEED_RESULTS := docs/results/qos_drl_rerun
+# a pair on the twelve draws at λ = 5 (Poisson, trace, bursts); add the checkpoints and --out
+QOS_TRACE_12 = $(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	--trace $(SHARED)/traces/mooncake_conversation.jsonl --seeds 7 8 9 10 11 12 13 14 15 16 17 18
 bench-qos-seeds: install
 	for s in $(QOS_SEEDS); do \
 		$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl \
@@ -225,11 +228,8 @@ bench-qos-seeds: install
 			--steps 152000 --keep-best 5 --minutes 150 --seed $$s \
 			--out $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s; \
 		status=$$?; wait $$! && [ $$status -eq 0 ] || exit 1; \
-		$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-			--checkpoint $(QOS_POLICIES)/qos-drl-152k-s$$s/best.pt \
+		$(QOS_TRACE_12) --checkpoint $(QOS_POLICIES)/qos-drl-152k-s$$s/best.pt \
 			--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s/best.pt \
-			--trace $(SHARED)/traces/mooncake_conversation.jsonl \
-			--seeds 7 8 9 10 11 12 13 14 15 16 17 18 \
 			--out $(QOS_SEED_RESULTS)/trace_12_draws_seed$$s.json || exit 1; \
 	done
 	$(PY) -m bench.qos_seeds $(foreach s,$(QOS_SEEDS),$(QOS_SEED_RESULTS)/trace_12_draws_seed$(s).json) \
@@ -251,11 +251,8 @@ bench-qos-ablation: install
 	done; \
 	for pid in $$pids; do wait $$pid || exit 1; done
 	for s in $(QOS_SEEDS); do \
-		$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-			--checkpoint $(QOS_POLICIES)/qos-dsa-152k-s$$s/best.pt \
+		$(QOS_TRACE_12) --checkpoint $(QOS_POLICIES)/qos-dsa-152k-s$$s/best.pt \
 			--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s/best.pt \
-			--trace $(SHARED)/traces/mooncake_conversation.jsonl \
-			--seeds 7 8 9 10 11 12 13 14 15 16 17 18 \
 			--out $(QOS_ABLATION_RESULTS)/trace_12_draws_dsa_seed$$s.json || exit 1; \
 	done
 	$(PY) -m bench.qos_ablation \

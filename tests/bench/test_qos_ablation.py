@@ -35,7 +35,7 @@ def test_each_step_is_set_against_the_one_below_it_seed_by_seed() -> None:
 
 
 def test_a_seed_whose_two_runs_saw_different_baselines_is_refused() -> None:
-    with pytest.raises(ValueError, match="Baseline RL b1.pt against b2.pt"):
+    with pytest.raises(ValueError, match=r"Baseline RL b1\.pt against b2\.pt"):
         summarize([run(0.45, 0.30)], [run(0.36, 0.30, baseline="b2.pt")])
     with pytest.raises(ValueError, match="scores differ"):
         summarize([run(0.45, 0.30)], [run(0.36, 0.31)])
