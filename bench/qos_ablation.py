@@ -13,7 +13,10 @@ seed's two runs must score its Baseline RL the same on every draw (checked: the 
 checkpoint on the same arrivals). Per arrival process and λ this reports each agent's
 mean QoS per seed and over the seeds, and the two steps the paper measures, DSA over
 Baseline RL (the paper: +17.27 %) and the QoS-aware reward over DSA (+22.37 %), paired
-by seed and of the means.
+by seed and of the means. Where the trainer's `curve.json` lies beside each checkpoint
+(the runs' `.laneway/policies/...`), it also sets the three agents' learning against
+each other as the paper's Fig. 16 does: the held-out evaluations averaged over the
+seeds per window of `--window` evaluations (`learning` in the JSON, and a PNG beside it).
 """
 
 from __future__ import annotations
@@ -82,6 +85,56 @@ def summarize(full: Sequence[Mapping[str, Any]],
             for process, rates in full[0]["table"].items()}
 
 
+def learning(curves: Mapping[str, Sequence[Sequence[float]]], window: int
+             ) -> dict[str, list[float]]:
+    """Each agent's held-out evaluations (one list per seed, every `eval_every` steps)
+    averaged over the seeds, then over windows of `window` evaluations; up to the
+    shortest run."""
+    shortest = min(len(run) for runs in curves.values() for run in runs)
+    return {name: [statistics.fmean(statistics.fmean(run[i:i + window]) for run in runs)
+                   for i in range(0, shortest - window + 1, window)]
+            for name, runs in curves.items()}
+
+
+def read_curves(checkpoints: Sequence[Mapping[str, str]]
+                ) -> tuple[dict[str, list[list[float]]], int] | None:
+    """The trainer's held-out evaluations of every agent and seed, and its `eval_every`,
+    from the curve.json beside each checkpoint; None if any is missing."""
+    curves: dict[str, list[list[float]]] = {name: [] for name in AGENTS}
+    steps = set()
+    for seed in checkpoints:
+        for name in AGENTS:
+            path = REPO / Path(seed[name]).parent / "curve.json"
+            if not path.exists():
+                return None
+            curve = orjson.loads(path.read_bytes())
+            curves[name].append(curve["eval_qos"])
+            steps.add(curve["eval_step"][1] - curve["eval_step"][0])
+    if len(steps) != 1:
+        raise ValueError(f"the runs evaluated at different intervals: {sorted(steps)}")
+    return curves, steps.pop()
+
+
+def plot_learning(means: Mapping[str, Sequence[float]], window_steps: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"baseline_rl": "Baseline RL", "dsa": "Baseline RL + DSA",
+              "qos_drl": "QoS-aware RL (qos_drl)"}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in means.items():
+        ax.plot([(i + 1) * window_steps for i in range(len(values))], values, marker=".",
+                label=labels[name])
+    ax.set_xlabel("training steps (decisions)")
+    ax.set_ylabel("held-out avg QoS, mean over seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def log_line(process: str, rate: str, row: Mapping[str, Any]) -> str:
     means = " / ".join(f"{row['mean'][name]:.3f}" for name in AGENTS)
     steps = ", ".join(
@@ -99,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="bench.qos_trace runs of the DSA agent, the same seeds in order")
     parser.add_argument("--out", type=Path,
                         default=REPO / "docs/results/qos_drl_ablation/ablation.json")
+    parser.add_argument("--window", type=int, default=8,
+                        help="held-out evaluations per point of the learning curves")
     args = parser.parse_args(argv)
     full = [orjson.loads(path.read_bytes()) for path in args.full]
     dsa = [orjson.loads(path.read_bytes()) for path in args.dsa]
@@ -109,12 +164,22 @@ def main(argv: list[str] | None = None) -> int:
     for process, rates in table.items():
         for rate, row in rates.items():
             print(log_line(process, rate, row))
+    checkpoints = [{"baseline_rl": a["baseline_checkpoint"], "dsa": b["checkpoint"],
+                    "qos_drl": a["checkpoint"]} for a, b in zip(full, dsa, strict=True)]
+    curves = read_curves(checkpoints)
+    curve_summary = None
+    if curves is not None:
+        means = learning(curves[0], args.window)
+        curve_summary = {"window_steps": args.window * curves[1], "mean_eval_qos": means}
+        plot_learning(means, args.window * curves[1], args.out.with_name(
+            args.out.stem + "_learning.png"))
+        for name, values in means.items():
+            print(f"learning, {name}: " + " ".join(f"{v:.3f}" for v in values))
     write_json(args.out, {
-        "table": table, "paper": PAPER,
+        "table": table, "paper": PAPER, "learning": curve_summary,
         "runs": {"full": [repo_path(p) for p in args.full],
                  "dsa": [repo_path(p) for p in args.dsa]},
-        "checkpoints": [{"baseline_rl": a["baseline_checkpoint"], "dsa": b["checkpoint"],
-                         "qos_drl": a["checkpoint"]} for a, b in zip(full, dsa, strict=True)],
+        "checkpoints": checkpoints,
         **draw_setup(full[0]),
         "command": " ".join(["python -m bench.qos_ablation", *sys.argv[1:]]),
         "commit": git_commit()})

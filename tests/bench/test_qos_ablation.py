@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.qos_ablation import summarize
+from bench.qos_ablation import learning, summarize
 
 
 def run(agent: float, baseline_rl: float, baseline: str = "b1.pt",
@@ -43,3 +43,13 @@ def test_a_seed_whose_two_runs_saw_different_baselines_is_refused() -> None:
         summarize([run(0.45, 0.30)], [run(0.36, 0.30), run(0.36, 0.30)])
     with pytest.raises(ValueError, match="bert_router"):  # not the same draws
         summarize([run(0.45, 0.30)], [run(0.36, 0.30, bert=0.25)])
+
+
+def test_learning_curves_average_the_seeds_then_each_window() -> None:
+    curves = {"baseline_rl": [[0.1, 0.3, 0.5, 0.7, 0.9], [0.3, 0.5, 0.7, 0.9]],
+              "dsa": [[0.0, 0.0, 0.2, 0.2], [0.2, 0.2, 0.4, 0.4, 0.6]]}
+    # up to the shortest run (4 evaluations), windows of 2
+    assert learning(curves, 2) == {"baseline_rl": pytest.approx([0.3, 0.7]),
+                                   "dsa": pytest.approx([0.1, 0.3])}
+    assert learning(curves, 3) == {"baseline_rl": pytest.approx([0.4]),
+                                   "dsa": pytest.approx([(0.2 / 3 + 0.8 / 3) / 2])}
