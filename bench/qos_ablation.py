@@ -101,13 +101,15 @@ def read_curves(checkpoints: Sequence[Mapping[str, str]]
     """The trainer's held-out evaluations of every agent and seed, and its `eval_every`,
     from the curve.json beside each checkpoint; None if any is missing."""
     curves: dict[str, list[list[float]]] = {name: [] for name in AGENTS}
-    steps = set()
+    steps: set[int] = set()
     for seed in checkpoints:
         for name in AGENTS:
             path = REPO / Path(seed[name]).parent / "curve.json"
             if not path.exists():
                 return None
             curve = orjson.loads(path.read_bytes())
+            if len(curve["eval_step"]) < 2:
+                return None  # too short a run to compare learning
             curves[name].append(curve["eval_qos"])
             steps.add(curve["eval_step"][1] - curve["eval_step"][0])
     if len(steps) != 1:

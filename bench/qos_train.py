@@ -51,6 +51,11 @@ def reward_of(args: argparse.Namespace) -> str:
     return str(chosen) if chosen else ("completed" if args.baseline else "qos-aware")
 
 
+def checkpoint_reward(meta: dict[str, Any]) -> str:
+    """The reward a checkpoint was trained on (before `--reward`: the paper's pairing)."""
+    return str(meta.get("reward") or ("completed" if meta.get("baseline") else "qos-aware"))
+
+
 def agent_title(baseline: bool, reward_name: str) -> str:
     """What a run trains, by the paper's names (§VI-C)."""
     if baseline:
@@ -92,7 +97,6 @@ def train(args: argparse.Namespace) -> int:
     eval_sim = QosSim(specs, heldout, args.rate, limit, seed=args.seed + 1, cores=cores,
                       solo=solo, speed=args.speed)
     agent = SacAgent(SacConfig(n_experts=len(experts), graph=not args.baseline))
-    reward_name = reward_of(args)
     sim.arrive()
     state = sim.state()
     replay = Replay(args.buffer, state, args.seed)
@@ -104,8 +108,9 @@ def train(args: argparse.Namespace) -> int:
             "k": {s.name: [s.k.k1, s.k.k2] for s in specs}, "rate": args.rate,
             "limit_ms": args.limit_ms, "predictions": source,
             "bucket_estimate": args.bucket_estimate, "baseline": args.baseline,
-            "reward": reward_name}
+            "reward": reward_of(args)}
     step = resume(args, agent, curve, meta)
+    reward_name = meta["reward"]  # a resumed run goes on with the reward it began with
     if args.resume and (args.out / "best.pt").exists():
         best = float(torch.load(args.out / "best.pt", weights_only=True)["meta"]["eval_qos"])
     top = TopCheckpoints(args.out / "top", args.keep_best, args.resume)
@@ -192,12 +197,19 @@ class TopCheckpoints:
 def resume(args: argparse.Namespace, agent: SacAgent, curve: dict[str, list[Any]],
            meta: dict[str, Any]) -> int:
     """Continue a run (`--resume`): weights, curve and step count of its last.pt (the
-    optimizer state and replay buffer start afresh; actions come from the agent)."""
+    optimizer state and replay buffer start afresh; actions come from the agent), and
+    the reward it was trained on unless `--reward` names another, which is refused."""
     if not args.resume:
         return 0
     import torch
 
     blob = torch.load(args.out / "last.pt", weights_only=True)
+    saved = checkpoint_reward(blob["meta"])
+    asked = getattr(args, "reward", None)
+    if asked is not None and asked != saved:
+        raise SystemExit(f"laneway train qos-drl: {args.out} was trained on the {saved} "
+                         f"reward; --resume with --reward {asked} would change it mid-run")
+    meta["reward"] = saved
     agent.load_state_dict(blob["state"])
     saved = json.loads((args.out / "curve.json").read_text())
     for key in curve:

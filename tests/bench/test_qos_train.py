@@ -65,6 +65,14 @@ def test_a_short_run_on_the_tiny_fleet_records_it(
         assert speeds == [speed, speed]
     assert (tmp_path / "run" / "best.pt").exists()
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 0
+    if reward == "completed":  # resumed, a run keeps its reward and refuses another
+        asked.clear()
+        more = {**vars(args), "resume": True, "reward": None, "steps": 300}
+        assert train(argparse.Namespace(**more)) == 0
+        assert load_checkpoint(tmp_path / "run" / "last.pt")[1]["reward"] == "completed"
+        assert asked == {False}
+        with pytest.raises(SystemExit, match="trained on the completed reward"):
+            train(argparse.Namespace(**{**more, "reward": "qos-aware"}))
 
 
 def test_checkpoints_from_before_an_option_keep_the_fleet_they_were_trained_on() -> None:
