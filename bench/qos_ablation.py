@@ -160,15 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     full = [orjson.loads(path.read_bytes()) for path in args.full]
     dsa = [orjson.loads(path.read_bytes()) for path in args.dsa]
     try:
-        table = summarize(full, dsa)
+        table = summarize(full, dsa)  # first: it checks the runs pair up
+        checkpoints = [{"baseline_rl": a["baseline_checkpoint"], "dsa": b["checkpoint"],
+                        "qos_drl": a["checkpoint"]} for a, b in zip(full, dsa, strict=True)]
+        curves = read_curves(checkpoints)
     except ValueError as error:
         parser.error(str(error))
     for process, rates in table.items():
         for rate, row in rates.items():
             print(log_line(process, rate, row))
-    checkpoints = [{"baseline_rl": a["baseline_checkpoint"], "dsa": b["checkpoint"],
-                    "qos_drl": a["checkpoint"]} for a, b in zip(full, dsa, strict=True)]
-    curves = read_curves(checkpoints)
     curve_summary = None
     if curves is not None:
         means = learning(curves[0], args.window)
