@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=REPO / "docs/results/qos_drl_ablation/ablation.json")
     parser.add_argument("--window", type=int, default=8,
                         help="held-out evaluations per point of the learning curves")
+    parser.add_argument("--learning", action=argparse.BooleanOptionalAction, default=True,
+                        help="the learning curves (--no-learning: the draws only, e.g. "
+                        "for runs of the same agents at another --speed)")
     args = parser.parse_args(argv)
     full = [orjson.loads(path.read_bytes()) for path in args.full]
     dsa = [orjson.loads(path.read_bytes()) for path in args.dsa]
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         table = summarize(full, dsa)  # first: it checks the runs pair up
         checkpoints = [{"baseline_rl": a["baseline_checkpoint"], "dsa": b["checkpoint"],
                         "qos_drl": a["checkpoint"]} for a, b in zip(full, dsa, strict=True)]
-        curves = read_curves(checkpoints)
+        curves = read_curves(checkpoints) if args.learning else None
     except ValueError as error:
         parser.error(str(error))
     for process, rates in table.items():
