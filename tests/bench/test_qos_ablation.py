@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
-from bench.qos_ablation import learning, summarize
+from bench.qos_ablation import learning, main, summarize
 
 
 def run(agent: float, baseline_rl: float, baseline: str = "b1.pt",
@@ -53,3 +55,26 @@ def test_learning_curves_average_the_seeds_then_each_window() -> None:
                                    "dsa": pytest.approx([0.1, 0.3])}
     assert learning(curves, 3) == {"baseline_rl": pytest.approx([0.4]),
                                    "dsa": pytest.approx([(0.2 / 3 + 0.8 / 3) / 2])}
+
+
+def test_main_draws_the_learning_curves_from_the_trainers_files_unless_told_not(
+        tmp_path: Path) -> None:
+    runs = {}
+    for kind, agent, baseline in (("full", 0.45, 0.30), ("dsa", 0.36, 0.30)):
+        run_ = run(agent, baseline, baseline=str(tmp_path / "b" / "best.pt"))
+        run_["checkpoint"] = str(tmp_path / kind / "best.pt")
+        runs[kind] = tmp_path / f"{kind}.json"
+        runs[kind].write_bytes(orjson.dumps(run_))
+    for name in ("b", "full", "dsa"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "curve.json").write_bytes(orjson.dumps(
+            {"eval_step": [2000, 4000, 6000, 8000], "eval_qos": [0.1, 0.2, 0.3, 0.4]}))
+    common = ["--full", str(runs["full"]), "--dsa", str(runs["dsa"]), "--window", "2"]
+    assert main([*common, "--out", str(tmp_path / "a.json")]) == 0
+    learned = orjson.loads((tmp_path / "a.json").read_bytes())["learning"]
+    assert learned["window_steps"] == 4000
+    assert learned["mean_eval_qos"]["dsa"] == pytest.approx([0.15, 0.35])
+    assert (tmp_path / "a_learning.png").stat().st_size > 0
+    assert main([*common, "--no-learning", "--out", str(tmp_path / "n.json")]) == 0
+    assert orjson.loads((tmp_path / "n.json").read_bytes())["learning"] is None
+    assert not (tmp_path / "n_learning.png").exists()
