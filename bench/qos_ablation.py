@@ -32,7 +32,7 @@ import orjson
 
 from bench.bench_qos import git_commit
 from bench.qos_live_report import repo_path
-from bench.qos_seeds import check_same_draws, draw_setup
+from bench.qos_seeds import check_same_draws, draw_setup, score_difference
 from bench.qos_trace import gain, percent
 from bench.results import write_json
 from predictors.cli import REPO
@@ -50,12 +50,9 @@ def check_same_baselines(full: Sequence[Mapping[str, Any]],
         if a["baseline_checkpoint"] != b["baseline_checkpoint"]:
             raise ValueError(f"run {seed}: Baseline RL {a['baseline_checkpoint']} against "
                              f"{b['baseline_checkpoint']}")
-        for process, rates in a["table"].items():
-            for rate, row in rates.items():
-                if row["avg_qos_draws"]["baseline_rl"] != \
-                        b["table"][process][rate]["avg_qos_draws"]["baseline_rl"]:
-                    raise ValueError(f"run {seed}: Baseline RL scores differ on {process} "
-                                     f"λ = {rate}")
+        difference = score_difference(a, b, ("baseline_rl",))
+        if difference is not None:
+            raise ValueError(f"run {seed}: {difference}")
 
 
 def step(upper: Sequence[float], lower: Sequence[float]) -> dict[str, Any]:

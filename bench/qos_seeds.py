@@ -40,6 +40,21 @@ def draw_setup(run: Mapping[str, Any]) -> dict[str, Any]:
     return {**{key: run[key] for key in SHARED_KEYS}, "speed": float(run.get("speed", 1.0))}
 
 
+def score_difference(a: Mapping[str, Any], b: Mapping[str, Any], names: Sequence[str]
+                     ) -> str | None:
+    """Where run `b` lacks a (process, λ) cell of run `a` or scores one of the routers
+    `names` differently on some draw of it, said in a few words; None where they agree."""
+    for process, rates in a["table"].items():
+        for rate, row in rates.items():
+            other = b["table"].get(process, {}).get(rate)
+            if other is None:
+                return f"a run lacks {process} at λ = {rate}"
+            for name in names:
+                if other["avg_qos_draws"][name] != row["avg_qos_draws"][name]:
+                    return f"{name} scores differ on {process} λ = {rate}"
+    return None
+
+
 def check_same_draws(runs: Sequence[Mapping[str, Any]]) -> None:
     """Raise ValueError unless every run evaluated the same draws."""
     first = runs[0]
@@ -48,15 +63,9 @@ def check_same_draws(runs: Sequence[Mapping[str, Any]]) -> None:
         for key, value in draw_setup(run).items():
             if value != expected[key]:
                 raise ValueError(f"runs differ in {key}: {expected[key]!r} vs {value!r}")
-        for process, rates in first["table"].items():
-            for rate, row in rates.items():
-                other = run["table"].get(process, {}).get(rate)
-                if other is None:
-                    raise ValueError(f"a run lacks {process} at λ = {rate}")
-                for name in FIXED_ROUTERS:
-                    if other["avg_qos_draws"][name] != row["avg_qos_draws"][name]:
-                        raise ValueError(f"{name} scores differ on {process} λ = {rate}: "
-                                         "not the same draws")
+        difference = score_difference(first, run, FIXED_ROUTERS)
+        if difference is not None:
+            raise ValueError(f"{difference}: not the same draws")
 
 
 def cell(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

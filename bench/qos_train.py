@@ -44,16 +44,19 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-checkpoint", type=Path, default=default_checkpoint(True))
 
 
+def paper_reward(baseline: bool) -> str:
+    """The paper's pairing: Eq. 16 for qos_drl, the completed QoS for Baseline RL."""
+    return "completed" if baseline else "qos-aware"
+
+
 def reward_of(args: argparse.Namespace) -> str:
-    """`--reward`, or the paper's pairing when not given: Eq. 16 for qos_drl, the
-    completed QoS for Baseline RL."""
-    chosen = getattr(args, "reward", None)
-    return str(chosen) if chosen else ("completed" if args.baseline else "qos-aware")
+    """`--reward`, or the paper's pairing when not given."""
+    return str(getattr(args, "reward", None) or paper_reward(args.baseline))
 
 
 def checkpoint_reward(meta: dict[str, Any]) -> str:
     """The reward a checkpoint was trained on (before `--reward`: the paper's pairing)."""
-    return str(meta.get("reward") or ("completed" if meta.get("baseline") else "qos-aware"))
+    return str(meta.get("reward") or paper_reward(bool(meta.get("baseline"))))
 
 
 def agent_title(baseline: bool, reward_name: str) -> str:
