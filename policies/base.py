@@ -85,10 +85,16 @@ class UnknownPolicyError(ValueError):
     pass
 
 
+class PolicyLoadError(ValueError):
+    """Valid params, but the policy cannot start with them: a checkpoint or predictor
+    file missing or unreadable, or files that do not fit together."""
+
+
 def build_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
     """Instantiate a registered policy with validated params.
 
-    Raises `UnknownPolicyError` or pydantic's `ValidationError` naming the bad key.
+    Raises `UnknownPolicyError`, pydantic's `ValidationError` naming the bad key, or
+    `PolicyLoadError` when the policy's constructor fails (it loads its files there).
     """
     import policies  # noqa: F401  (importing the package registers every policy)
 
@@ -97,5 +103,8 @@ def build_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
         known = ", ".join(sorted(POLICIES))
         raise UnknownPolicyError(f"unknown policy {name!r}; known: {known}")
     validated = cls.Params.model_validate(params or {})
-    policy: Policy = cls(validated)
+    try:
+        policy: Policy = cls(validated)
+    except Exception as exc:  # torch.load, ONNX Runtime etc. raise many kinds
+        raise PolicyLoadError(f"policy {name} cannot start: {exc}") from exc
     return policy

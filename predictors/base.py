@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,30 @@ class NullPredictor:
     def predict_window(self, ctx: RequestContext, generated_text: str,
                        generated_tokens: int) -> Prediction:
         return NO_PREDICTION
+
+
+LENGTH_ARTIFACT_FORMAT = 1  # meta.json "format" of `laneway train length`'s artifacts
+
+
+class ArtifactError(ValueError):
+    """A predictor artifact is missing, unreadable or of another kind or format."""
+
+
+def check_length_artifact(path: str | Path) -> None:
+    """Raise `ArtifactError` unless `path` holds a length_moe artifact of the format this
+    version reads; reads meta.json only (no torch)."""
+    meta_path = Path(path) / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {meta_path}: {exc.strerror} (write the artifact "
+                            "with `laneway train length`)") from None
+    except ValueError:
+        raise ArtifactError(f"{meta_path} is not JSON") from None
+    if (not isinstance(meta, dict) or meta.get("kind") != "length_moe"
+            or meta.get("format") != LENGTH_ARTIFACT_FORMAT):
+        raise ArtifactError(f"{path}: not a length_moe artifact of format "
+                            f"{LENGTH_ARTIFACT_FORMAT}")
 
 
 def load_length_predictor(artifact: str | Path | None, model_map: Mapping[str, str],

@@ -18,13 +18,16 @@ from typing import Any
 
 import torch
 
-from predictors.base import NO_PREDICTION, Prediction
+from predictors.base import (
+    LENGTH_ARTIFACT_FORMAT,
+    NO_PREDICTION,
+    Prediction,
+    check_length_artifact,
+)
 from predictors.features import Featurizer
 from predictors.length_moe import FusedMoE, MoEConfig, MoELength
 from predictors.length_train import Trained
 from proxy.types import RequestContext
-
-ARTIFACT_FORMAT = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,7 @@ def save_artifact(target: Path, featurizer: Featurizer, trained: Mapping[str, Tr
     keys = {key: {"scale": t.scale, "input_edges": t.input_edges,
                   "output_edges": t.output_edges, "subset_rows": t.subset_sizes}
             for key, t in trained.items()}
-    full = {"format": ARTIFACT_FORMAT, "kind": "length_moe", **meta,
+    full = {"format": LENGTH_ARTIFACT_FORMAT, "kind": "length_moe", **meta,
             "config": asdict(config), "keys": keys}
     (scratch / "meta.json").write_text(json.dumps(full, indent=1))
     (scratch / "featurizer.json").write_text(json.dumps(featurizer.state()))
@@ -91,9 +94,8 @@ def load_artifact(path: Path, model_map: Mapping[str, str] | None = None,
                   fallback_key: str | None = "any") -> LengthPredictor:
     """Load for inference: single-threaded torch, fused experts, no autograd."""
     torch.set_num_threads(1)  # one small request at a time; threads only add latency
+    check_length_artifact(path)
     meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != ARTIFACT_FORMAT or meta.get("kind") != "length_moe":
-        raise ValueError(f"{path}: not a length_moe artifact of format {ARTIFACT_FORMAT}")
     featurizer = Featurizer.from_state(json.loads((path / "featurizer.json").read_text()))
     config = config_from(meta["config"])
     states = torch.load(path / "weights.pt", weights_only=True)

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from policies.base import UnknownPolicyError
+from policies.base import PolicyLoadError, UnknownPolicyError
 from proxy.asgi import (
     ClientGone,
     Receive,
@@ -178,6 +178,8 @@ async def _put_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, 
         raise InvalidRequest(str(exc), param="name") from None
     except ValidationError as exc:
         raise InvalidRequest(_first_error(exc), param="params") from None
+    except PolicyLoadError as exc:
+        raise InvalidRequest(str(exc), param="params") from None
     return 200, {"name": cfg.name, "params": cfg.params}
 
 

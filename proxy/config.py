@@ -252,6 +252,7 @@ def load_settings(path: str | Path | None = None) -> Settings:
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from None
     _check_policy(settings)
+    _check_predictors(settings)
     return settings
 
 
@@ -279,15 +280,30 @@ def _describe(exc: ValidationError, path: str | Path | None) -> str:
 
 
 def _check_policy(settings: Settings) -> None:
-    from policies.base import UnknownPolicyError, build_policy
+    from policies.base import PolicyLoadError, UnknownPolicyError, build_policy
 
     try:
         build_policy(settings.policy.name, settings.policy.params)
     except UnknownPolicyError as exc:
         raise ConfigError(f"policy.name: {exc}") from None
+    except PolicyLoadError as exc:
+        raise ConfigError(f"policy.params: {exc}") from None
     except ValidationError as exc:
         details = "; ".join(
             f"policy.params.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
             for e in exc.errors()
         )
         raise ConfigError(f"config is invalid: {details}") from None
+
+
+def _check_predictors(settings: Settings) -> None:
+    """The length artifact is there and of a format this version reads (its meta only;
+    the proxy loads the weights at start)."""
+    from predictors.base import ArtifactError, check_length_artifact
+
+    artifact = settings.predictors.length.artifact
+    if artifact is not None:
+        try:
+            check_length_artifact(artifact)
+        except ArtifactError as exc:
+            raise ConfigError(f"predictors.length.artifact: {exc}") from None

@@ -31,7 +31,8 @@ HOT_SECTIONS = ("backends", "model_groups", "policy", "auth", "admin", "debug", 
 def switch_policy(rt: Runtime, name: str, params: dict[str, Any]) -> None:
     """Route with another policy (or other params) from the next request on.
 
-    Raises `UnknownPolicyError` or pydantic's `ValidationError`."""
+    Raises `UnknownPolicyError`, pydantic's `ValidationError` or `PolicyLoadError`; the
+    running policy stays."""
     policy = build_policy(name, params)
     rt.replace_router(Router(policy, rt.metrics,
                              log_decisions=rt.settings.debug.log_decisions))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.fake_vllm import FakeConfig
-from policies.base import build_policy
+from policies.base import PolicyLoadError, build_policy
 from policies.qos_drl import QosDrl
 from policies.qos_sac import SacAgent, SacConfig, load_checkpoint, save_checkpoint
 from predictors import buckets
@@ -75,8 +75,9 @@ def test_expert_mapping_and_unknown_checkpoint(tmp_path: Path) -> None:
     backends, stats = fleet_view("llama-1b", "llama-8b")
     assert policy.pick(ctx(), NO_PREDICTION, view(backends, stats=stats)).backend.model \
         == "llama-8b"
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(PolicyLoadError, match=r"missing\.pt") as info:
         build_policy("qos_drl", {"checkpoint": str(tmp_path / "missing.pt")})
+    assert isinstance(info.value.__cause__, FileNotFoundError)
 
 
 def test_online_learning_updates_the_agent_from_outcomes(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from proxy.config import ConfigError, LengthPredictorConfig, Settings, load_sett
 YAML = """
 predictors:
   length:
-    artifact: /models/length-moe-v1
+    artifact: {artifact}
     model_map: {tiny-llama: gpt-3.5-turbo-1106}
     fallback_key: null
 """
@@ -18,18 +18,27 @@ def test_defaults_keep_predictions_off() -> None:
     assert length.artifact is None and length.model_map == {} and length.fallback_key == "any"
 
 
+def artifact_dir(root: Path) -> Path:
+    """A directory that passes the config's check of a length artifact (its meta.json)."""
+    root.mkdir()
+    (root / "meta.json").write_text('{"format": 1, "kind": "length_moe"}')
+    return root
+
+
 def test_yaml_section_loads(tmp_path: Path) -> None:
     path = tmp_path / "laneway.yaml"
-    path.write_text(YAML)
+    artifact = artifact_dir(tmp_path / "length-moe-v1")
+    path.write_text(YAML.replace("{artifact}", str(artifact)))
     length = load_settings(path).predictors.length
-    assert length.artifact == "/models/length-moe-v1"
+    assert length.artifact == str(artifact)
     assert length.model_map == {"tiny-llama": "gpt-3.5-turbo-1106"}
     assert length.fallback_key is None
 
 
-def test_env_overrides_artifact(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LANEWAY_PREDICTORS__LENGTH__ARTIFACT", "/elsewhere")
-    assert load_settings().predictors.length.artifact == "/elsewhere"
+def test_env_overrides_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    elsewhere = artifact_dir(tmp_path / "elsewhere")
+    monkeypatch.setenv("LANEWAY_PREDICTORS__LENGTH__ARTIFACT", str(elsewhere))
+    assert load_settings().predictors.length.artifact == str(elsewhere)
 
 
 def test_unknown_key_names_its_path(tmp_path: Path) -> None:

@@ -72,6 +72,9 @@ async def test_switch_policy_and_params_at_runtime() -> None:
         unknown = await admin(proxy, "PUT", "policy", {"name": "nope"})
         bad_params = await admin(proxy, "PUT", "policy",
                                  {"name": "session", "params": {"virtual_nodes": 0}})
+        unloadable = await admin(proxy, "PUT", "policy", {
+            "name": "qos_drl", "params": {"checkpoint": "/nonexistent/best.pt"}})
+        still = await admin(proxy, "GET", "policy")
         metrics = (await httpx.AsyncClient().get(f"{proxy.url}/metrics")).text
     assert len(before) == 3  # round robin ignores the session
     assert switched.status_code == 200
@@ -79,6 +82,10 @@ async def test_switch_policy_and_params_at_runtime() -> None:
     assert current.json() == {"name": "session", "params": {"virtual_nodes": 7}}
     assert unknown.status_code == 400 and "unknown policy" in unknown.json()["error"]["message"]
     assert bad_params.status_code == 400 and bad_params.json()["error"]["param"] == "params"
+    # a policy that cannot load its files is the client's error, and changes nothing
+    assert unloadable.status_code == 400 and unloadable.json()["error"]["param"] == "params"
+    assert "/nonexistent/best.pt" in unloadable.json()["error"]["message"]
+    assert still.json()["name"] == "session"
     assert 'laneway_routing_decision_seconds_count{policy="session"} 6.0' in metrics
 
 

@@ -106,3 +106,37 @@ def test_bad_model_groups_are_rejected(tmp_path: Path, groups: str, message: str
 def test_a_model_group_loads(tmp_path: Path) -> None:
     settings = load_settings(write(tmp_path, GOOD + "model_groups: {any: [llama, qwen]}\n"))
     assert settings.model_groups == {"any": ["llama", "qwen"]}
+
+
+def test_a_policy_whose_files_do_not_load_is_a_config_error(tmp_path: Path) -> None:
+    """Valid params, but the checkpoint is missing or is not a checkpoint: the proxy
+    says which key and why at start (and check-config), not with a traceback."""
+    missing = tmp_path / "none" / "best.pt"
+    text = f"policy: {{name: qos_drl, params: {{checkpoint: '{missing}'}}}}"
+    with pytest.raises(ConfigError, match=r"policy\.params: policy qos_drl cannot start: "
+                       r".*No such file") as info:
+        load_settings(write(tmp_path, text))
+    assert str(missing) in str(info.value)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match=r"policy\.params: policy qos_drl cannot start"):
+        load_settings(write(tmp_path, f"policy: {{name: qos_drl, params: "
+                                      f"{{checkpoint: '{garbage}'}}}}"))
+
+
+def test_the_length_artifact_is_checked_at_load(tmp_path: Path) -> None:
+    artifact = tmp_path / "length"
+    text = f"predictors: {{length: {{artifact: '{artifact}'}}}}"
+    with pytest.raises(ConfigError, match=r"predictors\.length\.artifact: cannot read "
+                       r".*meta\.json: No such file.*laneway train length"):
+        load_settings(write(tmp_path, text))
+    artifact.mkdir()
+    (artifact / "meta.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        load_settings(write(tmp_path, text))
+    (artifact / "meta.json").write_text('{"format": 1, "kind": "buckets"}')
+    with pytest.raises(ConfigError, match="not a length_moe artifact of format 1"):
+        load_settings(write(tmp_path, text))
+    (artifact / "meta.json").write_text('{"format": 1, "kind": "length_moe"}')
+    settings = load_settings(write(tmp_path, text))  # the weights load at start
+    assert settings.predictors.length.artifact == str(artifact)
