@@ -148,6 +148,8 @@ clean:
 # → .laneway/predictors/buckets-minilm-v1 (6 layers) and its 3-layer distillation
 # buckets-minilm-l3-distilled (what qos_drl decides with), held-out table of the 6-layer
 # → docs/results/bucket_predictor.*
+QOS_BUCKETS := $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-v1
+QOS_BUCKETS_DISTILLED := $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-l3-distilled
 train-buckets: install
 	$(VENV)/bin/laneway backends build --variants small --shared $(SHARED)
 	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl
@@ -165,7 +167,10 @@ evaluate-buckets: install
 # (the same number: ~60 min and ~17 min here, side by side on one core each), on the
 # 6-layer predictor's predictions
 # → .laneway/policies/qos-drl-v1, qos-baseline-rl-v1 (checkpoints, learning curve PNG)
+# (a fresh clone trains the bucket predictor first: without it the agents would train
+# on the true buckets)
 train-qos-drl: install
+	test -f $(QOS_BUCKETS)/meta.json || $(MAKE) train-buckets SHARED=$(SHARED)
 	$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--steps 400000 --minutes 240 & \
 	$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl \
@@ -204,7 +209,12 @@ bench-qos-paper: install
 # simulator → docs/results/qos_drl.{json,md}, docs/results/qos_drl/*.png; then the
 # same routers at λ = 5 under the Mooncake trace's arrivals as well as Poisson ones, six
 # draws (the paper's real-world evaluation, ~5 min) → docs/results/qos_drl/trace.json
+# (a fresh clone first trains what it compares: the predictors and the agent pair,
+# `make train-buckets train-qos-drl`, ~5 min and up to 4 h)
 bench-qos: install
+	test -f $(QOS_BUCKETS_DISTILLED)/meta.json || $(MAKE) train-buckets SHARED=$(SHARED)
+	test -f $(QOS_POLICIES)/qos-drl-v1/best.pt -a -f $(QOS_POLICIES)/qos-baseline-rl-v1/best.pt \
+		|| $(MAKE) train-qos-drl SHARED=$(SHARED)
 	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl
 	$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--trace $(SHARED)/traces/mooncake_conversation.jsonl

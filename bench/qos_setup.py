@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -239,6 +240,9 @@ def load_pools(data: Path, artifact: Path | None, tokenizer: str = "auto",
         raise SystemExit(f"the oracle {oracle} buckets replace half of a bucket "
                          f"predictor's predictions, and there is none at {artifact}")
     else:
+        if artifact is not None:  # named, or a default, but not there
+            print(f"no bucket predictor at {artifact}: the agents see the true buckets "
+                  "(oracle); `make train-buckets` writes the predictor", file=sys.stderr)
         predictions, source = predictions_oracle(rows), "oracle buckets"
     train, heldout = pools(rows, prompt_tokens, predictions)
     return experts, train, heldout, source

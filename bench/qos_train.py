@@ -38,10 +38,23 @@ def default_checkpoint(baseline: bool) -> Path:
     return default_dir(baseline) / "best.pt"
 
 
+def existing_checkpoint(value: str) -> Path:
+    """An argparse type: a checkpoint file that is there (argparse also runs it on the
+    defaults, given as strings), else a usage error that says how to make one."""
+    path = Path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"no checkpoint at {path}: train the agents with `make train-qos-drl` "
+            "(`laneway train qos-drl [--baseline]`) or name another")
+    return path
+
+
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     """`--checkpoint` (qos_drl) and `--baseline-checkpoint` (Baseline RL) of a comparison."""
-    parser.add_argument("--checkpoint", type=Path, default=default_checkpoint(False))
-    parser.add_argument("--baseline-checkpoint", type=Path, default=default_checkpoint(True))
+    parser.add_argument("--checkpoint", type=existing_checkpoint,
+                        default=str(default_checkpoint(False)))
+    parser.add_argument("--baseline-checkpoint", type=existing_checkpoint,
+                        default=str(default_checkpoint(True)))
 
 
 def paper_reward(baseline: bool) -> str:

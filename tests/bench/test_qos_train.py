@@ -132,3 +132,17 @@ def test_the_k_best_evaluated_checkpoints_are_kept_across_a_resume_only(tmp_path
     assert not list((tmp_path / "top").iterdir())
     TopCheckpoints(tmp_path / "off", 0).offer(agent, {"steps": 14, "eval_qos": 0.9})
     assert not (tmp_path / "off").exists()
+
+
+def test_a_comparison_without_its_checkpoints_says_how_to_train_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.bench_qos import main
+
+    monkeypatch.setenv("LANEWAY_HOME", str(tmp_path))  # a fresh clone: nothing trained
+    with pytest.raises(SystemExit) as info:
+        main(["--checkpoint", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "q.json")])
+    assert info.value.code == 2  # argparse's usage error, before any work
+    err = capsys.readouterr().err
+    assert f"no checkpoint at {tmp_path / 'nope.pt'}" in err and "make train-qos-drl" in err
+    assert not (tmp_path / "q.json").exists()
