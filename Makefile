@@ -73,6 +73,8 @@ train-length: install
 	$(VENV)/bin/laneway train length --data $(SHARED)/data/alpaca_eval_experts.jsonl
 
 evaluate-length: install
+	test -f $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1/meta.json || \
+		$(MAKE) train-length SHARED=$(SHARED)
 	$(VENV)/bin/laneway evaluate length --data $(SHARED)/data/alpaca_eval_experts.jsonl
 
 bench-predictor-latency: install
@@ -157,6 +159,7 @@ train-buckets: install
 		--layers 3 --distill-from $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-v1
 
 evaluate-buckets: install
+	test -f $(QOS_BUCKETS_DISTILLED)/meta.json || $(MAKE) train-buckets SHARED=$(SHARED)
 	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--runtime torch-int8 --runtime onnx --runtime onnx-int8
 	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \

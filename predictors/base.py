@@ -107,6 +107,14 @@ def check_length_artifact(path: str | Path) -> None:
                             f"{LENGTH_ARTIFACT_FORMAT}")
 
 
+def require_artifact(path: Path, train_command: str) -> None:
+    """For commands that read an artifact: exit with a message naming the command that
+    writes one when `path` has none."""
+    if not (path / "meta.json").is_file():
+        raise SystemExit(f"no predictor artifact at {path} (no meta.json): write it with "
+                         f"`{train_command}`")
+
+
 def load_length_predictor(artifact: str | Path | None, model_map: Mapping[str, str],
                           fallback_key: str | None) -> Predictor:
     """The configured length predictor; torch is imported only when an artifact is set."""

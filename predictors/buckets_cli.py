@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.tiny_models import laneway_home
-from predictors.base import BUCKET_RUNTIMES
+from predictors.base import BUCKET_RUNTIMES, require_artifact
 from predictors.cli import DEFAULT_DATA, REPO
 
 DEFAULT_RESULTS = REPO / "docs" / "results" / "bucket_predictor.json"
@@ -119,6 +119,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     )
     from predictors.length_data import token_counter
 
+    require_artifact(args.artifact, "laneway train buckets")
     torch.set_num_threads(1)
     meta = json.loads((args.artifact / "meta.json").read_text())
     unit = str(meta["unit"])

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.tiny_models import DEFAULT_SHARED, laneway_home
+from predictors.base import require_artifact
 from predictors.length_data import (
     ANY_KEY,
     Row,
@@ -93,6 +94,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         moe_method,
     )
 
+    require_artifact(args.artifact, "laneway train length")
     torch.set_num_threads(1)
     meta = json.loads((args.artifact / "meta.json").read_text())
     unit = meta["unit"]

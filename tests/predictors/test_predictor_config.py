@@ -68,3 +68,14 @@ def test_cli_registers_train_length_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[2]).stdout
     assert out.split() == ["3", "False", "False"]
+
+
+@pytest.mark.parametrize(("command", "trainer"), [("length", "laneway train length"),
+                                                   ("buckets", "laneway train buckets")])
+def test_evaluating_without_an_artifact_says_how_to_make_one(
+        tmp_path: Path, command: str, trainer: str) -> None:
+    from proxy.cli import main
+
+    with pytest.raises(SystemExit, match=f"no predictor artifact at {tmp_path}.*{trainer}"):
+        main(["evaluate", command, "--artifact", str(tmp_path), "--out",
+              str(tmp_path / "out.json")])
