@@ -70,6 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"laneway: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.filename is None:  # not about a file the user named: keep the traceback
+            raise
+        print(f"laneway: {exc}", file=sys.stderr)  # a missing data file, checkpoint, …
+        return 1
     return code
 
 

@@ -79,3 +79,13 @@ def test_evaluating_without_an_artifact_says_how_to_make_one(
     with pytest.raises(SystemExit, match=f"no predictor artifact at {tmp_path}.*{trainer}"):
         main(["evaluate", command, "--artifact", str(tmp_path), "--out",
               str(tmp_path / "out.json")])
+
+
+def test_a_missing_input_file_is_one_line_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.cli import main
+
+    missing = tmp_path / "none.jsonl"
+    assert main(["train", "length", "--data", str(missing), "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"laneway: [Errno 2] No such file or directory: " \
+                                      f"'{missing}'\n"
