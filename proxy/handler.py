@@ -119,6 +119,7 @@ class Exchange:
         self.backend_name = "-"  # the backend being tried, for metrics
         self.grant = grant
         self.outcome: Outcome | None = None  # the final leg's, for `rt.finished`
+        self.predicted_tokens: float | None = None  # the length predictor's, at arrival
 
     async def run(self, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -137,7 +138,7 @@ class Exchange:
         finally:
             self.finished = True
             watcher.cancel()
-            self.rt.finished(self.ctx, self.grant, self.outcome)
+            self.rt.finished(self.ctx, self.grant, self.outcome, self.predicted_tokens)
 
     async def _watch_disconnect(self, receive: Receive, task: asyncio.Task[None]) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -215,6 +216,7 @@ class Exchange:
         started = time.perf_counter()
         pred = self.rt.predict(self.ctx)
         self.rt.metrics.prediction.observe(time.perf_counter() - started)
+        self.predicted_tokens = pred.output_tokens
         return pred
 
     async def _relay_tracked(self, opened: Opened, guard: contextlib.ExitStack,

@@ -27,6 +27,10 @@ from proxy.types import Outcome
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
 _STALL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5)
+# predicted / true completion tokens: ±10 %, ±25 % (the length predictor's reported
+# accuracy), twice and four times either way
+_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 4)
+_TOKEN_ERROR_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2)
 
 
@@ -54,6 +58,14 @@ class Metrics:
         self.prediction = Histogram(
             "laneway_prediction_seconds", "Time spent predicting a request's cost",
             buckets=_DECISION_BUCKETS, registry=r)
+        self.length_ratio = Histogram(
+            "laneway_length_prediction_ratio", "Arrival-time output-length prediction / "
+            "the completion tokens of requests that finished with one (length predictor)",
+            ["model"], buckets=_RATIO_BUCKETS, registry=r)
+        self.length_error = Histogram(
+            "laneway_length_prediction_error_tokens", "|Arrival-time output-length "
+            "prediction - completion tokens| of requests that finished with one",
+            ["model"], buckets=_TOKEN_ERROR_BUCKETS, registry=r)
         self.retries = Counter(
             "laneway_retries", "Attempts moved to another backend before the first byte",
             ["model", "backend", "reason"], registry=r)
@@ -112,6 +124,15 @@ class Metrics:
             if outcome.tpot_s is not None:
                 tpot.observe(outcome.tpot_s)
             e2e.observe(outcome.e2e_s)
+
+    def observe_length(self, model: str, predicted: float, outcome: Outcome) -> None:
+        """How far the length predictor's arrival estimate was from the answer, for a
+        request that finished well (a failed or abandoned one has no true length)."""
+        if not outcome.ok or outcome.completion_tokens <= 0:
+            return
+        actual = outcome.completion_tokens
+        self.length_ratio.labels(model).observe(predicted / actual)
+        self.length_error.labels(model).observe(abs(predicted - actual))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -123,10 +123,13 @@ class Runtime:
         return self.predictor.predict_window(ctx, generated_text, generated_tokens)
 
     def finished(self, ctx: RequestContext, grant: Grant | None,
-                 outcome: Outcome | None) -> None:
+                 outcome: Outcome | None, predicted_tokens: float | None = None) -> None:
         """A request ended (`outcome` None: no backend answered): settle its token
-        charge and count its SLO."""
+        charge, count its SLO and how far its length prediction (`predicted_tokens`,
+        at arrival) was from its answer."""
         self.auth.settle(grant, outcome)
+        if predicted_tokens is not None and outcome is not None:
+            self.metrics.observe_length(ctx.model, predicted_tokens, outcome)
         if ctx.slo_ms is not None:
             met = (outcome is not None and outcome.ok
                    and outcome.e2e_s * 1000 <= ctx.slo_ms)

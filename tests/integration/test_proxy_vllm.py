@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.proxy_process import running_proxy
 from proxy.vllm_metrics import parse_samples
@@ -259,20 +260,9 @@ def test_goodput_calibrates_lengths_from_the_real_answers(vllm_fleet: Any,
     predictor says a short fact is a few tokens; the real servers run each answer to 96
     (ignore_eos), and once three such answers have finished the decision routes on 96,
     the calibrated length, and says so."""
-    from predictors.features import Featurizer
-    from predictors.length import save_artifact
-    from predictors.length_data import arrival_rows, load_samples, samples_for
-    from predictors.length_moe import MoEConfig
-    from predictors.length_train import train_moe
-    from tests.predictors.helpers import counter, write_data
+    from tests.predictors.helpers import tiny_length_artifact
 
-    samples = load_samples(write_data(tmp_path / "d.jsonl"), counter())
-    featurizer = Featurizer.fit([f"{s.prompt}\n{s.output}" for s in samples])
-    config = MoEConfig(expert_hidden=(16, 8, 8), router_hidden=8, epochs=20, batch_size=32)
-    artifact = tmp_path / "length-moe-v1"
-    save_artifact(artifact, featurizer, {"any": train_moe(
-        arrival_rows(samples_for(samples, "any")), featurizer, config)},
-        {"version": "t", "unit": "words"}, config)
+    artifact = tiny_length_artifact(tmp_path)
     proxy_config = fleet_config(
         vllm_fleet, "goodput", debug={"log_decisions": True},
         params={"length_quantile": 0.9, "calibration_min_samples": 3, "migrate": False},
@@ -286,6 +276,7 @@ def test_goodput_calibrates_lengths_from_the_real_answers(vllm_fleet: Any,
                 extra_headers={"x-laneway-slo-ms": "60000"})
             assert completion.usage is not None and completion.usage.completion_tokens == 96
         log = (Path(proxy.config_path).parent / "proxy.log").read_text()
+        metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
     decisions = [line for line in log.splitlines() if f"model={SMALL} ->" in line]
     assert len(decisions) == 6, log[-3000:]
     assert "L_out" not in decisions[0]  # no finished answers yet: Algorithm 1
@@ -293,6 +284,14 @@ def test_goodput_calibrates_lengths_from_the_real_answers(vllm_fleet: Any,
                            decisions[-1])
     assert calibrated is not None, decisions[-1]
     assert int(calibrated[1]) == 96 and int(calibrated[2]) < 96
+    # the predictor's error on the real answers, as operators see it in /metrics
+    samples = {(x.name, x.labels.get("le")): x.value
+               for family in text_string_to_metric_families(metrics) for x in family.samples
+               if x.labels.get("model") == SMALL}
+    assert samples[("laneway_length_prediction_error_tokens_count", None)] == 6
+    mean_error = samples[("laneway_length_prediction_error_tokens_sum", None)] / 6
+    assert abs(mean_error - (96 - int(calibrated[2]))) <= 1  # the same prompt each time
+    assert samples[("laneway_length_prediction_ratio_bucket", "0.75")] == 6  # short of 96
 
 
 def test_goodput_routes_by_each_requests_slo(vllm_fleet: Any) -> None:

@@ -46,3 +46,23 @@ def sample(sample_id: int, prompt_tokens: int, output_tokens: int) -> Sample:
 def ctx(prompt: str, model: str = "big-model", max_tokens: int | None = None) -> RequestContext:
     return RequestContext(request_id="r", endpoint="chat", model=model, prompt_text=prompt,
                           prompt_blocks=(), stream=True, max_tokens=max_tokens)
+
+
+def tiny_length_artifact(root: Path) -> Path:
+    """A length-predictor artifact (key `any`) trained in seconds on `write_data`'s
+    prompts, for tests that run it through the proxy."""
+    from predictors.features import Featurizer
+    from predictors.length import save_artifact
+    from predictors.length_data import arrival_rows, load_samples, samples_for
+    from predictors.length_moe import MoEConfig
+    from predictors.length_train import train_moe
+
+    root.mkdir(parents=True, exist_ok=True)
+    samples = load_samples(write_data(root / "d.jsonl"), counter())
+    featurizer = Featurizer.fit([f"{s.prompt}\n{s.output}" for s in samples])
+    config = MoEConfig(expert_hidden=(16, 8, 8), router_hidden=8, epochs=20, batch_size=32)
+    artifact = root / "length-moe-v1"
+    save_artifact(artifact, featurizer, {"any": train_moe(
+        arrival_rows(samples_for(samples, "any")), featurizer, config)},
+        {"version": "t", "unit": "words"}, config)
+    return artifact
