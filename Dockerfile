@@ -1,6 +1,7 @@
 # laneway proxy image. Targets:
 #   proxy       (default) the routing proxy: slim, non-root, no vLLM, no torch
-#   predictors  the proxy + CPU torch and scikit-learn for the MoE length predictor
+#   predictors  the proxy + the `predictors` extra (CPU torch): goodput's MoE length
+#               predictor and qos_drl's checkpoint and bucket predictor
 #   vllm-cpu    a vLLM-CPU backend of the project's tiny models (CPU stacks, CI)
 # Build: docker build -t laneway .   |   docker build --target predictors -t laneway:pred .
 
@@ -18,9 +19,13 @@ COPY bench ./bench
 RUN /opt/laneway/bin/pip install . && /opt/laneway/bin/laneway --help > /dev/null
 
 FROM build AS build-predictors
+# torch's CPU build first, then the `predictors` extra of pyproject.toml (the length
+# predictor's scikit-learn; qos_drl's transformers, ONNX Runtime and MiniLM): torch
+# 2.13.0+cpu already satisfies its pin
 RUN /opt/laneway/bin/pip install --index-url https://download.pytorch.org/whl/cpu \
         "torch==2.13.0" \
-    && /opt/laneway/bin/pip install "scikit-learn>=1.5" numpy tokenizers
+    && /opt/laneway/bin/pip install ".[predictors]" \
+    && /opt/laneway/bin/python -c "import onnxruntime, sklearn, transformers"
 
 FROM ${PYTHON_IMAGE} AS proxy
 LABEL org.opencontainers.image.title="laneway" \

@@ -182,6 +182,9 @@ def test_dockerfile_proxy_stage_is_slim_non_root_and_healthchecked() -> None:
         assert not any("vllm" in args.lower() or "torch" in args.lower()
                        for op, args in stages[stage] if op in ("RUN", "COPY")), stage
     assert any("torch" in args for op, args in stages["build-predictors"] if op == "RUN")
+    # the image that runs goodput's and qos_drl's models has every package they import
+    assert any('".[predictors]"' in args for op, args in stages["build-predictors"]
+               if op == "RUN")
     for op, args in dockerfile_instructions():
         if op == "COPY" and "--from" not in args:
             for source in args.split()[:-1]:
