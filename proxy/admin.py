@@ -16,6 +16,7 @@ POST   /admin/reload                   re-read the config file (as SIGHUP does)
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from policies.base import PolicyLoadError, UnknownPolicyError
+from policies.base import PolicyLoadError, UnknownPolicyError, build_policy
 from proxy.asgi import (
     ClientGone,
     Receive,
@@ -173,7 +174,9 @@ async def _get_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, 
 async def _put_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
     try:
         cfg = PolicyConfig.model_validate(_json(body))
-        switch_policy(rt, cfg.name, dict(cfg.params))
+        params = dict(cfg.params)  # built off the loop: a policy may load models
+        policy = await asyncio.to_thread(build_policy, cfg.name, params)
+        switch_policy(rt, cfg.name, params, policy)
     except UnknownPolicyError as exc:
         raise InvalidRequest(str(exc), param="name") from None
     except ValidationError as exc:
@@ -187,7 +190,7 @@ async def _reload(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]
     if rt.config_path is None:
         raise InvalidRequest("The proxy was started without a config file.")
     try:
-        return 200, reload_config(rt, rt.config_path)
+        return 200, await reload_config(rt, rt.config_path)
     except ConfigError as exc:
         raise InvalidRequest(str(exc)) from None
 

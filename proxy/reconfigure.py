@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from policies.base import build_policy
+from policies.base import Policy, PolicyLoadError, build_policy
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.routing import Router
 from proxy.runtime import Runtime, backends_from
@@ -28,12 +28,14 @@ log = logging.getLogger("laneway.admin")
 HOT_SECTIONS = ("backends", "model_groups", "policy", "auth", "admin", "debug", "migration")
 
 
-def switch_policy(rt: Runtime, name: str, params: dict[str, Any]) -> None:
-    """Route with another policy (or other params) from the next request on.
+def switch_policy(rt: Runtime, name: str, params: dict[str, Any],
+                  policy: Policy | None = None) -> None:
+    """Route with `policy` (built from `name` and `params` here when not given) from the
+    next request on.
 
     Raises `UnknownPolicyError`, pydantic's `ValidationError` or `PolicyLoadError`; the
     running policy stays."""
-    policy = build_policy(name, params)
+    policy = policy or build_policy(name, params)
     rt.replace_router(Router(policy, rt.metrics,
                              log_decisions=rt.settings.debug.log_decisions))
     policy_cfg = rt.settings.policy.model_copy(update={"name": name, "params": params})
@@ -57,15 +59,17 @@ def remove_backend(rt: Runtime, name: str, migrate: bool = True) -> int:
     return moving
 
 
-def apply_settings(rt: Runtime, new: Settings) -> dict[str, Any]:
-    """Apply what can change at runtime; returns what changed and what needs a restart."""
+def apply_settings(rt: Runtime, new: Settings, policy: Policy | None = None
+                   ) -> dict[str, Any]:
+    """Apply what can change at runtime (`policy`: `new.policy` already built, if it
+    changed); returns what changed and what needs a restart."""
     old = rt.settings
     changes: dict[str, Any] = _apply_backends(rt, backends_from(new))
     if new.model_groups != old.model_groups:
         rt.registry.set_groups(new.model_groups)
         changes["model_groups"] = sorted(new.model_groups)
     if new.policy != old.policy:
-        switch_policy(rt, new.policy.name, dict(new.policy.params))
+        switch_policy(rt, new.policy.name, dict(new.policy.params), policy)
         changes["policy"] = new.policy.name
     if new.auth != old.auth:
         rt.auth.reload(new.auth)
@@ -94,25 +98,45 @@ def _apply_backends(rt: Runtime, wanted: list[Backend]) -> dict[str, Any]:
     return {"added": added, "removed": removed, "replaced": sorted(changed)}
 
 
-def reload_config(rt: Runtime, path: str | Path) -> dict[str, Any]:
-    """Re-read the config file (and env) and apply it; a bad file changes nothing."""
+async def reload_config(rt: Runtime, path: str | Path) -> dict[str, Any]:
+    """Re-read the config file (and env) and apply it; a bad file changes nothing.
+
+    Reading and checking the file builds its policy, and a changed policy is built
+    again to route with: for a policy with models (qos_drl's checkpoint and encoder)
+    that is ~0.4 s each, so both run in a worker thread and the streams the proxy
+    relays keep flowing; only the swap runs on the event loop."""
     try:
-        new = load_settings(path)
+        new = await asyncio.to_thread(load_settings, path)
+        policy = None
+        if new.policy != rt.settings.policy:
+            policy = await asyncio.to_thread(build_policy, new.policy.name,
+                                             dict(new.policy.params))
+    except PolicyLoadError as exc:  # its files changed since load_settings built it
+        log.error("config reload rejected, keeping the running config: %s", exc)
+        raise ConfigError(f"policy.params: {exc}") from None
     except ConfigError as exc:
         log.error("config reload rejected, keeping the running config: %s", exc)
         raise
-    changes = apply_settings(rt, new)
+    changes = apply_settings(rt, new, policy)
     log.info("config reloaded from %s: %s", path, changes)
     return changes
 
 
+_reloads: set[asyncio.Task[None]] = set()  # SIGHUP reloads running (kept referenced)
+
+
 def install_sighup(rt: Runtime, path: str | Path) -> None:
     """Reload `path` on SIGHUP (the usual daemon convention)."""
-    def on_hup() -> None:
+    async def reload() -> None:
         try:
-            reload_config(rt, path)
+            await reload_config(rt, path)
         except ConfigError:
             pass  # logged; the running config stays
+
+    def on_hup() -> None:
+        task = asyncio.get_running_loop().create_task(reload())
+        _reloads.add(task)
+        task.add_done_callback(_reloads.discard)
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hup)
 

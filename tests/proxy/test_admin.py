@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from bench.fake_vllm import FakeConfig, serve_fake
@@ -116,3 +118,48 @@ async def test_reload_applies_backends_policy_and_auth(tmp_path: Path) -> None:
     assert policy == "least_request"
     assert [b.name for b in rt.registry.all()] == ["f1"]
     assert rt.registry.serves("team")
+
+
+async def test_a_reload_reads_and_builds_off_the_event_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a config builds its policy, which for qos_drl loads a checkpoint and an
+    encoder (~0.4 s): done on the event loop it would stall every stream the proxy
+    relays that long. Here reading the file and building the policy each take 0.3 s
+    (time.sleep, as blocking work does) and the loop must keep ticking meanwhile."""
+    import time
+
+    import proxy.reconfigure as reconfigure
+    from policies import base
+
+    def slow(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.3)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(reconfigure, "load_settings", slow(reconfigure.load_settings))
+    monkeypatch.setattr(reconfigure, "build_policy", slow(base.build_policy))
+    async with fleet(FakeConfig()) as (proxy, fakes):
+        rt = proxy.app.runtime
+        assert rt is not None
+        path = tmp_path / "laneway.yaml"
+        rt.config_path = str(path)
+        path.write_text(yaml.safe_dump({
+            "server": {"port": 0}, "policy": {"name": "least_request"},
+            "backends": [{"name": "f0", "url": fakes[0].url, "model": "fake"}]}))
+        gaps: list[float] = []
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        reloaded = await admin(proxy, "POST", "reload", headers={})
+        ticker.cancel()
+    assert reloaded.status_code == 200 and reloaded.json()["policy"] == "least_request"
+    assert sum(gaps) > 0.5  # the ticker ran across both slow steps
+    assert max(gaps) < 0.2, max(gaps)  # and the loop never stopped for one of them
