@@ -144,6 +144,8 @@ class QosDrl:
         elif params.mode == "bert_router":
             raise ValueError("mode bert_router needs a bucket predictor (`buckets`)")
         self._ties = random.Random(0)
+        self._known = set(self.experts)
+        self._unknown: set[str] = set()  # backends already warned of
         self.k = [Coefficients(*self.meta["k"][e]) for e in self.experts]
         self.book = InflightBook(params.limit_ms / 1000, params.default_tpot_s)
         self.learner = OnlineLearner(
@@ -244,6 +246,11 @@ class QosDrl:
         by_expert: dict[str, Backend] = {}
         for b in view.candidates:
             expert = self._p.experts.get(b.model) or self._p.experts.get(b.name) or b.model
+            if expert not in self._known and b.name not in self._unknown:
+                self._unknown.add(b.name)  # said once per backend
+                log.warning("qos_drl: backend %s serves %s, which is not an expert of the "
+                            "checkpoint (%s); it is never picked (map it with the `experts` "
+                            "param)", b.name, expert, ", ".join(self.experts))
             best = by_expert.get(expert)
             if best is None or view.inflight_of(b) < view.inflight_of(best):
                 by_expert[expert] = b

@@ -326,3 +326,19 @@ def test_online_updates_run_beside_the_decisions_which_act_on_a_fresh_copy(
         policy.learner.acting.encoder.parameters(), first.encoder.parameters(), strict=True))
     decision = policy.pick(ctx(request_id="r6"), NO_PREDICTION, view(backends, stats=stats))
     assert decision.backend.model == "big"
+
+
+def test_a_backend_of_no_expert_is_said_once_and_never_picked(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # the actor wants `big`, which has no backend, and may not drop: `small` it is,
+    # never the backend of a model the checkpoint does not know
+    policy = build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 1)),
+                                      "allow_drop": False})
+    backends, stats = fleet_view("other", "small")
+    with caplog.at_level("WARNING", logger="policies.qos_drl"):
+        picked = {policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION,
+                              view(backends, stats=stats)).backend.model for i in range(3)}
+    assert picked == {"small"}
+    warnings = [r.getMessage() for r in caplog.records if "not an expert" in r.getMessage()]
+    assert len(warnings) == 1 and "b-other serves other" in warnings[0]
+    assert "big, small" in warnings[0] and "`experts` param" in warnings[0]
