@@ -35,7 +35,8 @@ def switch_policy(rt: Runtime, name: str, params: dict[str, Any],
 
     Raises `UnknownPolicyError`, pydantic's `ValidationError` or `PolicyLoadError`; the
     running policy stays."""
-    policy = policy or build_policy(name, params)
+    if policy is None:
+        policy = build_policy(name, params)
     rt.replace_router(Router(policy, rt.metrics,
                              log_decisions=rt.settings.debug.log_decisions))
     policy_cfg = rt.settings.policy.model_copy(update={"name": name, "params": params})
