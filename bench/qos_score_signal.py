@@ -40,8 +40,9 @@ MAX_TOKENS = 256
 KNN_K = 25
 
 
-def bertscore_f1(rows: list[dict[str, Any]], experts: list[str]) -> NDArray[np.float64]:
-    """(prompt, expert) -> F1 of the expert's answer against the reference."""
+def pretrained_encoder() -> tuple[Any, Any]:
+    """all-MiniLM-L6-v2's tokenizer and model as pretrained (the bucket predictor's base
+    encoder, not fine-tuned), on one torch thread."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -49,8 +50,14 @@ def bertscore_f1(rows: list[dict[str, Any]], experts: list[str]) -> NDArray[np.f
 
     torch.set_num_threads(1)
     encoder = base_encoder_dir()
-    tokenizer = AutoTokenizer.from_pretrained(encoder)
-    model = AutoModel.from_pretrained(encoder).eval()
+    return AutoTokenizer.from_pretrained(encoder), AutoModel.from_pretrained(encoder).eval()
+
+
+def bertscore_f1(rows: list[dict[str, Any]], experts: list[str]) -> NDArray[np.float64]:
+    """(prompt, expert) -> F1 of the expert's answer against the reference."""
+    import torch
+
+    tokenizer, model = pretrained_encoder()
 
     def tokens(text: str) -> torch.Tensor:
         batch = tokenizer(text, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
@@ -76,14 +83,8 @@ def sentence_embeddings(prompts: list[str]) -> NDArray[np.float64]:
     """MiniLM's sentence embedding per prompt: the mean of the last layer over the
     tokens, normalized (all-MiniLM-L6-v2's pooling), prompts cut to 256 tokens."""
     import torch
-    from transformers import AutoModel, AutoTokenizer
 
-    from predictors.buckets import base_encoder_dir
-
-    torch.set_num_threads(1)
-    encoder = base_encoder_dir()
-    tokenizer = AutoTokenizer.from_pretrained(encoder)
-    model = AutoModel.from_pretrained(encoder).eval()
+    tokenizer, model = pretrained_encoder()
     out: list[NDArray[np.float64]] = []
     for i in range(0, len(prompts), 32):
         batch = tokenizer(prompts[i:i + 32], truncation=True, max_length=MAX_TOKENS,
