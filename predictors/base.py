@@ -90,9 +90,9 @@ class ArtifactError(ValueError):
     """A predictor artifact is missing, unreadable or of another kind or format."""
 
 
-def check_length_artifact(path: str | Path) -> None:
-    """Raise `ArtifactError` unless `path` holds a length_moe artifact of the format this
-    version reads; reads meta.json only (no torch)."""
+def check_length_artifact(path: str | Path) -> dict[str, Any]:
+    """Its meta.json, or `ArtifactError` unless `path` holds a length_moe artifact of the
+    format this version reads; reads meta.json only (no torch)."""
     meta_path = Path(path) / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -105,6 +105,7 @@ def check_length_artifact(path: str | Path) -> None:
             or meta.get("format") != LENGTH_ARTIFACT_FORMAT):
         raise ArtifactError(f"{path}: not a length_moe artifact of format "
                             f"{LENGTH_ARTIFACT_FORMAT}")
+    return meta
 
 
 def require_artifact(path: Path, train_command: str) -> None:

@@ -94,8 +94,7 @@ def load_artifact(path: Path, model_map: Mapping[str, str] | None = None,
                   fallback_key: str | None = "any") -> LengthPredictor:
     """Load for inference: single-threaded torch, fused experts, no autograd."""
     torch.set_num_threads(1)  # one small request at a time; threads only add latency
-    check_length_artifact(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = check_length_artifact(path)
     featurizer = Featurizer.from_state(json.loads((path / "featurizer.json").read_text()))
     config = config_from(meta["config"])
     states = torch.load(path / "weights.pt", weights_only=True)
