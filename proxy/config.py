@@ -8,7 +8,7 @@ Unknown keys and bad values fail at start with the key's dotted path in the mess
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -25,6 +25,9 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+if TYPE_CHECKING:
+    from policies.base import Policy
 
 
 class ConfigError(ValueError):
@@ -244,6 +247,12 @@ class Settings(BaseSettings):
 
 def load_settings(path: str | Path | None = None) -> Settings:
     """Load YAML (if given) + env into a validated `Settings`, or raise ConfigError."""
+    return load_settings_and_policy(path)[0]
+
+
+def load_settings_and_policy(path: str | Path | None = None) -> tuple[Settings, Policy]:
+    """`load_settings`, and the policy its check built from `policy` (for a reload, which
+    routes with it: a policy with models is built once)."""
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_yaml(Path(path))
@@ -251,9 +260,9 @@ def load_settings(path: str | Path | None = None) -> Settings:
         settings = Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from None
-    _check_policy(settings)
+    policy = _check_policy(settings)
     _check_predictors(settings)
-    return settings
+    return settings, policy
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -279,11 +288,11 @@ def _describe(exc: ValidationError, path: str | Path | None) -> str:
     return "\n".join(lines)
 
 
-def _check_policy(settings: Settings) -> None:
+def _check_policy(settings: Settings) -> Policy:
     from policies.base import PolicyLoadError, UnknownPolicyError, build_policy
 
     try:
-        build_policy(settings.policy.name, settings.policy.params)
+        return build_policy(settings.policy.name, settings.policy.params)
     except UnknownPolicyError as exc:
         raise ConfigError(f"policy.name: {exc}") from None
     except PolicyLoadError as exc:

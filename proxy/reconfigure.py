@@ -18,8 +18,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from policies.base import Policy, PolicyLoadError, build_policy
-from proxy.config import ConfigError, Settings, load_settings
+from policies.base import Policy, build_policy
+from proxy.config import ConfigError, Settings, load_settings_and_policy
 from proxy.routing import Router
 from proxy.runtime import Runtime, backends_from
 from proxy.types import Backend
@@ -62,8 +62,8 @@ def remove_backend(rt: Runtime, name: str, migrate: bool = True) -> int:
 
 def apply_settings(rt: Runtime, new: Settings, policy: Policy | None = None
                    ) -> dict[str, Any]:
-    """Apply what can change at runtime (`policy`: `new.policy` already built, if it
-    changed); returns what changed and what needs a restart."""
+    """Apply what can change at runtime (`policy`: `new.policy` already built, used if
+    it changed); returns what changed and what needs a restart."""
     old = rt.settings
     changes: dict[str, Any] = _apply_backends(rt, backends_from(new))
     if new.model_groups != old.model_groups:
@@ -102,19 +102,12 @@ def _apply_backends(rt: Runtime, wanted: list[Backend]) -> dict[str, Any]:
 async def reload_config(rt: Runtime, path: str | Path) -> dict[str, Any]:
     """Re-read the config file (and env) and apply it; a bad file changes nothing.
 
-    Reading and checking the file builds its policy, and a changed policy is built
-    again to route with: for a policy with models (qos_drl's checkpoint and encoder)
-    that is ~0.4 s each, so both run in a worker thread and the streams the proxy
-    relays keep flowing; only the swap runs on the event loop."""
+    Reading and checking the file builds its policy, which a changed policy then routes
+    with: for a policy with models (qos_drl's checkpoint and encoder) that is ~0.4 s,
+    so it runs in a worker thread and the streams the proxy relays keep flowing; only
+    the swap runs on the event loop."""
     try:
-        new = await asyncio.to_thread(load_settings, path)
-        policy = None
-        if new.policy != rt.settings.policy:
-            policy = await asyncio.to_thread(build_policy, new.policy.name,
-                                             dict(new.policy.params))
-    except PolicyLoadError as exc:  # its files changed since load_settings built it
-        log.error("config reload rejected, keeping the running config: %s", exc)
-        raise ConfigError(f"policy.params: {exc}") from None
+        new, policy = await asyncio.to_thread(load_settings_and_policy, path)
     except ConfigError as exc:
         log.error("config reload rejected, keeping the running config: %s", exc)
         raise

@@ -124,7 +124,7 @@ async def test_a_reload_reads_and_builds_off_the_event_loop(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading a config builds its policy, which for qos_drl loads a checkpoint and an
     encoder (~0.4 s): done on the event loop it would stall every stream the proxy
-    relays that long. Here reading the file and building the policy each take 0.3 s
+    relays that long. Here reading the file and building its policy take 0.3 s each
     (time.sleep, as blocking work does) and the loop must keep ticking meanwhile."""
     import time
 
@@ -137,8 +137,9 @@ async def test_a_reload_reads_and_builds_off_the_event_loop(
             return real(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(reconfigure, "load_settings", slow(reconfigure.load_settings))
-    monkeypatch.setattr(reconfigure, "build_policy", slow(base.build_policy))
+    monkeypatch.setattr(reconfigure, "load_settings_and_policy",
+                        slow(reconfigure.load_settings_and_policy))
+    monkeypatch.setattr(base, "build_policy", slow(base.build_policy))  # the config's check
     async with fleet(FakeConfig()) as (proxy, fakes):
         rt = proxy.app.runtime
         assert rt is not None
