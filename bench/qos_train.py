@@ -220,12 +220,12 @@ def resume(args: argparse.Namespace, agent: SacAgent, curve: dict[str, list[Any]
     import torch
 
     blob = torch.load(args.out / "last.pt", weights_only=True)
-    saved = checkpoint_reward(blob["meta"])
+    trained_on = checkpoint_reward(blob["meta"])
     asked = getattr(args, "reward", None)
-    if asked is not None and asked != saved:
-        raise SystemExit(f"laneway train qos-drl: {args.out} was trained on the {saved} "
+    if asked is not None and asked != trained_on:
+        raise SystemExit(f"laneway train qos-drl: {args.out} was trained on the {trained_on} "
                          f"reward; --resume with --reward {asked} would change it mid-run")
-    meta["reward"] = saved
+    meta["reward"] = trained_on
     agent.load_state_dict(blob["state"])
     saved = json.loads((args.out / "curve.json").read_text())
     for key in curve:
