@@ -68,17 +68,17 @@ bench-policy-latency: install
 # (default .laneway/predictors/length-moe-v1), then the held-out table + latency into
 # docs/results/length_predictor.{json,md}. Lengths are counted with the tiny models'
 # BPE, so the small tiny model is built first (cheap, cached).
+LENGTH_ARTIFACT := $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1
 train-length: install
 	$(VENV)/bin/laneway backends build --variants small --shared $(SHARED)
 	$(VENV)/bin/laneway train length --data $(SHARED)/data/alpaca_eval_experts.jsonl
 
 evaluate-length: install
-	test -f $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1/meta.json || \
-		$(MAKE) train-length SHARED=$(SHARED)
+	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length SHARED=$(SHARED)
 	$(VENV)/bin/laneway evaluate length --data $(SHARED)/data/alpaca_eval_experts.jsonl
 
 bench-predictor-latency: install
-	$(PY) -m bench.predictor_latency --artifact $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1
+	$(PY) -m bench.predictor_latency --artifact $(LENGTH_ARTIFACT)
 
 # Router scale (README, Benchmarks: Scale): decision latency of every policy, poller
 # staleness and proxy overhead with 8/64/512 emulated backends → docs/results/scale.json
@@ -96,8 +96,7 @@ bench-policies: install
 # first if it is not built)
 bench-goodput: install
 	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
-	test -f $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1/meta.json || \
-		$(MAKE) train-length SHARED=$(SHARED)
+	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length SHARED=$(SHARED)
 	# every step hides the answer length from the proxy: requests ask for max(512, their
 	# length) tokens and the client stops at their length (docs/goodput.md: the length leak);
 	# alpaca_eval workloads draw only the prompts the length predictor never trained on
@@ -156,14 +155,14 @@ train-buckets: install
 	$(VENV)/bin/laneway backends build --variants small --shared $(SHARED)
 	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl
 	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--layers 3 --distill-from $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-v1
+		--layers 3 --distill-from $(QOS_BUCKETS)
 
 evaluate-buckets: install
 	test -f $(QOS_BUCKETS_DISTILLED)/meta.json || $(MAKE) train-buckets SHARED=$(SHARED)
 	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
 		--runtime torch-int8 --runtime onnx --runtime onnx-int8
 	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--artifact $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-l3-distilled \
+		--artifact $(QOS_BUCKETS_DISTILLED) \
 		--runtime onnx-int8 --out docs/results/bucket_predictor_distilled.json
 
 # HAN + discrete SAC and the Baseline RL agent on the simulator, 400 k decisions each
