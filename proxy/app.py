@@ -11,6 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from policies.base import Policy
 from proxy.admin import PREFIX as ADMIN_PREFIX
 from proxy.admin import handle_admin
 from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error, send_json
@@ -88,9 +89,11 @@ ROUTES: dict[str, tuple[str, Handler]] = {
 class LanewayApp:
     """ASGI entry point. The runtime exists between lifespan startup and shutdown."""
 
-    def __init__(self, settings: Settings, config_path: str | None = None) -> None:
+    def __init__(self, settings: Settings, config_path: str | None = None,
+                 policy: Policy | None = None) -> None:
         self.settings = settings
         self.config_path = config_path
+        self.policy = policy  # built from settings.policy by the config check, if it ran
         self.runtime: Runtime | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -121,7 +124,7 @@ class LanewayApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    self.runtime = Runtime(self.settings, self.config_path)
+                    self.runtime = Runtime(self.settings, self.config_path, self.policy)
                     await self.runtime.start()
                     if self.config_path is not None:
                         install_sighup(self.runtime, self.config_path)

@@ -7,11 +7,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from proxy.config import ConfigError, load_settings
+from proxy.config import ConfigError, load_settings, load_settings_and_policy
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
+    settings, policy = load_settings_and_policy(args.config)  # serve routes with this build
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
         server = settings.server.model_copy(update=overrides)
@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     _configure_logging(settings.server.log_level)
     from proxy.server import run
 
-    run(settings, args.config)
+    run(settings, args.config, policy)
     return 0
 
 

@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 import aiohttp
 
-from policies.base import build_policy
+from policies.base import Policy, build_policy
 from predictors.base import Prediction, load_length_predictor
 from proxy.auth import Auth, Grant
 from proxy.config import Settings
@@ -41,13 +41,17 @@ def backends_from(settings: Settings) -> list[Backend]:
 
 
 class Runtime:
-    def __init__(self, settings: Settings, config_path: str | None = None) -> None:
+    def __init__(self, settings: Settings, config_path: str | None = None,
+                 policy: Policy | None = None) -> None:
+        """`policy`: built from `settings.policy` already (by the config check); built
+        here when None."""
         self.settings = settings
         self.config_path = config_path  # re-read by SIGHUP and POST /admin/reload
         self.registry = Registry(backends_from(settings), settings.model_groups,
                                  panic=settings.poller.route_when_all_unhealthy)
         self.metrics = Metrics(self.registry)
-        policy = build_policy(settings.policy.name, settings.policy.params)
+        if policy is None:
+            policy = build_policy(settings.policy.name, settings.policy.params)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)
         self._retired: set[asyncio.Task[None]] = set()  # routers of earlier policies
         length = settings.predictors.length

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from policies.base import Policy
 from proxy.app import LanewayApp
 from proxy.config import Settings
 
@@ -30,11 +31,13 @@ def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
     )
 
 
-def run(settings: Settings, config_path: str | None = None) -> None:
+def run(settings: Settings, config_path: str | None = None, policy: Policy | None = None
+        ) -> None:
     """Serve until SIGTERM/SIGINT; then open streams get `server.shutdown_timeout_s` to
     finish (uvicorn's graceful shutdown) before the runtime closes. SIGHUP re-reads
-    `config_path`."""
-    app = LanewayApp(settings, config_path)
+    `config_path`. `policy`: the one the config check built from `settings.policy`
+    (built again at start when None)."""
+    app = LanewayApp(settings, config_path, policy)
     uvicorn.Server(uvicorn_config(settings, app)).run()
 
 

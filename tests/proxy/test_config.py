@@ -140,3 +140,38 @@ def test_the_length_artifact_is_checked_at_load(tmp_path: Path) -> None:
     (artifact / "meta.json").write_text('{"format": 1, "kind": "length_moe"}')
     settings = load_settings(write(tmp_path, text))  # the weights load at start
     assert settings.predictors.length.artifact == str(artifact)
+
+
+def test_serve_routes_with_the_policy_its_config_check_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A policy with models (qos_drl: ~0.4 s) is built once at start, not twice."""
+    import asyncio
+
+    from policies import base
+    from proxy import cli, server
+    from proxy.runtime import Runtime
+
+    builds: list[object] = []
+
+    def counting(name: str, params: dict[str, object] | None = None) -> base.Policy:
+        builds.append(policy := real(name, params))
+        return policy
+
+    real = base.build_policy
+    monkeypatch.setattr(base, "build_policy", counting)
+    monkeypatch.setattr("proxy.runtime.build_policy", counting)
+    routed: list[object] = []
+
+    def fake_run(settings: object, config_path: str | None, policy: base.Policy) -> None:
+        app = server.LanewayApp(settings, config_path, policy)  # type: ignore[arg-type]
+
+        async def start() -> None:  # what the lifespan builds
+            rt = Runtime(app.settings, app.config_path, app.policy)
+            routed.append(rt.router.policy)
+            await rt.close()
+        asyncio.run(start())
+
+    monkeypatch.setattr(server, "run", fake_run)
+    assert cli.main(["serve", "--config", str(write(tmp_path, GOOD)), "--port", "0"]) == 0
+    assert len(builds) == 1 and routed == builds
