@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,8 @@ class FakeVllm:
                  "root": self.config.model, "parent": None,
                  "max_model_len": self.config.max_model_len}
                 for name in self.config.served_models]})
+        elif path == "/v1/embeddings":
+            await self._embeddings(receive, send)
         elif path in ("/v1/chat/completions", "/v1/completions"):
             await self._completion(path == "/v1/chat/completions", scope, receive, send)
         else:
@@ -94,27 +97,67 @@ class FakeVllm:
             body = orjson.loads(await read_body({}, receive, _MAX_BODY))
         except ClientGone:
             return
+        model = body.get("model") or self.config.model
+        if await self._refused(body, model, send):
+            return
+        job = self._plan(chat, scope, body, model)
+        await self._cancellable(receive, lambda: self._admitted(job, body, send))
+
+    async def _embeddings(self, receive: Receive, send: Send) -> None:
+        """A pooling server's `/v1/embeddings`: one 8-float vector per input string,
+        fixed by the string; the injected failures apply as to completions."""
+        try:
+            body = orjson.loads(await read_body({}, receive, _MAX_BODY))
+        except ClientGone:
+            return
+        model = body.get("model") or self.config.model
+        if await self._refused(body, model, send):
+            return
+        texts = body.get("input", "")
+        texts = [texts] if isinstance(texts, str) else [str(t) for t in texts]
+        data = [{"index": i, "object": "embedding",
+                 "embedding": [(b - 128) / 128 for b in hashlib.blake2b(
+                     text.encode(), digest_size=8).digest()]}
+                for i, text in enumerate(texts)]
+        tokens = sum(len(text_token_ids(text)) for text in texts)
+
+        async def answer() -> None:
+            await send_json(send, 200, {
+                "id": "embd-fake", "object": "list", "created": self.created,
+                "model": model, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                          "completion_tokens": 0}})
+            self.stats.finished += 1
+        await self._cancellable(receive, answer)
+
+    async def _refused(self, body: dict[str, Any], model: str, send: Send) -> bool:
+        """Count the request; answer it here if its model is not served or a failure
+        is injected."""
         cfg, stats = self.config, self.stats
         stats.record(body)
-        model = body.get("model") or cfg.model
         if model not in cfg.served_models:
             await send_json(send, 404, {"error": {
                 "message": f"The model `{model}` does not exist.", "type": "NotFoundError",
                 "param": "model", "code": 404}})
-            return
+            return True
         if cfg.fail_status and (cfg.fail_first is None or stats.requests <= cfg.fail_first):
             await send_json(send, cfg.fail_status, {"error": {"message": "injected failure"}})
-            return
+            return True
+        return False
+
+    async def _cancellable(self, receive: Receive, work: Callable[[], Awaitable[None]]
+                           ) -> None:
+        """Run `work` (after forever, with `hang`) until the client goes away."""
         disconnect = _Disconnect(receive)
         try:
-            if cfg.hang:
+            if self.config.hang:
                 await asyncio.Event().wait()  # until the client goes away
-            await self._admitted(self._plan(chat, scope, body, model), body, send)
+            await work()
         except asyncio.CancelledError:
             if not disconnect.gone:
                 raise  # server shutdown, not the client
             disconnect.task.uncancel()
-            stats.cancelled += 1
+            self.stats.cancelled += 1
         finally:
             disconnect.close()
 

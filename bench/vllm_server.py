@@ -52,6 +52,9 @@ class Spec:
     eldr_port: int | None = None  # the ELDR plugin's side endpoint (MoE variants)
     cpus: str | None = None  # taskset CPU list ("0"): the server alone on its own core(s)
     nice: int = 0  # > 0: the server yields the CPU to the proxy and client (`nice -n`)
+    # more vLLM flags, e.g. ("--runner", "pooling", "--convert", "embed"): an
+    # embedding server of the same tiny model
+    extra_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,7 @@ def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
         "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "bfloat16",
         "--enforce-eager", "--max-model-len", str(max_model_len),
         "--distributed-executor-backend", "uni", "--disable-uvicorn-access-log",
+        *spec.extra_args,
     ]
     log_path(spec.name).parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path(spec.name), "wb")

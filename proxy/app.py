@@ -2,7 +2,8 @@
 
 Plain ASGI rather than FastAPI on purpose: FastAPI's routing and request objects
 cost ~0.5 ms p50 per request here, half of the proxy's whole latency budget. Two
-hot routes and three small GET routes do not need a framework.
+hot routes, three small GET routes and the pass-through POST routes (proxy/passthrough.py)
+do not need a framework.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error,
 from proxy.config import Settings
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError
 from proxy.handler import handle_completion
+from proxy.passthrough import PATHS as PASSTHROUGH_PATHS
+from proxy.passthrough import handle_passthrough
 from proxy.reconfigure import install_sighup, remove_sighup
 from proxy.runtime import Runtime
 
@@ -83,6 +86,7 @@ ROUTES: dict[str, tuple[str, Handler]] = {
     "/v1/models": ("GET", _models),
     "/health": ("GET", _health),
     "/metrics": ("GET", _metrics),
+    **{path: ("POST", handle_passthrough) for path in PASSTHROUGH_PATHS},
 }
 
 

@@ -93,15 +93,22 @@ class Auth:
 
     def admit(self, headers: Mapping[str, str], ctx: RequestContext) -> Grant | None:
         """Check the key, its models and its limits, and charge the request."""
+        return self.admit_model(headers, ctx.model, len(ctx.prompt_text),
+                                ctx.max_tokens or self.cfg.default_max_tokens)
+
+    def admit_model(self, headers: Mapping[str, str], model: str, prompt_chars: int,
+                    output_tokens: int) -> Grant | None:
+        """`admit` for a request on `model` of about `prompt_chars` characters of input
+        that may generate `output_tokens`."""
         key = self.key_of(headers)
         if key is None:
             return None
-        if not key.allows(ctx.model):
+        if not key.allows(model):
             raise PermissionDenied(f"The key `{key.name}` may not use model "
-                                   f"`{ctx.model}`.", param="model")
+                                   f"`{model}`.", param="model")
         now = self._clock()
-        prompt = math.ceil(len(ctx.prompt_text) / self.cfg.chars_per_token)
-        tokens = prompt + (ctx.max_tokens or self.cfg.default_max_tokens)
+        prompt = math.ceil(prompt_chars / self.cfg.chars_per_token)
+        tokens = prompt + output_tokens
         self._check(key, "requests", key.requests_per_minute, 1, now)
         self._check(key, "tokens", key.tokens_per_minute, tokens, now)
         window = window_of(now)

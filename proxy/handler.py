@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -25,11 +23,9 @@ from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, 
 from proxy.auth import Grant
 from proxy.errors import (
     ModelNotFound,
-    NoHealthyBackend,
     ProxyError,
     RequestDropped,
     UpstreamError,
-    UpstreamTimeout,
 )
 from proxy.kv_transfer import handle_of, without_handle
 from proxy.legs import Leg
@@ -41,8 +37,8 @@ from proxy.migration import (
     tracking_of,
     why_not_migratable,
 )
-from proxy.relay import Opened, StallWatch, UpstreamFailure, forward_headers
-from proxy.requests import build_context, parse_body
+from proxy.relay import Opened, StallWatch, UpstreamFailure, exhausted, forward_headers
+from proxy.requests import build_context, parse_body, request_id
 from proxy.runtime import Runtime
 from proxy.stream import StreamTally, body_usage
 from proxy.tracked import TrackedRelay
@@ -50,8 +46,6 @@ from proxy.types import Endpoint, Outcome, RequestContext
 
 _PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 log = logging.getLogger("laneway")
-_ids = itertools.count()
-_ID_PREFIX = os.urandom(4).hex()
 
 
 async def handle_completion(
@@ -64,7 +58,7 @@ async def handle_completion(
         data = parse_body(body)
         ctx = build_context(
             data, endpoint, headers,
-            request_id=headers.get("x-request-id") or f"lw-{_ID_PREFIX}-{next(_ids)}",
+            request_id=request_id(headers),
             max_tokens_limit=server.max_tokens_limit,
             session_header=server.session_header,
             block_chars=server.prefix_block_chars,
@@ -199,7 +193,7 @@ class Exchange:
                     opened.close()
                     self._account(opened)
             return
-        raise _exhausted(ctx, failures, rt.settings.server.retry_after_s)
+        raise exhausted(ctx.model, failures, rt.settings.server.retry_after_s)
 
     def _upstream_body(self, body: bytes, model: str,
                        kv_handle: Mapping[str, Any] | None) -> bytes:
@@ -320,20 +314,3 @@ class Exchange:
         self.rt.metrics.observe(outcome)
         self.rt.router.observe(outcome)
 
-
-def _exhausted(
-    ctx: RequestContext, failures: list[UpstreamFailure], retry_after_s: int
-) -> ProxyError:
-    if not failures:
-        return NoHealthyBackend(
-            f"No healthy backend serves model `{ctx.model}` right now.",
-            retry_after_s=retry_after_s)
-    if all(f.kind == "connect" for f in failures):  # e.g. panic mode over dead backends
-        tried = ", ".join(f.backend.name for f in failures)
-        return NoHealthyBackend(
-            f"No backend serving model `{ctx.model}` accepts connections right now "
-            f"(tried {tried}).", retry_after_s=retry_after_s)
-    tried = "; ".join(f"{f.backend.name}: {f.kind} {f.detail[:200]}" for f in failures)
-    if all(f.kind == "timeout" for f in failures):
-        return UpstreamTimeout(f"Every backend tried timed out ({tried}).")
-    return UpstreamError(f"Every backend tried failed ({tried}).")

@@ -96,6 +96,13 @@ class Metrics:
             "laneway_slo_requests", "Requests that carried an SLO (x-laneway-slo-ms), by "
             "whether they finished within it (failures count as missed)",
             ["model", "policy", "met"], registry=r)
+        self.passthrough = Counter(
+            "laneway_passthrough_requests", "Requests on the endpoints that generate "
+            "nothing (embeddings, score, rerank, pooling, tokenize, ...), by outcome",
+            ["endpoint", "model", "backend", "status"], registry=r)
+        self.passthrough_seconds = Histogram(
+            "laneway_passthrough_seconds", "Latency of answered pass-through requests",
+            ["endpoint", "model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.state_connected = Gauge(
             "laneway_state_connected", "1 if the last exchange with the shared state "
             "store succeeded", registry=r)
@@ -124,6 +131,11 @@ class Metrics:
             if outcome.tpot_s is not None:
                 tpot.observe(outcome.tpot_s)
             e2e.observe(outcome.e2e_s)
+
+    def observe_passthrough(self, endpoint: str, model: str, outcome: Outcome) -> None:
+        self.passthrough.labels(endpoint, model, outcome.backend, str(outcome.status)).inc()
+        if outcome.ok:
+            self.passthrough_seconds.labels(endpoint, model).observe(outcome.e2e_s)
 
     def observe_length(self, model: str, predicted: float, outcome: Outcome) -> None:
         """How far the length predictor's arrival estimate was from the answer, for a

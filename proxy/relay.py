@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 
 from proxy.config import UpstreamConfig
+from proxy.errors import NoHealthyBackend, ProxyError, UpstreamError, UpstreamTimeout
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.relay")
@@ -199,3 +200,20 @@ class StallWatch:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+def exhausted(model: str, failures: list[UpstreamFailure], retry_after_s: int) -> ProxyError:
+    """The client's error once no attempt on `model`'s backends gave a response."""
+    if not failures:
+        return NoHealthyBackend(
+            f"No healthy backend serves model `{model}` right now.",
+            retry_after_s=retry_after_s)
+    if all(f.kind == "connect" for f in failures):  # e.g. panic mode over dead backends
+        tried = ", ".join(f.backend.name for f in failures)
+        return NoHealthyBackend(
+            f"No backend serving model `{model}` accepts connections right now "
+            f"(tried {tried}).", retry_after_s=retry_after_s)
+    tried = "; ".join(f"{f.backend.name}: {f.kind} {f.detail[:200]}" for f in failures)
+    if all(f.kind == "timeout" for f in failures):
+        return UpstreamTimeout(f"Every backend tried timed out ({tried}).")
+    return UpstreamError(f"Every backend tried failed ({tried}).")

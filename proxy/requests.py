@@ -8,6 +8,8 @@ bytes, so the backend stays the judge of its own parameters.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -18,8 +20,15 @@ from proxy.errors import InvalidRequest
 from proxy.types import Endpoint, RequestContext
 
 SLO_HEADER = "x-laneway-slo-ms"
+_ids = itertools.count()
+_ID_PREFIX = os.urandom(4).hex()
 # the client's own estimate of the completion length (e.g. a batch job that knows it)
 EXPECTED_TOKENS_HEADER = "x-laneway-expected-tokens"
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """The client's `x-request-id`, or a new id unique to this process."""
+    return headers.get("x-request-id") or f"lw-{_ID_PREFIX}-{next(_ids)}"
 
 
 def parse_body(body: bytes) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 import aiohttp
 
+from policies._load import LeastInflight
 from policies.base import Policy, build_policy
 from predictors.base import Prediction, load_length_predictor
 from proxy.auth import Auth, Grant
@@ -54,6 +55,7 @@ class Runtime:
             policy = build_policy(settings.policy.name, settings.policy.params)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)
         self._retired: set[asyncio.Task[None]] = set()  # routers of earlier policies
+        self.least_inflight = LeastInflight()  # picks for proxy/passthrough.py
         length = settings.predictors.length
         self.predictor = load_length_predictor(length.artifact, length.model_map,
                                                length.fallback_key)

@@ -201,7 +201,7 @@ async def test_hang_never_answers_and_is_cancelled_on_disconnect() -> None:
 async def test_health_and_unknown_path() -> None:
     async with serve_fake(FakeConfig()) as fake, httpx.AsyncClient(base_url=fake.url) as http:
         assert (await http.get("/health")).status_code == 200
-        assert (await http.get("/v1/embeddings")).status_code == 404
+        assert (await http.get("/v1/files")).status_code == 404
 
 
 async def test_metrics_honour_the_name_filter_like_prometheus_client() -> None:

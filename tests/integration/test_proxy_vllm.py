@@ -325,3 +325,44 @@ def test_goodput_routes_by_each_requests_slo(vllm_fleet: Any) -> None:
     assert "just enough: T=" in decisions[0] and "just enough: T=" in decisions[1]
     assert "none feasible: least overrun" in decisions[2]
     assert "no SLO: least in-flight" in decisions[3]
+
+
+def test_embeddings_and_tokenize_route_by_model(vllm_fleet: Any) -> None:
+    """A pooling server (the small tiny model run with `--runner pooling --convert
+    embed`) beside the generation fleet: the SDK's embeddings go to it, `/tokenize`
+    to a generation backend, each by its `model`."""
+    from bench.backends import Spec, start, stop
+    from bench.ports import free_port
+
+    embed = start([Spec("embed", "small", "tiny-embed", free_port(),
+                        extra_args=("--runner", "pooling", "--convert", "embed"))],
+                  timeout_s=240)
+    try:
+        config = fleet_config(vllm_fleet)
+        config["backends"].append({"name": "embed", "url": embed[0].url,
+                                   "model": "tiny-embed"})
+        with running_proxy(config) as proxy:
+            texts = ["Say hi", "A longer sentence to embed."]
+            raw = client(proxy.url).embeddings.with_raw_response.create(
+                model="tiny-embed", input=texts)
+            direct = httpx.post(f"{embed[0].url}/v1/embeddings", timeout=60,
+                                json={"model": "tiny-embed", "input": texts}).json()
+            tokenized = httpx.post(f"{proxy.url}/tokenize", timeout=60,
+                                   json={"model": SMALL, "prompt": "Say hi"})
+            wrong = httpx.post(f"{proxy.url}/v1/embeddings", timeout=60,
+                               json={"model": "no-such-model", "input": "x"})
+            metrics = httpx.get(f"{proxy.url}/metrics").text
+    finally:
+        stop(embed)
+    embeddings = raw.parse()
+    assert raw.headers["x-laneway-backend"] == "embed"
+    for got, want in zip(embeddings.data, direct["data"], strict=True):  # SDK: base64 f32
+        assert got.embedding == pytest.approx(want["embedding"], abs=1e-6)
+    assert len(embeddings.data[0].embedding) == 128  # the tiny model's hidden size
+    assert embeddings.usage.prompt_tokens == direct["usage"]["prompt_tokens"] > 0
+    assert tokenized.status_code == 200
+    assert tokenized.headers["x-laneway-backend"] in small_backends(vllm_fleet)
+    assert tokenized.json()["count"] >= 2
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    assert 'laneway_passthrough_requests_total{backend="embed",endpoint="/v1/embeddings",' \
+        'model="tiny-embed",status="200"} 1.0' in metrics

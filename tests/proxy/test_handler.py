@@ -149,7 +149,7 @@ async def test_client_disconnect_cancels_upstream() -> None:
         ("POST", "/v1/chat/completions", orjson.dumps({**CHAT, "model": "other"}), 404,
          "model_not_found"),
         ("GET", "/v1/chat/completions", b"", 405, "method_not_allowed"),
-        ("POST", "/v1/embeddings", b"{}", 404, "not_found"),
+        ("POST", "/v1/files", b"{}", 404, "not_found"),
         ("POST", "/v1/completions", b'{"model": "fake", "prompt": "' + b"x" * 3000 + b'"}',
          413, "request_too_large"),
     ],

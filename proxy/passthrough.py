@@ -1,0 +1,166 @@
+"""The model-routed JSON endpoints that generate nothing: embeddings, scoring,
+reranking, pooling, classification and (de)tokenization.
+
+vLLM serves these beside the completion routes (`/tokenize`), or instead of them on
+a pooling model (`--runner pooling`: `/v1/embeddings`, `/v1/score`, `/v1/rerank`, …).
+They produce no tokens, so the generation policies (length prediction, SLOs,
+migration) have nothing to work with: a request goes to the healthy backend of its
+`model` with the fewest requests open, with the same auth, limits, retries before
+the first byte, timeouts and OpenAI-shaped errors as a completion. Bodies are relayed
+untouched both ways (but for a model group's member name); the response says which
+backend answered (`x-laneway-backend`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import orjson
+
+from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, send_error
+from proxy.auth import Grant
+from proxy.errors import InvalidRequest, ModelNotFound, ProxyError
+from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers
+from proxy.requests import parse_body, request_id
+from proxy.runtime import Runtime
+from proxy.stream import body_usage
+from proxy.types import Outcome
+
+PATHS = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank",
+         "/pooling", "/classify", "/tokenize", "/detokenize")
+
+
+async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
+    path: str = scope["path"]
+    headers = header_map(scope)
+    try:
+        body = await read_body(headers, receive, rt.settings.server.max_body_bytes)
+        model = _model_of(parse_body(body), path)
+        # No output tokens: the body bounds the input the key is charged for.
+        grant = rt.auth.admit_model(headers, model, len(body), 0)
+        if not rt.registry.serves(model):
+            rt.auth.settle(grant, None)
+            raise ModelNotFound(model)
+    except ClientGone:
+        return
+    except ProxyError as err:
+        rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
+        await send_error(send, err)
+        return
+    call = _Call(rt, path, model, body, forward_headers(scope["headers"]), send, grant,
+                 request_id(headers))
+    task = asyncio.create_task(call.run())
+    watcher = asyncio.create_task(_until_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the client left first: stop the backend's work too
+            call.client_gone = True
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+def _model_of(data: dict[str, Any], path: str) -> str:
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(f"`model` is required on {path} and must be a non-empty "
+                             "string: it decides which backends may answer.", param="model")
+    return model
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Call:
+    """One pass-through request, from the first pick to the response (or its error)."""
+
+    def __init__(self, rt: Runtime, path: str, model: str, body: bytes,
+                 headers: dict[str, str], send: Send, grant: Grant | None, rid: str) -> None:
+        self.rt, self.path, self.model, self.body, self.headers, self.send = (
+            rt, path, model, body, headers, send)
+        self.grant = grant
+        self.request_id = rid
+        self.started = time.monotonic()
+        self.client_gone = False
+        self.backend_name = "-"  # the backend being tried, for metrics
+
+    async def run(self) -> None:
+        outcome: Outcome | None = None
+        try:
+            opened = await self._open()
+            outcome = self._outcome(opened.backend.name, opened.status, opened.head)
+            await self._respond(opened)
+        except ProxyError as err:
+            self.rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
+            await send_error(self.send, err)
+        except asyncio.CancelledError:
+            if self.client_gone:
+                self.rt.metrics.disconnects.labels(self.model, self.backend_name).inc()
+                outcome = self._outcome(self.backend_name, 499, b"")
+            raise
+        finally:
+            self.rt.auth.settle(self.grant, outcome)
+            if outcome is not None:
+                self.rt.metrics.observe_passthrough(self.path, self.model, outcome)
+
+    async def _open(self) -> Opened:
+        """The first backend's full response; on failure the next backend's."""
+        rt = self.rt
+        tried: list[str] = []
+        failures: list[UpstreamFailure] = []
+        for _ in range(rt.settings.upstream.max_attempts):
+            view = rt.registry.view(self.model, time.monotonic(), exclude=tried)
+            if not view.candidates:
+                break
+            backend, _load = rt.least_inflight.pick(view)
+            tried.append(backend.name)
+            self.backend_name = backend.name
+            body = self.body if backend.model == self.model else orjson.dumps(
+                orjson.loads(self.body) | {"model": backend.model})  # a group's member
+            with rt.registry.guard(backend.name):
+                try:
+                    return await rt.upstream.open(backend, self.path, body, self.headers,
+                                                  stream=False)
+                except UpstreamFailure as failure:
+                    failures.append(failure)
+                    rt.upstream_failed(failure, self.model)
+        raise exhausted(self.model, failures, rt.settings.server.retry_after_s)
+
+    async def _respond(self, opened: Opened) -> None:
+        try:
+            await self.send({"type": "http.response.start", "status": opened.status,
+                             "headers": [
+                                 (b"content-type", opened.content_type),
+                                 (b"content-length", str(len(opened.head)).encode()),
+                                 (b"x-laneway-backend", opened.backend.name.encode()),
+                                 (b"x-request-id", self.request_id.encode()),
+                             ]})
+            await self.send({"type": "http.response.body", "body": opened.head})
+        finally:
+            opened.close()
+
+    def _outcome(self, backend: str, status: int, body: bytes) -> Outcome:
+        prompt_tokens = None  # None: settled at the up-front estimate
+        if status == 200:
+            prompt_tokens = body_usage(body)[0] if self.path != "/tokenize" else _count(body)
+        return Outcome(
+            request_id=self.request_id, model=self.model, backend=backend,
+            policy="passthrough", status=status, ok=status == 200, started_at=self.started,
+            ttft_s=None, e2e_s=time.monotonic() - self.started, completion_tokens=0,
+            prompt_tokens=prompt_tokens)
+
+
+def _count(body: bytes) -> int | None:
+    """`count` of a vLLM `/tokenize` answer."""
+    with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+        count = orjson.loads(body).get("count")
+        return count if isinstance(count, int) else None
+    return None
