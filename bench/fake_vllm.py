@@ -114,7 +114,12 @@ class FakeVllm:
         if await self._refused(body, model, send):
             return
         texts = body.get("input", "")
-        texts = [texts] if isinstance(texts, str) else [str(t) for t in texts]
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, list):
+            await send_json(send, 400, {"error": {"message": "`input` must be a string or "
+                                                  "a list", "type": "BadRequestError"}})
+            return
+        texts = [str(t) for t in texts]
         data = [{"index": i, "object": "embedding",
                  "embedding": [(b - 128) / 128 for b in hashlib.blake2b(
                      text.encode(), digest_size=8).digest()]}
