@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 import uvicorn
 
+from bench import fake_responses
 from bench.fake_metrics import FakeStats, PrefixCache, render, requested_names
 from bench.fake_wire import (
     BOS_ID,
@@ -67,6 +68,7 @@ class FakeVllm:
         self.created = int(time.time())  # fixed, so equal requests get equal bytes
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._prefix_cache = PrefixCache()
+        self.responses: dict[str, dict[str, Any]] = {}  # stored Responses API answers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -85,6 +87,8 @@ class FakeVllm:
                  "root": self.config.model, "parent": None,
                  "max_model_len": self.config.max_model_len}
                 for name in self.config.served_models]})
+        elif path == fake_responses.PREFIX or path.startswith(fake_responses.PREFIX + "/"):
+            await fake_responses.handle(self, scope, receive, send)
         elif path == "/v1/embeddings":
             await self._embeddings(receive, send)
         elif path in ("/v1/chat/completions", "/v1/completions"):
@@ -98,10 +102,10 @@ class FakeVllm:
         except ClientGone:
             return
         model = body.get("model") or self.config.model
-        if await self._refused(body, model, send):
+        if await self.refused(body, model, send):
             return
         job = self._plan(chat, scope, body, model)
-        await self._cancellable(receive, lambda: self._admitted(job, body, send))
+        await self.cancellable(receive, lambda: self._admitted(job, body, send))
 
     async def _embeddings(self, receive: Receive, send: Send) -> None:
         """A pooling server's `/v1/embeddings`: one 8-float vector per input string,
@@ -111,7 +115,7 @@ class FakeVllm:
         except ClientGone:
             return
         model = body.get("model") or self.config.model
-        if await self._refused(body, model, send):
+        if await self.refused(body, model, send):
             return
         texts = body.get("input", "")
         texts = [texts] if isinstance(texts, str) else texts
@@ -133,9 +137,9 @@ class FakeVllm:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
                           "completion_tokens": 0}})
             self.stats.finished += 1
-        await self._cancellable(receive, answer)
+        await self.cancellable(receive, answer)
 
-    async def _refused(self, body: dict[str, Any], model: str, send: Send) -> bool:
+    async def refused(self, body: dict[str, Any], model: str, send: Send) -> bool:
         """Count the request; answer it here if its model is not served or a failure
         is injected."""
         cfg, stats = self.config, self.stats
@@ -150,7 +154,7 @@ class FakeVllm:
             return True
         return False
 
-    async def _cancellable(self, receive: Receive, work: Callable[[], Awaitable[None]]
+    async def cancellable(self, receive: Receive, work: Callable[[], Awaitable[None]]
                            ) -> None:
         """Run `work` (after forever, with `hang`) until the client goes away."""
         disconnect = _Disconnect(receive)

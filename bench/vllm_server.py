@@ -55,6 +55,7 @@ class Spec:
     # more vLLM flags, e.g. ("--runner", "pooling", "--convert", "embed"): an
     # embedding server of the same tiny model
     extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # more environment, e.g. (("VLLM_…", "1"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +128,8 @@ def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
     # The laneway_eldr plugin (deploy/vllm_plugins) is idle unless given a port.
     eldr = {} if spec.eldr_port is None else {"LANEWAY_ELDR_PORT": str(spec.eldr_port)}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **VLLM_ENV, **eldr}, start_new_session=True)
+                            env={**os.environ, **VLLM_ENV, **eldr, **dict(spec.env)},
+                            start_new_session=True)
     log.close()
     return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid, spec.eldr_port)
 

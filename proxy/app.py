@@ -22,6 +22,8 @@ from proxy.handler import handle_completion
 from proxy.passthrough import PATHS as PASSTHROUGH_PATHS
 from proxy.passthrough import handle_passthrough
 from proxy.reconfigure import install_sighup, remove_sighup
+from proxy.responses import PREFIX as RESPONSES_PREFIX
+from proxy.responses import handle_stored
 from proxy.runtime import Runtime
 
 log = logging.getLogger("laneway")
@@ -34,6 +36,10 @@ async def _chat(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None
 
 async def _completions(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
     await handle_completion(rt, "completions", scope, receive, send)
+
+
+async def _responses(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
+    await handle_completion(rt, "responses", scope, receive, send)
 
 
 async def _models(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,6 +89,7 @@ async def _metrics(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> N
 ROUTES: dict[str, tuple[str, Handler]] = {
     "/v1/chat/completions": ("POST", _chat),
     "/v1/completions": ("POST", _completions),
+    "/v1/responses": ("POST", _responses),
     "/v1/models": ("GET", _models),
     "/health": ("GET", _health),
     "/metrics": ("GET", _metrics),
@@ -112,6 +119,10 @@ class LanewayApp:
                 and self.settings.admin.enabled:
             assert self.runtime is not None, "lifespan did not run"
             await handle_admin(self.runtime, scope, receive, send)
+            return
+        if route is None and scope["path"].startswith(RESPONSES_PREFIX):
+            assert self.runtime is not None, "lifespan did not run"
+            await handle_stored(self.runtime, scope, receive, send)
             return
         if route is None:
             await send_error(send, NotFound(f"No route for {scope['path']}."))

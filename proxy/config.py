@@ -168,6 +168,15 @@ class StateConfig(_Section):
     timeout_s: float = Field(0.5, gt=0, description="per Redis call; slower = Redis down")
 
 
+class ResponsesConfig(_Section):
+    """The Responses API's stored responses (README, API; proxy/responses.py)."""
+
+    remember: int = Field(100_000, ge=1, description="response ids whose backend this "
+                          "replica remembers (least recently used out first)")
+    lookup_timeout_s: float = Field(5.0, gt=0, description="asking the backends which "
+                                    "holds a response id this replica does not remember")
+
+
 class DebugConfig(_Section):
     log_decisions: bool = False
     allow_forced_migration: bool = Field(False, description="honour the request header "
@@ -208,6 +217,7 @@ class Settings(BaseSettings):
     predictors: PredictorsConfig = PredictorsConfig()
     auth: AuthConfig = AuthConfig()
     state: StateConfig = StateConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     debug: DebugConfig = DebugConfig()
 
     @field_validator("backends")

@@ -56,7 +56,7 @@ class PrefillStage:
     async def predict(self, ctx: RequestContext, data: dict[str, Any], pred: Prediction,
                       view: ClusterView) -> Prediction:
         pool = tuple(b for b in view.candidates if b.labels.get("role") == PREFILL_ROLE)
-        if not pool:
+        if not pool or ctx.endpoint not in _PATHS:  # no prefill leg for the Responses API
             return pred
         backend = self._prefix.pick(ctx, pred, dataclasses.replace(view, candidates=pool)).backend
         try:

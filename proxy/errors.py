@@ -150,3 +150,10 @@ def error_response(err: ProxyError) -> tuple[int, list[tuple[bytes, bytes]], byt
 def stream_error_event(err: ProxyError) -> bytes:
     """An SSE event reporting an error after the stream started, then `[DONE]`."""
     return b"data: " + error_json(err) + b"\n\ndata: [DONE]\n\n"
+
+
+def responses_error_event(err: ProxyError) -> bytes:
+    """The Responses API's in-stream error event (it has no `[DONE]`)."""
+    return b"event: error\ndata: " + orjson.dumps({
+        "type": "error", "code": err.code or err.type, "message": err.message,
+        "param": err.param}) + b"\n\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -39,12 +40,14 @@ from proxy.migration import (
 )
 from proxy.relay import Opened, StallWatch, UpstreamFailure, exhausted, forward_headers
 from proxy.requests import build_context, parse_body, request_id
+from proxy.responses import home_of, response_id_in
 from proxy.runtime import Runtime
-from proxy.stream import StreamTally, body_usage
+from proxy.stream import RESPONSES_END, StreamTally, body_usage
 from proxy.tracked import TrackedRelay
 from proxy.types import Endpoint, Outcome, RequestContext
 
-_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                               "responses": "/v1/responses"}
 log = logging.getLogger("laneway")
 
 
@@ -75,9 +78,26 @@ async def handle_completion(
         await send_error(send, err)
         return
     tracking = _tracking(rt, ctx, data, forced)
-    await Exchange(rt, ctx, body, data, forward_headers(scope["headers"]), send,
+    upstream_headers = forward_headers(scope["headers"])
+    home = await _previous_home(rt, ctx, data, upstream_headers)
+    await Exchange(rt, ctx, body, data, upstream_headers, send,
                    tracking=tracking, forced_after=forced, grant=grant,
-                   announce=headers.get(EVENTS_HEADER) == "1").run(receive)
+                   announce=headers.get(EVENTS_HEADER) == "1", home=home).run(receive)
+
+
+async def _previous_home(rt: Runtime, ctx: RequestContext, data: dict[str, Any],
+                         headers: dict[str, str]) -> str | None:
+    """For a Responses API request continuing a stored response: the backend that holds
+    it (the request must go there), if one of the candidates does."""
+    previous = data.get("previous_response_id") if ctx.endpoint == "responses" else None
+    if not isinstance(previous, str) or not previous:
+        return None
+    candidates = rt.registry.view(ctx.model, time.monotonic()).candidates
+    home = await home_of(rt, previous, candidates, headers)
+    if home is None:
+        log.info("request %s: no candidate holds previous response %s; the policy picks",
+                 ctx.request_id, previous)
+    return None if home is None else home.name
 
 
 def _tracking(
@@ -87,6 +107,9 @@ def _tracking(
     cfg = rt.settings.migration
     wanted = ctx.stream or cfg.non_stream or rt.router.reroutes or forced is not None
     if not cfg.enabled or not wanted:
+        return None
+    if ctx.endpoint == "responses":  # its events are not tokens; nothing to continue from
+        log.debug("request %s is not migratable (Responses API)", ctx.request_id)
         return None
     why_not = why_not_migratable(data, ctx.endpoint == "chat")
     if why_not is not None:
@@ -102,6 +125,7 @@ class Exchange:
         self, rt: Runtime, ctx: RequestContext, body: bytes, data: dict[str, Any],
         headers: dict[str, str], send: Send, *, tracking: Tracking | None = None,
         forced_after: int | None = None, announce: bool = False, grant: Grant | None = None,
+        home: str | None = None,
     ) -> None:
         self.rt, self.ctx, self.body, self.data, self.headers, self.send = (
             rt, ctx, body, data, headers, send)
@@ -112,6 +136,7 @@ class Exchange:
         self.tally: StreamTally | None = None
         self.backend_name = "-"  # the backend being tried, for metrics
         self.grant = grant
+        self.home = home  # the one backend to try first (it holds previous_response_id)
         self.outcome: Outcome | None = None  # the final leg's, for `rt.finished`
         self.predicted_tokens: float | None = None  # the length predictor's, at arrival
 
@@ -155,6 +180,9 @@ class Exchange:
             view = rt.registry.view(ctx.model, time.monotonic(), exclude=tried)
             if not view.candidates:
                 break
+            if self.home is not None and not tried:
+                pinned = tuple(b for b in view.candidates if b.name == self.home)
+                view = dataclasses.replace(view, candidates=pinned or view.candidates)
             decision = rt.router.pick(ctx, pred, view)
             backend = decision.backend
             if decision.drop is not None:
@@ -251,7 +279,9 @@ class Exchange:
             (b"x-laneway-backend", opened.backend.name.encode()),
             (b"x-request-id", self.ctx.request_id.encode()),
         ]
-        self.tally = tally = StreamTally(time.monotonic(), opened.head)
+        self.tally = tally = StreamTally(
+            time.monotonic(), opened.head,
+            RESPONSES_END if self.ctx.endpoint == "responses" else None)
         if opened.complete:
             headers.append((b"content-length", str(len(opened.head)).encode()))
             await self.send({"type": "http.response.start", "status": opened.status,
@@ -268,7 +298,7 @@ class Exchange:
                 await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tally.add(chunk, time.monotonic())
             if not tally.saw_done:
-                raise aiohttp.ClientPayloadError("stream ended without [DONE]")
+                raise aiohttp.ClientPayloadError("stream ended without its end event")
         except (aiohttp.ClientError, TimeoutError) as exc:
             await self._fail_mid_stream(opened, exc, "timeout" if watch.fired else None)
         finally:
@@ -311,6 +341,10 @@ class Exchange:
             completion_tokens=tokens, prompt_tokens=prompt_tokens, tpot_s=tpot,
         )
         self.outcome = outcome
+        if ctx.endpoint == "responses" and status == 200:
+            response_id = response_id_in(opened.head)
+            if response_id is not None:
+                self.rt.responses.learn(response_id, opened.backend.name)
         self.rt.metrics.observe(outcome)
         self.rt.router.observe(outcome)
 

@@ -97,6 +97,10 @@ class Registry:
         models = self._groups.get(model, (model,))
         return any(b.model in models for b in self._backends.values())
 
+    def names_for(self, model: str) -> tuple[str, ...]:
+        """`model` and the groups that list it: the names a request for it may use."""
+        return (model, *(g for g, members in self._groups.items() if model in members))
+
     def healthy_models(self) -> list[str]:
         """Models (and groups) with a healthy backend: panic mode does not count."""
         return sorted(m for m, backends in self._healthy_by_model.items()

@@ -125,9 +125,25 @@ class Upstream:
         self, backend: Backend, path: str, body: bytes, headers: dict[str, str]
     ) -> Any:
         """A small JSON request/response (e.g. vLLM's `/tokenize`); raises UpstreamFailure."""
+        status, payload, _ = await self.whole("POST", backend, path, body, headers)
+        if status != 200:
+            raise UpstreamFailure(backend, "status", f"{path}: HTTP {status}: "
+                                  f"{payload[:300].decode(errors='replace')}", status=status)
         try:
-            async with asyncio.timeout(self._cfg.first_byte_timeout_s):
-                response = await self._post(backend, path, body, headers)
+            return orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise UpstreamFailure(backend, "broken", f"{path}: not JSON") from None
+
+    async def whole(self, method: str, backend: Backend, path: str, body: bytes | None,
+                    headers: dict[str, str], timeout_s: float | None = None
+                    ) -> tuple[int, bytes, bytes]:
+        """(status, body, content type) of a small request answered at once; raises
+        UpstreamFailure when no answer came (in `timeout_s`, default the first-byte one)."""
+        try:
+            async with asyncio.timeout(timeout_s or self._cfg.first_byte_timeout_s):
+                response = await self._session.request(
+                    method, backend.url + path, data=body, headers=headers,
+                    timeout=self._timeout)
                 async with response:
                     payload = await response.read()
         except aiohttp.ClientConnectorError as exc:
@@ -136,14 +152,8 @@ class Upstream:
             raise UpstreamFailure(backend, "timeout", f"{path} did not answer") from None
         except aiohttp.ClientError as exc:
             raise UpstreamFailure(backend, "broken", repr(exc)) from None
-        if response.status != 200:
-            raise UpstreamFailure(backend, "status", f"{path}: HTTP {response.status}: "
-                                  f"{payload[:300].decode(errors='replace')}",
-                                  status=response.status)
-        try:
-            return orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            raise UpstreamFailure(backend, "broken", f"{path}: not JSON") from None
+        content_type = response.headers.get("content-type", "application/json").encode()
+        return response.status, payload, content_type
 
     async def _post(
         self, backend: Backend, path: str, body: bytes, headers: dict[str, str]

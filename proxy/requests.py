@@ -56,7 +56,7 @@ def build_context(
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("`model` is required and must be a non-empty string.", param="model")
-    prompt_text = _chat_prompt(data) if endpoint == "chat" else _completion_prompt(data)
+    prompt_text = _PROMPTS[endpoint](data)
     stream = data.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest("`stream` must be a boolean.", param="stream")
@@ -130,14 +130,46 @@ def _completion_prompt(data: dict[str, Any]) -> str:
         param="prompt")
 
 
+def _responses_prompt(data: dict[str, Any]) -> str:
+    """The text of a Responses API request: `instructions`, then `input` (a string or
+    a list of items: messages with string or part content, tool outputs, ...)."""
+    instructions = _optional_str(data, "instructions")
+    parts = [f"system: {instructions}"] if instructions else []
+    items = data.get("input")
+    if isinstance(items, str):
+        parts.append(items)
+    elif isinstance(items, list) and items:
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise InvalidRequest(f"`input[{i}]` must be an object.", param=f"input[{i}]")
+            text = item.get("output") if "content" not in item else item["content"]
+            if isinstance(text, list):
+                text = "".join(p.get("text", "") for p in text
+                               if isinstance(p, dict) and isinstance(p.get("text"), str))
+            role = item.get("role") or item.get("type") or "item"
+            parts.append(f"{role}: {text if isinstance(text, str) else ''}")
+    else:
+        raise InvalidRequest("`input` is required: a string or a non-empty array of "
+                             "input items.", param="input")
+    return "\n".join(parts)
+
+
+_PROMPTS: dict[Endpoint, Callable[[dict[str, Any]], str]] = {
+    "chat": _chat_prompt, "completions": _completion_prompt, "responses": _responses_prompt}
+_LENGTH_KEYS: dict[Endpoint, tuple[str, ...]] = {
+    "chat": ("max_tokens", "max_completion_tokens"),
+    "completions": ("max_tokens", "max_completion_tokens"),
+    "responses": ("max_output_tokens",)}
+
+
 def _max_tokens(data: dict[str, Any], endpoint: Endpoint, limit: int) -> int | None:
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in _LENGTH_KEYS[endpoint]:
         value = data.get(key)
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidRequest(f"`{key}` must be an integer.", param=key)
-        # 0 is legal on /v1/completions (echo + prompt logprobs); never on chat.
+        # 0 is legal on /v1/completions (echo + prompt logprobs); never elsewhere.
         lowest = 0 if endpoint == "completions" else 1
         if value < lowest:
             raise InvalidRequest(f"`{key}` must be at least {lowest}, got {value}.", param=key)

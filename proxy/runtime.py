@@ -21,6 +21,7 @@ from proxy.poller import Poller
 from proxy.ratelimit import WindowCounters
 from proxy.registry import Registry
 from proxy.relay import Upstream, UpstreamFailure
+from proxy.responses import ResponseHomes
 from proxy.routing import Router
 from proxy.state import build_store, new_replica_id
 from proxy.state.replicator import Replicator
@@ -56,6 +57,7 @@ class Runtime:
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)
         self._retired: set[asyncio.Task[None]] = set()  # routers of earlier policies
         self.least_inflight = LeastInflight()  # picks for proxy/passthrough.py
+        self.responses = ResponseHomes(settings.responses.remember)  # stored responses' homes
         length = settings.predictors.length
         self.predictor = load_length_predictor(length.artifact, length.model_map,
                                                length.fallback_key)

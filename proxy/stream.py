@@ -1,7 +1,10 @@
 """Cheap accounting of a relayed SSE stream, without decoding its JSON.
 
 One vLLM stream event is one `data: ` line and, for n=1, carries one token; the
-usage numbers are read from the tail when the client asked for them.
+usage numbers are read from the tail when the client asked for them. A Responses API
+stream (`/v1/responses`) has no `[DONE]`: it ends with a terminal event
+(`response.completed`, `.incomplete` or `.failed`), looked for in every chunk since
+that event carries the whole response and can be longer than the tail.
 """
 
 from __future__ import annotations
@@ -10,27 +13,36 @@ from collections import deque
 
 import orjson
 
-from proxy.errors import ProxyError, stream_error_event
+from proxy.errors import ProxyError, responses_error_event, stream_error_event
 
 _EVENT = b"data: "
 _DONE = b"data: [DONE]"
 _TAIL_BYTES = 1024  # holds the usage event + [DONE] however the chunks split them
 _RECENT_CHUNKS = 16
+RESPONSES_END = (b"event: response.completed", b"event: response.incomplete",
+                 b"event: response.failed")
+_CARRY = max(map(len, RESPONSES_END))  # a marker split across two chunks is still seen
 
 
 class StreamTally:
-    __slots__ = ("events", "failed", "first_at", "last_at", "recent")
+    __slots__ = ("_ended", "_ends", "events", "failed", "first_at", "last_at", "recent")
 
-    def __init__(self, first_at: float, head: bytes) -> None:
+    def __init__(self, first_at: float, head: bytes,
+                 ends: tuple[bytes, ...] | None = None) -> None:
+        """`ends`: the stream's terminal event markers (`RESPONSES_END`); None: `[DONE]`."""
         self.first_at = first_at
         self.last_at = first_at
         self.events = head.count(_EVENT)
         # The last chunks, joined only when the stream ends (usage, [DONE]).
         self.recent: deque[bytes] = deque((head,), maxlen=_RECENT_CHUNKS)
         self.failed = False
+        self._ends = ends
+        self._ended = ends is not None and _has_any(head, ends)
 
     def add(self, chunk: bytes, now: float) -> None:
         self.events += chunk.count(_EVENT)
+        if self._ends is not None and not self._ended:
+            self._ended = _has_any(self.recent[-1][-_CARRY:] + chunk, self._ends)
         self.recent.append(chunk)
         self.last_at = now
 
@@ -43,6 +55,9 @@ class StreamTally:
 
     @property
     def saw_done(self) -> bool:
+        """Whether the stream ended as it should (`[DONE]`, or a terminal event)."""
+        if self._ends is not None:
+            return self._ended
         return self.tail.rstrip().endswith(_DONE)
 
     def usage(self, chat: bool) -> tuple[int | None, int]:
@@ -50,6 +65,9 @@ class StreamTally:
         tail = self.tail
         prompt = _int_after(tail, b'"prompt_tokens":')
         completion = _int_after(tail, b'"completion_tokens":')
+        if completion is None:  # the Responses API's names
+            prompt = _int_after(tail, b'"input_tokens":')
+            completion = _int_after(tail, b'"output_tokens":')
         if completion is not None:
             return prompt, completion
         # vLLM sends one event per token (the last one carries finish_reason), plus
@@ -64,7 +82,8 @@ class StreamTally:
     def error_event(self, err: ProxyError) -> bytes:
         # Close a half-written event first so the error parses as its own event.
         sep = b"" if self.tail.endswith(b"\n\n") else b"\n\n"
-        return sep + stream_error_event(err)
+        return sep + (stream_error_event(err) if self._ends is None
+                      else responses_error_event(err))
 
 
 def body_usage(body: bytes) -> tuple[int | None, int]:
@@ -73,12 +92,16 @@ def body_usage(body: bytes) -> tuple[int | None, int]:
         usage = orjson.loads(body).get("usage") or {}
     except (orjson.JSONDecodeError, AttributeError):
         return None, 0
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))  # chat, responses
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
     return (
         prompt if isinstance(prompt, int) else None,
         completion if isinstance(completion, int) else 0,
     )
+
+
+def _has_any(buf: bytes, markers: tuple[bytes, ...]) -> bool:
+    return any(marker in buf for marker in markers)
 
 
 def _int_after(buf: bytes, key: bytes) -> int | None:

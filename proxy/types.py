@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses"]
 
 
 @dataclass(frozen=True, slots=True)

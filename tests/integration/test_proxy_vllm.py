@@ -366,3 +366,42 @@ def test_embeddings_and_tokenize_route_by_model(vllm_fleet: Any) -> None:
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
     assert 'laneway_passthrough_requests_total{backend="embed",endpoint="/v1/embeddings",' \
         'model="tiny-embed",status="200"} 1.0' in metrics
+
+
+def test_responses_api_streams_and_follows_stored_responses(vllm_fleet: Any) -> None:
+    """The SDK's Responses API through the proxy: whole and streamed answers from the
+    fleet, and a conversation by `previous_response_id` that stays on the one server
+    that stores responses (VLLM_ENABLE_RESPONSES_API_STORE=1) among three."""
+    from bench.backends import Spec, start, stop
+    from bench.ports import free_port
+
+    store = start([Spec("store", "small", SMALL, free_port(),
+                        env=(("VLLM_ENABLE_RESPONSES_API_STORE", "1"),))], timeout_s=240)
+    try:
+        config = fleet_config([b for b in vllm_fleet if b.model == SMALL])
+        config["backends"].append({"name": "store", "url": store[0].url, "model": SMALL})
+        with running_proxy(config) as proxy:
+            sdk = client(proxy.url)
+            whole = sdk.responses.create(model=SMALL, input="Say hi", max_output_tokens=6)
+            events = list(sdk.responses.create(model=SMALL, input="Count",
+                                               max_output_tokens=6, stream=True))
+            homes = [sdk.responses.with_raw_response.create(
+                model=SMALL, input="Start", max_output_tokens=4) for _ in range(3)]
+            stored = next(r for r in homes if r.headers["x-laneway-backend"] == "store")
+            chain = [stored.parse()]
+            for _ in range(3):  # round robin alone would leave the store server
+                raw = sdk.responses.with_raw_response.create(
+                    model=SMALL, input="Go on", max_output_tokens=4,
+                    previous_response_id=chain[-1].id)
+                assert raw.headers["x-laneway-backend"] == "store"
+                chain.append(raw.parse())
+            fetched = sdk.responses.retrieve(chain[-1].id)
+    finally:
+        stop(store)
+    assert whole.usage is not None and whole.usage.output_tokens == 6
+    assert whole.output_text
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    assert [r.previous_response_id for r in chain[1:]] == [r.id for r in chain[:-1]]
+    assert fetched.id == chain[-1].id and fetched.output_text == chain[-1].output_text

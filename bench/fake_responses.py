@@ -1,0 +1,101 @@
+"""The fake vLLM's Responses API (`/v1/responses`), as vLLM 0.32 serves it with
+`VLLM_ENABLE_RESPONSES_API_STORE=1`: whole or streamed (`response.created`, one
+`response.output_text.delta` per token, `response.completed` with `usage`, no
+`[DONE]`); every response is stored, readable and cancellable by id on this server
+only, and `previous_response_id` must name one stored here."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from bench.fake_wire import text_token_ids
+from proxy.asgi import ClientGone, Receive, Scope, Send, read_body, send_json
+
+if TYPE_CHECKING:
+    from bench.fake_vllm import FakeVllm
+
+PREFIX = "/v1/responses"
+_MAX_BODY = 1 << 30
+
+
+async def handle(fake: FakeVllm, scope: Scope, receive: Receive, send: Send) -> None:
+    path: str = scope["path"]
+    if path == PREFIX:
+        await _create(fake, receive, send)
+        return
+    response_id, _, action = path[len(PREFIX) + 1:].partition("/")
+    stored = fake.responses.get(response_id)
+    if stored is None:
+        await _not_found(send, response_id)
+    elif action == "cancel":
+        await send_json(send, 200, stored | {"status": "cancelled"})
+    else:
+        await send_json(send, 200, stored)
+
+
+async def _not_found(send: Send, response_id: str) -> None:
+    await send_json(send, 404, {"error": {
+        "message": f"Response with id '{response_id}' not found.",
+        "type": "invalid_request_error", "param": "response_id", "code": 404}})
+
+
+async def _create(fake: FakeVllm, receive: Receive, send: Send) -> None:
+    try:
+        body = orjson.loads(await read_body({}, receive, _MAX_BODY))
+    except ClientGone:
+        return
+    model = body.get("model") or fake.config.model
+    if await fake.refused(body, model, send):
+        return
+    previous = body.get("previous_response_id")
+    if previous is not None and previous not in fake.responses:
+        await _not_found(send, str(previous))
+        return
+    prompt = len(text_token_ids(str(body.get("input", ""))))
+    tokens = int(body.get("max_output_tokens") or fake.config.default_tokens)
+    response_id = f"resp_{id(fake):x}_{len(fake.responses)}"  # unique across fakes
+    text = "".join(f"tok{i} " for i in range(tokens))
+    done = {"id": response_id, "object": "response", "created_at": fake.created,
+            "model": model, "status": "completed", "previous_response_id": previous,
+            "output": [{"type": "message", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": text}]}],
+            "usage": {"input_tokens": prompt, "output_tokens": tokens,
+                      "total_tokens": prompt + tokens}}
+    fake.responses[response_id] = done
+    if body.get("stream"):
+        await fake.cancellable(receive, lambda: _stream(fake, done, tokens, send))
+    else:
+        await fake.cancellable(receive, lambda: _whole(fake, done, send))
+
+
+async def _whole(fake: FakeVllm, done: dict[str, Any], send: Send) -> None:
+    await asyncio.sleep(fake.config.ttft_s + fake.config.tpot_s * done["usage"]["output_tokens"])
+    await send_json(send, 200, done)
+    fake.stats.finished += 1
+
+
+async def _stream(fake: FakeVllm, done: dict[str, Any], tokens: int, send: Send) -> None:
+    cfg = fake.config
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    created = done | {"status": "in_progress", "output": [], "usage": None}
+    await _event(send, "response.created", {"response": created})
+    await asyncio.sleep(cfg.ttft_s)
+    for i in range(tokens):
+        if i == cfg.die_after_tokens:
+            fake.stats.dropped += 1
+            return  # uvicorn closes the connection mid-response
+        await _event(send, "response.output_text.delta", {"delta": f"tok{i} "})
+        await asyncio.sleep(cfg.tpot_s)
+    await _event(send, "response.completed", {"response": done})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    fake.stats.finished += 1
+
+
+async def _event(send: Send, kind: str, data: dict[str, Any]) -> None:
+    payload = orjson.dumps(data | {"type": kind})
+    await send({"type": "http.response.body", "more_body": True,
+                "body": b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"})

@@ -1,0 +1,138 @@
+"""The Responses API's stored responses: which backend holds each one.
+
+A vLLM server started with `VLLM_ENABLE_RESPONSES_API_STORE=1` keeps every response it
+made (`store`, on by default in the API); `previous_response_id`,
+`GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` work only on that
+server. The proxy remembers the backend of each response id it relayed (bounded, least
+recently used out first). For an id it does not know (relayed by another replica, or
+before a restart) it asks the candidate backends at once (`GET /v1/responses/{id}`,
+`responses.lookup_timeout_s`) and uses the one that has it; nothing needs sharing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import orjson
+
+from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error
+from proxy.errors import MethodNotAllowed, NotFound, PermissionDenied, ProxyError
+from proxy.relay import UpstreamFailure, exhausted, forward_headers
+from proxy.types import Backend
+
+if TYPE_CHECKING:
+    from proxy.runtime import Runtime
+
+PREFIX = "/v1/responses/"
+_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]{1,200})"')
+
+
+class ResponseHomes:
+    """response id -> the name of the backend that made it, for the last `capacity` ids."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._homes: OrderedDict[str, str] = OrderedDict()
+        self._capacity = capacity
+
+    def learn(self, response_id: str, backend: str) -> None:
+        self._homes[response_id] = backend
+        self._homes.move_to_end(response_id)
+        if len(self._homes) > self._capacity:
+            self._homes.popitem(last=False)
+
+    def get(self, response_id: str) -> str | None:
+        home = self._homes.get(response_id)
+        if home is not None:
+            self._homes.move_to_end(response_id)
+        return home
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+
+def response_id_in(data: bytes) -> str | None:
+    """The first response id (`resp_…`) in a response body or stream chunk."""
+    found = _ID.search(data)
+    return found.group(1).decode() if found else None
+
+
+async def home_of(rt: Runtime, response_id: str, candidates: Sequence[Backend],
+                  headers: dict[str, str]) -> Backend | None:
+    """The candidate that holds `response_id`: the remembered one, else the first to
+    answer `GET /v1/responses/{id}` with 200 (and it is remembered)."""
+    known = rt.responses.get(response_id)
+    if known is not None:
+        return next((b for b in candidates if b.name == known), None)
+
+    async def holds(backend: Backend) -> Backend:
+        status, _, _ = await rt.upstream.whole(
+            "GET", backend, PREFIX + response_id, None, headers,
+            timeout_s=rt.settings.responses.lookup_timeout_s)
+        if status != 200:
+            raise LookupError(backend.name)
+        return backend
+
+    asks = [asyncio.create_task(holds(b)) for b in candidates]
+    try:
+        for done in asyncio.as_completed(asks):
+            with contextlib.suppress(LookupError, UpstreamFailure):
+                home = await done
+                rt.responses.learn(response_id, home.name)
+                return home
+        return None
+    finally:
+        for task in asks:
+            task.cancel()
+
+
+async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
+    """`GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`, on the backend
+    that holds the response."""
+    rest = scope["path"][len(PREFIX):]
+    response_id, _, action = rest.partition("/")
+    method = "POST" if action == "cancel" else "GET"
+    headers = header_map(scope)
+    try:
+        if action not in ("", "cancel") or not response_id:
+            raise NotFound(f"No route for {scope['path']}.")
+        if scope["method"] != method:
+            raise MethodNotAllowed(f"{scope['path']} accepts {method} only.")
+        key = rt.auth.key_of(headers)  # 401 without a valid key (when auth is on)
+        upstream_headers = forward_headers(scope["headers"])
+        up = [b for b in rt.registry.all() if rt.registry.is_healthy(b.name)]
+        home = await home_of(rt, response_id, up, upstream_headers)
+        if home is None:
+            raise NotFound(f"Response with id '{response_id}' not found on any healthy "
+                           "backend.")
+        try:
+            status, body, content_type = await rt.upstream.whole(
+                method, home, scope["path"], b"" if method == "POST" else None,
+                upstream_headers)
+        except UpstreamFailure as failure:
+            rt.upstream_failed(failure, home.model)
+            raise exhausted(home.model, [failure], rt.settings.server.retry_after_s) \
+                from None
+        names = rt.registry.names_for(_model_in(body, home.model))
+        if key is not None and not any(key.allows(name) for name in names):
+            raise PermissionDenied(f"The key `{key.name}` may not use model "
+                                   f"`{home.model}`.", param="model")
+    except ProxyError as err:
+        rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
+        await send_error(send, err)
+        return
+    await send_bytes(send, status, body, [
+        (b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+        (b"x-laneway-backend", home.name.encode())])
+
+
+def _model_in(body: bytes, default: str) -> str:
+    with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+        model = orjson.loads(body).get("model")
+        if isinstance(model, str):
+            return model
+    return default
