@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from bench.fake_wire import text_token_ids
-from proxy.asgi import ClientGone, Receive, Scope, Send, read_body, send_json
+from proxy.asgi import Receive, Scope, Send, send_json
 
 if TYPE_CHECKING:
     from bench.fake_vllm import FakeVllm
 
 PREFIX = "/v1/responses"
-_MAX_BODY = 1 << 30
 
 
 async def handle(fake: FakeVllm, scope: Scope, receive: Receive, send: Send) -> None:
@@ -43,13 +42,9 @@ async def _not_found(send: Send, response_id: str) -> None:
 
 
 async def _create(fake: FakeVllm, receive: Receive, send: Send) -> None:
-    try:
-        body = orjson.loads(await read_body({}, receive, _MAX_BODY))
-    except ClientGone:
+    if (taken := await fake.take(receive, send)) is None:
         return
-    model = body.get("model") or fake.config.model
-    if await fake.refused(body, model, send):
-        return
+    body, model = taken
     previous = body.get("previous_response_id")
     if previous is not None and previous not in fake.responses:
         await _not_found(send, str(previous))

@@ -97,26 +97,18 @@ class FakeVllm:
             await send_json(send, 404, {"detail": "Not Found"})
 
     async def _completion(self, chat: bool, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            body = orjson.loads(await read_body({}, receive, _MAX_BODY))
-        except ClientGone:
+        if (taken := await self.take(receive, send)) is None:
             return
-        model = body.get("model") or self.config.model
-        if await self.refused(body, model, send):
-            return
+        body, model = taken
         job = self._plan(chat, scope, body, model)
         await self.cancellable(receive, lambda: self._admitted(job, body, send))
 
     async def _embeddings(self, receive: Receive, send: Send) -> None:
         """A pooling server's `/v1/embeddings`: one 8-float vector per input string,
         fixed by the string; the injected failures apply as to completions."""
-        try:
-            body = orjson.loads(await read_body({}, receive, _MAX_BODY))
-        except ClientGone:
+        if (taken := await self.take(receive, send)) is None:
             return
-        model = body.get("model") or self.config.model
-        if await self.refused(body, model, send):
-            return
+        body, model = taken
         texts = body.get("input", "")
         texts = [texts] if isinstance(texts, str) else texts
         if not isinstance(texts, list):
@@ -138,6 +130,16 @@ class FakeVllm:
                           "completion_tokens": 0}})
             self.stats.finished += 1
         await self.cancellable(receive, answer)
+
+    async def take(self, receive: Receive, send: Send) -> tuple[dict[str, Any], str] | None:
+        """The request's body and model, or None once answered here (`refused`) or
+        the client left."""
+        try:
+            body = orjson.loads(await read_body({}, receive, _MAX_BODY))
+        except ClientGone:
+            return None
+        model = body.get("model") or self.config.model
+        return None if await self.refused(body, model, send) else (body, model)
 
     async def refused(self, body: dict[str, Any], model: str, send: Send) -> bool:
         """Count the request; answer it here if its model is not served or a failure

@@ -20,10 +20,9 @@ import aiohttp
 import orjson
 
 from predictors.base import Prediction
-from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, send_error
+from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
 from proxy.auth import Grant
 from proxy.errors import (
-    ModelNotFound,
     ProxyError,
     RequestDropped,
     UpstreamError,
@@ -67,15 +66,12 @@ async def handle_completion(
             block_chars=server.prefix_block_chars,
         )
         grant = rt.auth.admit(headers, ctx)  # 401/403/429; charges the request's limits
-        if not rt.registry.serves(ctx.model):
-            rt.auth.settle(grant, None)
-            raise ModelNotFound(ctx.model)
+        rt.require_served(ctx.model, grant)
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
     except ClientGone:
         return
     except ProxyError as err:
-        rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
-        await send_error(send, err)
+        await rt.refuse(send, err)
         return
     tracking = _tracking(rt, ctx, data, forced)
     upstream_headers = forward_headers(scope["headers"])
@@ -152,8 +148,7 @@ class Exchange:
             task.uncancel()  # we cancelled ourselves because the client left
             self.rt.metrics.disconnects.labels(self.ctx.model, self.backend_name).inc()
         except ProxyError as err:
-            self.rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
-            await send_error(self.send, err)
+            await self.rt.refuse(self.send, err)
         finally:
             self.finished = True
             watcher.cancel()

@@ -20,9 +20,9 @@ from typing import Any
 
 import orjson
 
-from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, send_error
+from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
 from proxy.auth import Grant
-from proxy.errors import InvalidRequest, ModelNotFound, ProxyError
+from proxy.errors import InvalidRequest, ProxyError
 from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers
 from proxy.requests import parse_body, request_id
 from proxy.runtime import Runtime
@@ -41,14 +41,11 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
         model = _model_of(parse_body(body), path)
         # No output tokens: the body bounds the input the key is charged for.
         grant = rt.auth.admit_model(headers, model, len(body), 0)
-        if not rt.registry.serves(model):
-            rt.auth.settle(grant, None)
-            raise ModelNotFound(model)
+        rt.require_served(model, grant)
     except ClientGone:
         return
     except ProxyError as err:
-        rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
-        await send_error(send, err)
+        await rt.refuse(send, err)
         return
     call = _Call(rt, path, model, body, forward_headers(scope["headers"]), send, grant,
                  request_id(headers))
@@ -99,8 +96,7 @@ class _Call:
             outcome = self._outcome(opened.backend.name, opened.status, opened.head)
             await self._respond(opened)
         except ProxyError as err:
-            self.rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
-            await send_error(self.send, err)
+            await self.rt.refuse(self.send, err)
         except asyncio.CancelledError:
             if self.client_gone:
                 self.rt.metrics.disconnects.labels(self.model, self.backend_name).inc()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error
+from proxy.asgi import Receive, Scope, Send, header_map, send_bytes
 from proxy.errors import MethodNotAllowed, NotFound, PermissionDenied, ProxyError
 from proxy.relay import UpstreamFailure, exhausted, forward_headers
 from proxy.types import Backend
@@ -122,8 +122,7 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
             raise PermissionDenied(f"The key `{key.name}` may not use model "
                                    f"`{home.model}`.", param="model")
     except ProxyError as err:
-        rt.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
-        await send_error(send, err)
+        await rt.refuse(send, err)
         return
     await send_bytes(send, status, body, [
         (b"content-type", content_type), (b"content-length", str(len(body)).encode()),

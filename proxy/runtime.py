@@ -13,8 +13,10 @@ import aiohttp
 from policies._load import LeastInflight
 from policies.base import Policy, build_policy
 from predictors.base import Prediction, load_length_predictor
+from proxy.asgi import Send, send_error
 from proxy.auth import Auth, Grant
 from proxy.config import Settings
+from proxy.errors import ModelNotFound, ProxyError
 from proxy.metrics import Metrics
 from proxy.migration import ActiveStreams
 from proxy.poller import Poller
@@ -143,6 +145,17 @@ class Runtime:
                    and outcome.e2e_s * 1000 <= ctx.slo_ms)
             self.metrics.slo.labels(ctx.model, self.router.policy_name,
                                     "true" if met else "false").inc()
+
+    def require_served(self, model: str, grant: Grant | None) -> None:
+        """Raise `ModelNotFound` (refunding `grant`) unless a backend serves `model`."""
+        if not self.registry.serves(model):
+            self.auth.settle(grant, None)
+            raise ModelNotFound(model)
+
+    async def refuse(self, send: Send, err: ProxyError) -> None:
+        """Answer with the proxy's own error `err`, counted by status and code."""
+        self.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
+        await send_error(send, err)
 
     def upstream_failed(self, failure: UpstreamFailure, model: str) -> None:
         log.warning("attempt on %s failed (%s): %s", failure.backend.name, failure.kind,
