@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 import uvicorn
 
-from bench import fake_responses
+from bench import fake_apis
 from bench.fake_metrics import FakeStats, PrefixCache, render, requested_names
 from bench.fake_wire import (
     BOS_ID,
@@ -87,8 +87,10 @@ class FakeVllm:
                  "root": self.config.model, "parent": None,
                  "max_model_len": self.config.max_model_len}
                 for name in self.config.served_models]})
-        elif path == fake_responses.PREFIX or path.startswith(fake_responses.PREFIX + "/"):
-            await fake_responses.handle(self, scope, receive, send)
+        elif path == fake_apis.PREFIX or path.startswith(fake_apis.PREFIX + "/"):
+            await fake_apis.handle(self, scope, receive, send)
+        elif path in (fake_apis.MESSAGES, fake_apis.MESSAGES + "/count_tokens"):
+            await fake_apis.messages(self, scope, receive, send)
         elif path == "/v1/embeddings":
             await self._embeddings(receive, send)
         elif path in ("/v1/chat/completions", "/v1/completions"):

@@ -42,6 +42,10 @@ async def _responses(rt: Runtime, scope: Scope, receive: Receive, send: Send) ->
     await handle_completion(rt, "responses", scope, receive, send)
 
 
+async def _messages(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
+    await handle_completion(rt, "messages", scope, receive, send)
+
+
 async def _models(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
     created = int(rt.started_at_wall)
     try:  # with auth on: 401 without a valid key, and only the key's models
@@ -90,6 +94,7 @@ ROUTES: dict[str, tuple[str, Handler]] = {
     "/v1/chat/completions": ("POST", _chat),
     "/v1/completions": ("POST", _completions),
     "/v1/responses": ("POST", _responses),
+    "/v1/messages": ("POST", _messages),
     "/v1/models": ("GET", _models),
     "/health": ("GET", _health),
     "/metrics": ("GET", _metrics),

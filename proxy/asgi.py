@@ -58,6 +58,6 @@ async def send_json(
     await send_bytes(send, status, body, headers + (extra or []))
 
 
-async def send_error(send: Send, err: ProxyError) -> None:
-    status, headers, body = error_response(err)
+async def send_error(send: Send, err: ProxyError, anthropic: bool = False) -> None:
+    status, headers, body = error_response(err, anthropic)
     await send_bytes(send, status, body, headers)

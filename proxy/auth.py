@@ -80,11 +80,12 @@ class Auth:
         """The caller's key (None when auth is off); raises `Unauthorized`."""
         if not self.cfg.enabled:
             return None
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":  # Anthropic's clients send x-api-key instead
+            token = headers.get("x-api-key", "")
+        if not token.strip():
             raise Unauthorized("You didn't provide an API key. Send `Authorization: "
-                               "Bearer <key>`.")
+                               "Bearer <key>` (or `x-api-key: <key>`).")
         digest = hash_key(token.strip())
         key = self._config_keys.get(digest) or self._store_keys.get(digest)
         if key is None:

@@ -136,9 +136,24 @@ def error_json(err: ProxyError) -> bytes:
     )
 
 
-def error_response(err: ProxyError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """(status, headers, body) of a JSON error response."""
-    body = error_json(err)
+# Anthropic's error types by HTTP status (docs.anthropic.com, Errors)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_json(err: ProxyError) -> bytes:
+    """`err` in the Anthropic API's shape, for `/v1/messages` clients."""
+    kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500
+                                else "api_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": err.message}})
+
+
+def error_response(err: ProxyError, anthropic: bool = False
+                   ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """(status, headers, body) of a JSON error response (Anthropic-shaped if asked)."""
+    body = anthropic_error_json(err) if anthropic else error_json(err)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -157,3 +172,8 @@ def responses_error_event(err: ProxyError) -> bytes:
     return b"event: error\ndata: " + orjson.dumps({
         "type": "error", "code": err.code or err.type, "message": err.message,
         "param": err.param}) + b"\n\n"
+
+
+def anthropic_error_event(err: ProxyError) -> bytes:
+    """The Anthropic Messages API's in-stream error event."""
+    return b"event: error\ndata: " + anthropic_error_json(err) + b"\n\n"

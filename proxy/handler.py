@@ -41,12 +41,15 @@ from proxy.relay import Opened, StallWatch, UpstreamFailure, exhausted, forward_
 from proxy.requests import build_context, parse_body, request_id
 from proxy.responses import home_of, response_id_in
 from proxy.runtime import Runtime
-from proxy.stream import RESPONSES_END, StreamTally, body_usage
+from proxy.stream import MESSAGES_END, RESPONSES_END, StreamEnd, StreamTally, body_usage
 from proxy.tracked import TrackedRelay
 from proxy.types import Endpoint, Outcome, RequestContext
 
 _PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-                               "responses": "/v1/responses"}
+                               "responses": "/v1/responses", "messages": "/v1/messages"}
+# Streams that do not end with `[DONE]` (their events are not OpenAI token events either,
+# so they never migrate).
+_ENDS: dict[Endpoint, StreamEnd] = {"responses": RESPONSES_END, "messages": MESSAGES_END}
 log = logging.getLogger("laneway")
 
 
@@ -71,7 +74,7 @@ async def handle_completion(
     except ClientGone:
         return
     except ProxyError as err:
-        await rt.refuse(send, err)
+        await rt.refuse(send, err, anthropic=endpoint == "messages")
         return
     tracking = _tracking(rt, ctx, data, forced)
     upstream_headers = forward_headers(scope["headers"])
@@ -104,8 +107,8 @@ def _tracking(
     wanted = ctx.stream or cfg.non_stream or rt.router.reroutes or forced is not None
     if not cfg.enabled or not wanted:
         return None
-    if ctx.endpoint == "responses":  # its events are not tokens; nothing to continue from
-        log.debug("request %s is not migratable (Responses API)", ctx.request_id)
+    if ctx.endpoint in _ENDS:  # its events are not tokens; nothing to continue from
+        log.debug("request %s is not migratable (%s API)", ctx.request_id, ctx.endpoint)
         return None
     why_not = why_not_migratable(data, ctx.endpoint == "chat")
     if why_not is not None:
@@ -148,7 +151,7 @@ class Exchange:
             task.uncancel()  # we cancelled ourselves because the client left
             self.rt.metrics.disconnects.labels(self.ctx.model, self.backend_name).inc()
         except ProxyError as err:
-            await self.rt.refuse(self.send, err)
+            await self.rt.refuse(self.send, err, anthropic=self.ctx.endpoint == "messages")
         finally:
             self.finished = True
             watcher.cancel()
@@ -276,7 +279,7 @@ class Exchange:
         ]
         self.tally = tally = StreamTally(
             time.monotonic(), opened.head,
-            RESPONSES_END if self.ctx.endpoint == "responses" else None)
+            _ENDS.get(self.ctx.endpoint))
         if opened.complete:
             headers.append((b"content-length", str(len(opened.head)).encode()))
             await self.send({"type": "http.response.start", "status": opened.status,

@@ -30,7 +30,7 @@ from proxy.stream import body_usage
 from proxy.types import Outcome
 
 PATHS = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank",
-         "/pooling", "/classify", "/tokenize", "/detokenize")
+         "/pooling", "/classify", "/tokenize", "/detokenize", "/v1/messages/count_tokens")
 
 
 async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,7 +45,7 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     except ClientGone:
         return
     except ProxyError as err:
-        await rt.refuse(send, err)
+        await rt.refuse(send, err, anthropic=path.startswith("/v1/messages"))
         return
     call = _Call(rt, path, model, body, forward_headers(scope["headers"]), send, grant,
                  request_id(headers))
@@ -96,7 +96,7 @@ class _Call:
             outcome = self._outcome(opened.backend.name, opened.status, opened.head)
             await self._respond(opened)
         except ProxyError as err:
-            await self.rt.refuse(self.send, err)
+            await self.rt.refuse(self.send, err, anthropic=self.path.startswith("/v1/messages"))
         except asyncio.CancelledError:
             if self.client_gone:
                 self.rt.metrics.disconnects.labels(self.model, self.backend_name).inc()

@@ -154,12 +154,28 @@ def _responses_prompt(data: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _messages_prompt(data: dict[str, Any]) -> str:
+    """The text of an Anthropic Messages API request: `system` (a string or text
+    blocks), then the messages as for chat (their content blocks carry `text`)."""
+    system = data.get("system")
+    if isinstance(system, list):
+        system = "".join(b.get("text", "") for b in system
+                         if isinstance(b, dict) and isinstance(b.get("text"), str))
+    elif system is not None and not isinstance(system, str):
+        raise InvalidRequest("`system` must be a string or an array of text blocks.",
+                             param="system")
+    messages = _chat_prompt(data)
+    return f"system: {system}\n{messages}" if system else messages
+
+
 _PROMPTS: dict[Endpoint, Callable[[dict[str, Any]], str]] = {
-    "chat": _chat_prompt, "completions": _completion_prompt, "responses": _responses_prompt}
+    "chat": _chat_prompt, "completions": _completion_prompt, "responses": _responses_prompt,
+    "messages": _messages_prompt}
 _LENGTH_KEYS: dict[Endpoint, tuple[str, ...]] = {
     "chat": ("max_tokens", "max_completion_tokens"),
     "completions": ("max_tokens", "max_completion_tokens"),
-    "responses": ("max_output_tokens",)}
+    "responses": ("max_output_tokens",),
+    "messages": ("max_tokens",)}
 
 
 def _max_tokens(data: dict[str, Any], endpoint: Endpoint, limit: int) -> int | None:

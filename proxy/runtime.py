@@ -152,10 +152,11 @@ class Runtime:
             self.auth.settle(grant, None)
             raise ModelNotFound(model)
 
-    async def refuse(self, send: Send, err: ProxyError) -> None:
-        """Answer with the proxy's own error `err`, counted by status and code."""
+    async def refuse(self, send: Send, err: ProxyError, anthropic: bool = False) -> None:
+        """Answer with the proxy's own error `err` (in the Anthropic API's shape for a
+        `/v1/messages` client), counted by status and code."""
         self.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
-        await send_error(send, err)
+        await send_error(send, err, anthropic)
 
     def upstream_failed(self, failure: UpstreamFailure, model: str) -> None:
         log.warning("attempt on %s failed (%s): %s", failure.backend.name, failure.kind,

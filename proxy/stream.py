@@ -2,34 +2,51 @@
 
 One vLLM stream event is one `data: ` line and, for n=1, carries one token; the
 usage numbers are read from the tail when the client asked for them. A Responses API
-stream (`/v1/responses`) has no `[DONE]`: it ends with a terminal event
-(`response.completed`, `.incomplete` or `.failed`), looked for in every chunk since
-that event carries the whole response and can be longer than the tail.
+stream (`/v1/responses`) and an Anthropic Messages stream (`/v1/messages`) have no
+`[DONE]`: they end with a terminal event (`StreamEnd`), looked for in every chunk
+since `response.completed` carries the whole response and can be longer than the tail.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 
-from proxy.errors import ProxyError, responses_error_event, stream_error_event
+from proxy.errors import (
+    ProxyError,
+    anthropic_error_event,
+    responses_error_event,
+    stream_error_event,
+)
 
 _EVENT = b"data: "
 _DONE = b"data: [DONE]"
 _TAIL_BYTES = 1024  # holds the usage event + [DONE] however the chunks split them
 _RECENT_CHUNKS = 16
-RESPONSES_END = (b"event: response.completed", b"event: response.incomplete",
-                 b"event: response.failed")
-_CARRY = max(map(len, RESPONSES_END))  # a marker split across two chunks is still seen
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How a stream without `[DONE]` ends, and how it reports a failure."""
+
+    markers: tuple[bytes, ...]  # any of these in the stream: it ended as it should
+    error_event: Callable[[ProxyError], bytes]
+
+
+RESPONSES_END = StreamEnd((b"event: response.completed", b"event: response.incomplete",
+                           b"event: response.failed"), responses_error_event)
+MESSAGES_END = StreamEnd((b"event: message_stop",), anthropic_error_event)
+_CARRY = 32  # longer than every marker: one split across two chunks is still seen
 
 
 class StreamTally:
     __slots__ = ("_ended", "_ends", "events", "failed", "first_at", "last_at", "recent")
 
-    def __init__(self, first_at: float, head: bytes,
-                 ends: tuple[bytes, ...] | None = None) -> None:
-        """`ends`: the stream's terminal event markers (`RESPONSES_END`); None: `[DONE]`."""
+    def __init__(self, first_at: float, head: bytes, ends: StreamEnd | None = None) -> None:
+        """`ends`: how the stream ends (`RESPONSES_END`, `MESSAGES_END`); None: `[DONE]`."""
         self.first_at = first_at
         self.last_at = first_at
         self.events = head.count(_EVENT)
@@ -37,12 +54,12 @@ class StreamTally:
         self.recent: deque[bytes] = deque((head,), maxlen=_RECENT_CHUNKS)
         self.failed = False
         self._ends = ends
-        self._ended = ends is not None and _has_any(head, ends)
+        self._ended = ends is not None and _has_any(head, ends.markers)
 
     def add(self, chunk: bytes, now: float) -> None:
         self.events += chunk.count(_EVENT)
         if self._ends is not None and not self._ended:
-            self._ended = _has_any(self.recent[-1][-_CARRY:] + chunk, self._ends)
+            self._ended = _has_any(self.recent[-1][-_CARRY:] + chunk, self._ends.markers)
         self.recent.append(chunk)
         self.last_at = now
 
@@ -83,7 +100,7 @@ class StreamTally:
         # Close a half-written event first so the error parses as its own event.
         sep = b"" if self.tail.endswith(b"\n\n") else b"\n\n"
         return sep + (stream_error_event(err) if self._ends is None
-                      else responses_error_event(err))
+                      else self._ends.error_event(err))
 
 
 def body_usage(body: bytes) -> tuple[int | None, int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-Endpoint = Literal["chat", "completions", "responses"]
+Endpoint = Literal["chat", "completions", "responses", "messages"]
 
 
 @dataclass(frozen=True, slots=True)

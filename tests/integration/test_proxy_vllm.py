@@ -405,3 +405,25 @@ def test_responses_api_streams_and_follows_stored_responses(vllm_fleet: Any) -> 
     assert "response.output_text.delta" in kinds
     assert [r.previous_response_id for r in chain[1:]] == [r.id for r in chain[:-1]]
     assert fetched.id == chain[-1].id and fetched.output_text == chain[-1].output_text
+
+
+def test_anthropic_messages_whole_and_streamed(proxy_url: str, vllm_fleet: Any) -> None:
+    """vLLM's Anthropic Messages API through the proxy with the `anthropic` SDK."""
+    import anthropic
+
+    sdk = anthropic.Anthropic(base_url=proxy_url, api_key="unused", max_retries=0,
+                              timeout=60)
+    raw = sdk.messages.with_raw_response.create(
+        model=SMALL, max_tokens=6, system="Be brief.",
+        messages=[{"role": "user", "content": "Say hi"}])
+    whole = raw.parse()
+    with sdk.messages.stream(model=SMALL, max_tokens=6,
+                             messages=[{"role": "user", "content": "Count"}]) as stream:
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()
+    counted = sdk.messages.count_tokens(model=SMALL,
+                                        messages=[{"role": "user", "content": "Say hi"}])
+    assert raw.headers["x-laneway-backend"] in small_backends(vllm_fleet)
+    assert whole.usage.output_tokens >= 1 and whole.content
+    assert final.usage.output_tokens >= 1 and "".join(texts) == final.content[0].text  # type: ignore[union-attr]
+    assert counted.input_tokens > 0

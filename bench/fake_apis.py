@@ -1,8 +1,15 @@
-"""The fake vLLM's Responses API (`/v1/responses`), as vLLM 0.32 serves it with
+"""The fake vLLM's other generation APIs.
+
+The Responses API (`/v1/responses`), as vLLM 0.32 serves it with
 `VLLM_ENABLE_RESPONSES_API_STORE=1`: whole or streamed (`response.created`, one
 `response.output_text.delta` per token, `response.completed` with `usage`, no
 `[DONE]`); every response is stored, readable and cancellable by id on this server
-only, and `previous_response_id` must name one stored here."""
+only, and `previous_response_id` must name one stored here.
+
+The Anthropic Messages API (`/v1/messages`, `/v1/messages/count_tokens`): whole or
+streamed (`message_start`, one `content_block_delta` per token, `message_delta` with
+the output usage, `message_stop`).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ if TYPE_CHECKING:
     from bench.fake_vllm import FakeVllm
 
 PREFIX = "/v1/responses"
+MESSAGES = "/v1/messages"
 
 
 async def handle(fake: FakeVllm, scope: Scope, receive: Receive, send: Send) -> None:
@@ -86,6 +94,54 @@ async def _stream(fake: FakeVllm, done: dict[str, Any], tokens: int, send: Send)
         await _event(send, "response.output_text.delta", {"delta": f"tok{i} "})
         await asyncio.sleep(cfg.tpot_s)
     await _event(send, "response.completed", {"response": done})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    fake.stats.finished += 1
+
+
+async def messages(fake: FakeVllm, scope: Scope, receive: Receive, send: Send) -> None:
+    if (taken := await fake.take(receive, send)) is None:
+        return
+    body, model = taken
+    prompt = 1 + len(text_token_ids(" ".join(
+        str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))))
+    if scope["path"].endswith("/count_tokens"):
+        await send_json(send, 200, {"input_tokens": prompt})
+        return
+    tokens = int(body.get("max_tokens") or fake.config.default_tokens)
+    text = "".join(f"tok{i} " for i in range(tokens))
+    message = {"id": f"msg_{len(fake.stats.bodies)}", "type": "message", "role": "assistant",
+               "model": model, "content": [{"type": "text", "text": text}],
+               "stop_reason": "max_tokens", "stop_sequence": None,
+               "usage": {"input_tokens": prompt, "output_tokens": tokens}}
+    if body.get("stream"):
+        await fake.cancellable(receive, lambda: _message_stream(fake, message, tokens, send))
+    else:
+        await fake.cancellable(receive, lambda: _whole(fake, message, send))
+
+
+async def _message_stream(fake: FakeVllm, message: dict[str, Any], tokens: int, send: Send
+                          ) -> None:
+    cfg = fake.config
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    opening = message | {"content": [], "stop_reason": None,
+                         "usage": {"input_tokens": message["usage"]["input_tokens"],
+                                   "output_tokens": 0}}
+    await _event(send, "message_start", {"message": opening})
+    await _event(send, "content_block_start",
+                 {"index": 0, "content_block": {"type": "text", "text": ""}})
+    await asyncio.sleep(cfg.ttft_s)
+    for i in range(tokens):
+        if i == cfg.die_after_tokens:
+            fake.stats.dropped += 1
+            return  # uvicorn closes the connection mid-response
+        await _event(send, "content_block_delta",
+                     {"index": 0, "delta": {"type": "text_delta", "text": f"tok{i} "}})
+        await asyncio.sleep(cfg.tpot_s)
+    await _event(send, "content_block_stop", {"index": 0})
+    await _event(send, "message_delta", {"delta": {"stop_reason": "max_tokens"},
+                                         "usage": {"output_tokens": tokens}})
+    await _event(send, "message_stop", {})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     fake.stats.finished += 1
 
