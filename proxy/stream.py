@@ -82,7 +82,7 @@ class StreamTally:
         tail = self.tail
         prompt = _int_after(tail, b'"prompt_tokens":')
         completion = _int_after(tail, b'"completion_tokens":')
-        if completion is None:  # the Responses API's names
+        if completion is None:  # the Responses and Messages APIs' names
             prompt = _int_after(tail, b'"input_tokens":')
             completion = _int_after(tail, b'"output_tokens":')
         if completion is not None:
@@ -109,7 +109,7 @@ def body_usage(body: bytes) -> tuple[int | None, int]:
         usage = orjson.loads(body).get("usage") or {}
     except (orjson.JSONDecodeError, AttributeError):
         return None, 0
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))  # chat, responses
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))  # OpenAI, Responses/Anthropic
     completion = usage.get("completion_tokens", usage.get("output_tokens"))
     return (
         prompt if isinstance(prompt, int) else None,
