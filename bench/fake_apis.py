@@ -39,8 +39,9 @@ async def handle(fake: FakeVllm, scope: Scope, receive: Receive, send: Send) -> 
         await _not_found(send, response_id)
     elif action == "cancel":
         await send_json(send, 200, stored | {"status": "cancelled"})
-    else:
-        await send_json(send, 200, stored)
+    else:  # echoes the query it got (`include=…`), for the proxy's tests
+        query = scope["query_string"].decode()
+        await send_json(send, 200, stored | ({"query": query} if query else {}))
 
 
 async def _not_found(send: Send, response_id: str) -> None:

@@ -111,7 +111,7 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
                            "backend.")
         try:
             status, body, content_type = await rt.upstream.whole(
-                method, home, scope["path"], b"" if method == "POST" else None,
+                method, home, _with_query(scope), b"" if method == "POST" else None,
                 upstream_headers)
         except UpstreamFailure as failure:
             rt.upstream_failed(failure, home.model)
@@ -127,6 +127,13 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
     await send_bytes(send, status, body, [
         (b"content-type", content_type), (b"content-length", str(len(body)).encode()),
         (b"x-laneway-backend", home.name.encode())])
+
+
+def _with_query(scope: Scope) -> str:
+    """The request's path and query (`?include=…`), as the backend should see them."""
+    query: bytes = scope.get("query_string", b"")
+    path: str = scope["path"]
+    return path + ("?" + query.decode("latin-1") if query else "")
 
 
 def _model_in(body: bytes, default: str) -> str:

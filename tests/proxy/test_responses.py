@@ -94,6 +94,8 @@ async def test_stored_responses_are_read_and_cancelled_on_their_backend() -> Non
         async with httpx.AsyncClient(base_url=proxy.url, headers=bearer("sk-alice")) as http:
             read = [await http.get(f"/v1/responses/{m.json()['id']}") for m in made]
             cancelled = await http.post(f"/v1/responses/{made[0].json()['id']}/cancel")
+            with_query = await http.get(f"/v1/responses/{made[0].json()['id']}",
+                                        params={"include[]": "message.output_text.logprobs"})
             missing = await http.get("/v1/responses/resp_nowhere")
             wrong_method = await http.post(f"/v1/responses/{made[0].json()['id']}")
             bad_path = await http.get(f"/v1/responses/{made[0].json()['id']}/other")
@@ -105,6 +107,7 @@ async def test_stored_responses_are_read_and_cancelled_on_their_backend() -> Non
     assert [r.headers["x-laneway-backend"] for r in read] \
         == [m.headers["x-laneway-backend"] for m in made]
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert with_query.json()["query"] == "include%5B%5D=message.output_text.logprobs"
     for answer, status, code in ((missing, 404, "not_found"),
                                  (wrong_method, 405, "method_not_allowed"),
                                  (bad_path, 404, "not_found"),
