@@ -39,6 +39,9 @@ async def handle(fake: FakeVllm, scope: Scope, receive: Receive, send: Send) -> 
         await _not_found(send, response_id)
     elif action == "cancel":
         await send_json(send, 200, stored | {"status": "cancelled"})
+    elif b"stream=true" in scope["query_string"]:  # replayed as the events it streamed
+        tokens = stored["usage"]["output_tokens"]
+        await fake.cancellable(receive, lambda: _stream(fake, stored, tokens, send))
     else:  # echoes the query it got (`include=…`), for the proxy's tests
         query = scope["query_string"].decode()
         await send_json(send, 200, stored | ({"query": query} if query else {}))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
 
 import orjson
@@ -61,3 +63,26 @@ async def send_json(
 async def send_error(send: Send, err: ProxyError, anthropic: bool = False) -> None:
     status, headers, body = error_response(err, anthropic)
     await send_bytes(send, status, body, headers)
+
+
+async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, None],
+                           on_gone: Callable[[], None]) -> None:
+    """Run `work` (which answers the request); if the client disconnects first, call
+    `on_gone` and cancel it, so the backend's work stops too."""
+    task = asyncio.create_task(work)
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            on_gone()
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        watcher.cancel()
+        task.cancel()

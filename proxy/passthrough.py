@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
+from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, until_disconnect
 from proxy.auth import Grant
 from proxy.errors import InvalidRequest, ProxyError
 from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers
@@ -49,18 +49,7 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
         return
     call = _Call(rt, path, model, body, forward_headers(scope["headers"]), send, grant,
                  request_id(headers))
-    task = asyncio.create_task(call.run())
-    watcher = asyncio.create_task(_until_disconnect(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():  # the client left first: stop the backend's work too
-            call.client_gone = True
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    finally:
-        watcher.cancel()
-        task.cancel()
+    await until_disconnect(receive, call.run(), call.left)
 
 
 def _model_of(data: dict[str, Any], path: str) -> str:
@@ -69,11 +58,6 @@ def _model_of(data: dict[str, Any], path: str) -> str:
         raise InvalidRequest(f"`model` is required on {path} and must be a non-empty "
                              "string: it decides which backends may answer.", param="model")
     return model
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Call:
@@ -88,6 +72,10 @@ class _Call:
         self.started = time.monotonic()
         self.client_gone = False
         self.backend_name = "-"  # the backend being tried, for metrics
+
+    def left(self) -> None:
+        """The client disconnected before the answer was sent."""
+        self.client_gone = True
 
     async def run(self) -> None:
         outcome: Outcome | None = None

@@ -99,16 +99,17 @@ class Upstream:
         )
 
     async def open(
-        self, backend: Backend, path: str, body: bytes, headers: dict[str, str], stream: bool
+        self, backend: Backend, path: str, body: bytes | None, headers: dict[str, str],
+        stream: bool, method: str = "POST",
     ) -> Opened:
         """Send the request; return once its first body bytes are here (or raise)."""
         try:
             try:
-                response = await self._post(backend, path, body, headers)
+                response = await self._send(method, backend, path, body, headers)
             except aiohttp.ServerDisconnectedError:
                 # A pooled keep-alive connection the backend closed while we reused it:
                 # nothing reached vLLM, so the same backend gets one fresh try.
-                response = await self._post(backend, path, body, headers)
+                response = await self._send(method, backend, path, body, headers)
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamFailure(backend, "connect", str(exc)) from None
         except TimeoutError:
@@ -141,9 +142,7 @@ class Upstream:
         UpstreamFailure when no answer came (in `timeout_s`, default the first-byte one)."""
         try:
             async with asyncio.timeout(timeout_s or self._cfg.first_byte_timeout_s):
-                response = await self._session.request(
-                    method, backend.url + path, data=body, headers=headers,
-                    timeout=self._timeout)
+                response = await self._send(method, backend, path, body, headers)
                 async with response:
                     payload = await response.read()
         except aiohttp.ClientConnectorError as exc:
@@ -155,11 +154,12 @@ class Upstream:
         content_type = response.headers.get("content-type", "application/json").encode()
         return response.status, payload, content_type
 
-    async def _post(
-        self, backend: Backend, path: str, body: bytes, headers: dict[str, str]
+    async def _send(
+        self, method: str, backend: Backend, path: str, body: bytes | None,
+        headers: dict[str, str]
     ) -> aiohttp.ClientResponse:
-        return await self._session.post(
-            backend.url + path, data=body, headers=headers, timeout=self._timeout)
+        return await self._session.request(
+            method, backend.url + path, data=body, headers=headers, timeout=self._timeout)
 
     async def _first_bytes(
         self, backend: Backend, response: aiohttp.ClientResponse, stream: bool

@@ -14,15 +14,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs
 
-import orjson
+import aiohttp
 
-from proxy.asgi import Receive, Scope, Send, header_map, send_bytes
-from proxy.errors import MethodNotAllowed, NotFound, PermissionDenied, ProxyError
-from proxy.relay import UpstreamFailure, exhausted, forward_headers
+from proxy.asgi import Receive, Scope, Send, header_map, until_disconnect
+from proxy.errors import (
+    MethodNotAllowed,
+    NotFound,
+    PermissionDenied,
+    ProxyError,
+    UpstreamError,
+    responses_error_event,
+)
+from proxy.relay import Opened, StallWatch, UpstreamFailure, exhausted, forward_headers
 from proxy.types import Backend
 
 if TYPE_CHECKING:
@@ -91,12 +100,14 @@ async def home_of(rt: Runtime, response_id: str, candidates: Sequence[Backend],
 
 
 async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
-    """`GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`, on the backend
-    that holds the response."""
+    """`GET /v1/responses/{id}` (whole, or streamed with `?stream=true`) and
+    `POST /v1/responses/{id}/cancel`, on the backend that holds the response."""
     rest = scope["path"][len(PREFIX):]
     response_id, _, action = rest.partition("/")
     method = "POST" if action == "cancel" else "GET"
     headers = header_map(scope)
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    streamed = method == "GET" and query.get("stream", [""])[-1].lower() == "true"
     try:
         if action not in ("", "cancel") or not response_id:
             raise NotFound(f"No route for {scope['path']}.")
@@ -109,24 +120,55 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
         if home is None:
             raise NotFound(f"Response with id '{response_id}' not found on any healthy "
                            "backend.")
+        if key is not None and not any(map(key.allows, rt.registry.names_for(home.model))):
+            raise PermissionDenied(f"The key `{key.name}` may not use model "
+                                   f"`{home.model}`.", param="model")
         try:
-            status, body, content_type = await rt.upstream.whole(
-                method, home, _with_query(scope), b"" if method == "POST" else None,
-                upstream_headers)
+            opened = await rt.upstream.open(
+                home, _with_query(scope), b"" if method == "POST" else None,
+                upstream_headers, stream=streamed, method=method)
         except UpstreamFailure as failure:
             rt.upstream_failed(failure, home.model)
             raise exhausted(home.model, [failure], rt.settings.server.retry_after_s) \
                 from None
-        names = rt.registry.names_for(_model_in(body, home.model))
-        if key is not None and not any(key.allows(name) for name in names):
-            raise PermissionDenied(f"The key `{key.name}` may not use model "
-                                   f"`{home.model}`.", param="model")
     except ProxyError as err:
         await rt.refuse(send, err)
         return
-    await send_bytes(send, status, body, [
-        (b"content-type", content_type), (b"content-length", str(len(body)).encode()),
-        (b"x-laneway-backend", home.name.encode())])
+    await until_disconnect(receive, _relay(rt, opened, send), lambda: None)
+
+
+async def _relay(rt: Runtime, opened: Opened, send: Send) -> None:
+    """The backend's answer, whole or as it streams (a silence longer than
+    `upstream.read_timeout_s` or a broken stream ends it with an error event)."""
+    headers = [(b"content-type", opened.content_type),
+               (b"x-laneway-backend", opened.backend.name.encode())]
+    if opened.complete:
+        headers.append((b"content-length", str(len(opened.head)).encode()))
+    try:
+        await send({"type": "http.response.start", "status": opened.status,
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": opened.head,
+                    "more_body": not opened.complete})
+        if opened.complete:
+            return
+        last = [time.monotonic()]
+        watch = StallWatch(opened, rt.settings.upstream.read_timeout_s, lambda: last[0])
+        try:
+            while chunk := await opened.next_chunk():
+                last[0] = time.monotonic()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            kind = "timeout" if watch.fired else "broken"
+            rt.metrics.upstream_errors.labels(opened.backend.name, kind).inc()
+            err = UpstreamError(f"Backend {opened.backend.name} failed mid-stream ({kind}: "
+                                f"{exc!s}); the response is incomplete.")
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"\n\n" + responses_error_event(err)})
+        finally:
+            watch.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        opened.close()
 
 
 def _with_query(scope: Scope) -> str:
@@ -134,11 +176,3 @@ def _with_query(scope: Scope) -> str:
     query: bytes = scope.get("query_string", b"")
     path: str = scope["path"]
     return path + ("?" + query.decode("latin-1") if query else "")
-
-
-def _model_in(body: bytes, default: str) -> str:
-    with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
-        model = orjson.loads(body).get("model")
-        if isinstance(model, str):
-            return model
-    return default

@@ -396,6 +396,11 @@ def test_responses_api_streams_and_follows_stored_responses(vllm_fleet: Any) -> 
                 assert raw.headers["x-laneway-backend"] == "store"
                 chain.append(raw.parse())
             fetched = sdk.responses.retrieve(chain[-1].id)
+            # vLLM replays the events of a response made in the background and streamed
+            background = list(sdk.responses.create(  # pinned to the store by its chain
+                model=SMALL, input="Go on", max_output_tokens=8, background=True,
+                stream=True, previous_response_id=chain[-1].id))
+            replay = list(sdk.responses.retrieve(background[0].response.id, stream=True))
     finally:
         stop(store)
     assert whole.usage is not None and whole.usage.output_tokens == 6
@@ -405,6 +410,9 @@ def test_responses_api_streams_and_follows_stored_responses(vllm_fleet: Any) -> 
     assert "response.output_text.delta" in kinds
     assert [r.previous_response_id for r in chain[1:]] == [r.id for r in chain[:-1]]
     assert fetched.id == chain[-1].id and fetched.output_text == chain[-1].output_text
+    assert [e.type for e in replay] == [e.type for e in background]  # relayed as streamed
+    assert replay[-1].type == "response.completed"
+    assert replay[-1].response.output_text == background[-1].response.output_text
 
 
 def test_anthropic_messages_whole_and_streamed(proxy_url: str, vllm_fleet: Any) -> None:

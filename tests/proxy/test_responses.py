@@ -164,3 +164,22 @@ async def test_a_key_for_a_model_group_reads_its_members_responses() -> None:
             read = await http.get(f"/v1/responses/{made.json()['id']}")
     assert made.json()["model"] == "a"  # the member that served it
     assert read.status_code == 200 and read.json() == made.json()
+
+
+async def test_a_streamed_retrieval_is_relayed_as_it_streams() -> None:
+    async with fleet(FakeConfig(tpot_s=0.002), FakeConfig(die_after_tokens=1)) as (
+            proxy, fakes):
+        made = [await post(proxy, ASK, "/v1/responses") for _ in range(2)]
+        ok, cut = sorted(made, key=lambda m: m.headers["x-laneway-backend"])
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            direct = await http.get(f"{fakes[0].url}/v1/responses/{ok.json()['id']}",
+                                    params={"stream": "true"})
+            streamed = await http.get(f"/v1/responses/{ok.json()['id']}",
+                                      params={"stream": "true"})
+            broken = await http.get(f"/v1/responses/{cut.json()['id']}",
+                                    params={"stream": "true"})
+    assert streamed.headers["content-type"] == "text/event-stream"
+    assert streamed.text == direct.text
+    assert streamed.text.rstrip().endswith('"type":"response.completed"}')
+    assert broken.headers["x-laneway-backend"] == "f1"
+    assert broken.text.rstrip().split("\n\n")[-1].startswith("event: error\ndata: ")
