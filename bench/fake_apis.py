@@ -106,8 +106,13 @@ async def messages(fake: FakeVllm, scope: Scope, receive: Receive, send: Send) -
     if (taken := await fake.take(receive, send)) is None:
         return
     body, model = taken
+    listed = body.get("messages")
+    if not isinstance(listed, list):
+        await send_json(send, 400, {"type": "error", "error": {
+            "type": "invalid_request_error", "message": "messages: must be a list"}})
+        return
     prompt = 1 + len(text_token_ids(" ".join(
-        str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))))
+        str(m.get("content", "")) for m in listed if isinstance(m, dict))))
     if scope["path"].endswith("/count_tokens"):
         await send_json(send, 200, {"input_tokens": prompt})
         return
