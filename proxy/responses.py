@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 import aiohttp
 
@@ -80,7 +80,7 @@ async def home_of(rt: Runtime, response_id: str, candidates: Sequence[Backend],
 
     async def holds(backend: Backend) -> Backend:
         status, _, _ = await rt.upstream.whole(
-            "GET", backend, PREFIX + response_id, None, headers,
+            "GET", backend, PREFIX + quote(response_id, safe=""), None, headers,
             timeout_s=rt.settings.responses.lookup_timeout_s)
         if status != 200:
             raise LookupError(backend.name)

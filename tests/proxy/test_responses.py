@@ -77,11 +77,16 @@ async def test_previous_response_id_goes_where_that_response_is_stored() -> None
                            "/v1/responses")
         unknown = await post(proxy, {**ASK, "previous_response_id": "resp_nowhere"},
                              "/v1/responses")
+        # An id is one path segment on the way to the backends: no other route is asked.
+        sneaky = await post(proxy, {**ASK, "previous_response_id": "../../health"},
+                            "/v1/responses")
     assert [c.status_code for c in chain] == [200] * 4
     assert {c.headers["x-laneway-backend"] for c in chain} == {home}
     assert found.status_code == 200 and found.headers["x-laneway-backend"] == home
     assert unknown.status_code == 404  # the backend's verdict, relayed
-    assert sum(f.app.stats.requests for f in fakes) == 6
+    assert sneaky.status_code == 404
+    assert rt.responses.get("../../health") is None  # /health answered no probe
+    assert sum(f.app.stats.requests for f in fakes) == 7
 
 
 async def test_stored_responses_are_read_and_cancelled_on_their_backend() -> None:
