@@ -5,7 +5,9 @@ every `tpot_s` on an absolute schedule (no drift); bytes are shaped like vLLM's 
 pre-encoded (`bench.fake_wire`), so the fake is never the bottleneck. Failures can be
 injected: an error status, a connection cut mid-stream, a request that never answers.
 A client that disconnects cancels its request at once, as in vLLM, and `/metrics`
-(`bench.fake_metrics`) counts what really runs here.
+(`bench.fake_metrics`) counts what really runs here. Besides chat and completions it
+serves `/tokenize`, `/v1/embeddings` (8 floats fixed by each input), and the Responses
+and Anthropic Messages APIs (`bench.fake_apis`), with the same injected failures.
 """
 
 from __future__ import annotations
