@@ -18,6 +18,7 @@ from proxy.admin import PREFIX as ADMIN_PREFIX
 from proxy.admin import handle_admin
 from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error, send_json
 from proxy.config import Settings
+from proxy.cors import Cors
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError
 from proxy.handler import handle_completion
 from proxy.passthrough import PATHS as PASSTHROUGH_PATHS
@@ -111,6 +112,8 @@ class LanewayApp:
         self.settings = settings
         self.config_path = config_path
         self.policy = policy  # built from settings.policy by the config check, if it ran
+        origins = settings.server.cors_allow_origins
+        self.cors = Cors(origins) if origins else None
         self.runtime: Runtime | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -120,6 +123,11 @@ class LanewayApp:
             await self._lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.cors is not None and (origin := self.cors.allowed_origin(scope)) is not None:
+            if scope["method"] == "OPTIONS":
+                await self.cors.preflight(scope, origin, send)
+                return
+            send = self.cors.answering(send, origin)
         route = ROUTES.get(scope["path"])
         if route is None and scope["path"].startswith(ADMIN_PREFIX) \
                 and self.settings.admin.enabled:

@@ -49,6 +49,9 @@ class ServerConfig(_Section):
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
     shutdown_timeout_s: int = Field(30, ge=0, description="finish open streams on stop")
     keep_alive_s: int = Field(75, ge=1, description="idle client connection lifetime")
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="browser origins allowed to call the API "
+        "(CORS), e.g. [https://app.example.com], or [\"*\"] for any; empty: no CORS")
 
 
 class BackendConfig(_Section):

@@ -435,3 +435,25 @@ def test_anthropic_messages_whole_and_streamed(proxy_url: str, vllm_fleet: Any) 
     assert whole.usage.output_tokens >= 1 and whole.content
     assert final.usage.output_tokens >= 1 and "".join(texts) == final.content[0].text  # type: ignore[union-attr]
     assert counted.input_tokens > 0
+
+
+def test_a_browser_origin_gets_cors_on_real_streams(vllm_fleet: Any) -> None:
+    """`server.cors_allow_origins`: a browser's preflight, then a real vLLM stream whose
+    answer the browser may read (and a non-listed origin's, which it may not)."""
+    app = "https://app.example"
+    config = fleet_config(vllm_fleet, server={"cors_allow_origins": [app]})
+    body = {"model": SMALL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "stream": True}
+    with running_proxy(config) as proxy, httpx.Client(base_url=proxy.url, timeout=60) as http:
+        preflight = http.options("/v1/chat/completions", headers={
+            "origin": app, "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"})
+        allowed = http.post("/v1/chat/completions", json=body, headers={"origin": app})
+        other = http.post("/v1/chat/completions", json=body,
+                          headers={"origin": "https://elsewhere.example"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == app
+    assert allowed.status_code == 200 and allowed.text.rstrip().endswith("data: [DONE]")
+    assert allowed.headers["access-control-allow-origin"] == app
+    assert "x-laneway-backend" in allowed.headers["access-control-expose-headers"]
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
