@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from policies.base import Policy, build_policy
+from policies.base import Policy
 from proxy.config import ConfigError, Settings, load_settings_and_policy
 from proxy.routing import Router
 from proxy.runtime import Runtime, backends_from
@@ -28,15 +28,9 @@ log = logging.getLogger("laneway.admin")
 HOT_SECTIONS = ("backends", "model_groups", "policy", "auth", "admin", "debug", "migration")
 
 
-def switch_policy(rt: Runtime, name: str, params: dict[str, Any],
-                  policy: Policy | None = None) -> None:
-    """Route with `policy` (built from `name` and `params` here when not given) from the
-    next request on.
-
-    Raises `UnknownPolicyError`, pydantic's `ValidationError` or `PolicyLoadError`; the
-    running policy stays."""
-    if policy is None:
-        policy = build_policy(name, params)
+def switch_policy(rt: Runtime, name: str, params: dict[str, Any], policy: Policy) -> None:
+    """Route with `policy` (built from `name` and `params`, off the event loop, by the
+    caller) from the next request on."""
     rt.replace_router(Router(policy, rt.metrics,
                              log_decisions=rt.settings.debug.log_decisions))
     policy_cfg = rt.settings.policy.model_copy(update={"name": name, "params": params})
@@ -60,8 +54,7 @@ def remove_backend(rt: Runtime, name: str, migrate: bool = True) -> int:
     return moving
 
 
-def apply_settings(rt: Runtime, new: Settings, policy: Policy | None = None
-                   ) -> dict[str, Any]:
+def apply_settings(rt: Runtime, new: Settings, policy: Policy) -> dict[str, Any]:
     """Apply what can change at runtime (`policy`: `new.policy` already built, used if
     it changed); returns what changed and what needs a restart."""
     old = rt.settings
