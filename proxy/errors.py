@@ -118,6 +118,12 @@ class UpstreamError(ProxyError):
     code = "upstream_failed"
 
 
+def mid_stream_failure(backend: str, kind: str, detail: str) -> UpstreamError:
+    """The error reported in a stream whose backend failed after its first byte."""
+    return UpstreamError(f"Backend {backend} failed mid-stream ({kind}: {detail}); "
+                         "the response is incomplete.")
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

@@ -22,11 +22,7 @@ import orjson
 from predictors.base import Prediction
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
 from proxy.auth import Grant
-from proxy.errors import (
-    ProxyError,
-    RequestDropped,
-    UpstreamError,
-)
+from proxy.errors import ProxyError, RequestDropped, mid_stream_failure
 from proxy.kv_transfer import handle_of, without_handle
 from proxy.legs import Leg
 from proxy.migration import (
@@ -311,9 +307,7 @@ class Exchange:
         kind = kind or ("timeout" if isinstance(exc, TimeoutError) else "broken")
         self.tally.failed = True
         self.rt.metrics.upstream_errors.labels(opened.backend.name, kind).inc()
-        err = UpstreamError(
-            f"Backend {opened.backend.name} failed mid-stream ({kind}: {exc!s}); "
-            "the response is incomplete.")
+        err = mid_stream_failure(opened.backend.name, kind, str(exc))
         await self.send({"type": "http.response.body", "body": self.tally.error_event(err),
                          "more_body": True})
 

@@ -26,7 +26,7 @@ from proxy.emit import (
     token_event,
     usage_event,
 )
-from proxy.errors import UpstreamError, stream_error_event
+from proxy.errors import mid_stream_failure, stream_error_event
 from proxy.generation import Generation
 from proxy.handoff import Continuation, Handoff
 from proxy.legs import Leg, LegFailed
@@ -132,8 +132,7 @@ class TrackedRelay(Moves):
         assert self.leg is not None
         self.failed = True
         self.done = True
-        err = UpstreamError(f"Backend {self.leg.backend.name} failed mid-stream "
-                            f"({exc.kind}: {exc.detail}); the response is incomplete.")
+        err = mid_stream_failure(self.leg.backend.name, exc.kind, exc.detail)
         if not self.tracking.client_streams:
             await send_error(self.send, err)
             return
