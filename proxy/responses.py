@@ -28,10 +28,10 @@ from proxy.errors import (
     NotFound,
     PermissionDenied,
     ProxyError,
-    UpstreamError,
-    responses_error_event,
+    mid_stream_failure,
 )
 from proxy.relay import Opened, StallWatch, UpstreamFailure, exhausted, forward_headers
+from proxy.stream import RESPONSES_END, StreamTally
 from proxy.types import Backend
 
 if TYPE_CHECKING:
@@ -151,19 +151,18 @@ async def _relay(rt: Runtime, opened: Opened, send: Send) -> None:
                     "more_body": not opened.complete})
         if opened.complete:
             return
-        last = [time.monotonic()]
-        watch = StallWatch(opened, rt.settings.upstream.read_timeout_s, lambda: last[0])
+        tally = StreamTally(time.monotonic(), opened.head, RESPONSES_END)
+        watch = StallWatch(opened, rt.settings.upstream.read_timeout_s, tally.last_seen)
         try:
             while chunk := await opened.next_chunk():
-                last[0] = time.monotonic()
+                tally.add(chunk, time.monotonic())
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
             kind = "timeout" if watch.fired else "broken"
             rt.metrics.upstream_errors.labels(opened.backend.name, kind).inc()
-            err = UpstreamError(f"Backend {opened.backend.name} failed mid-stream ({kind}: "
-                                f"{exc!s}); the response is incomplete.")
+            err = mid_stream_failure(opened.backend.name, kind, str(exc))
             await send({"type": "http.response.body", "more_body": True,
-                        "body": b"\n\n" + responses_error_event(err)})
+                        "body": tally.error_event(err)})
         finally:
             watch.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -39,7 +39,8 @@ class StreamEnd:
 RESPONSES_END = StreamEnd((b"event: response.completed", b"event: response.incomplete",
                            b"event: response.failed"), responses_error_event)
 MESSAGES_END = StreamEnd((b"event: message_stop",), anthropic_error_event)
-_CARRY = 32  # longer than every marker: one split across two chunks is still seen
+# as long as the longest marker: one split across two chunks is still seen
+_CARRY = max(len(m) for end in (RESPONSES_END, MESSAGES_END) for m in end.markers)
 
 
 class StreamTally:
