@@ -9,7 +9,7 @@ index) but never blocks the event loop. Each policy module registers itself in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -51,6 +51,7 @@ class Rerouting(Protocol):
         ...
 
 
+@runtime_checkable
 class Replicated(Protocol):
     """A policy whose learned state (prefix index, speed estimates) replicas share.
 

@@ -166,7 +166,7 @@ class StateConfig(_Section):
     inflight_ttl_s: float = Field(3.0, gt=0, description="a replica silent this long: its "
                                   "in-flight counts stop counting (crash)")
     log_max_entries: int = Field(10_000, gt=0, description="replication log length "
-                                 "(prefix index, EMA speeds)")
+                                 "(prefix index, EMA speeds, stored responses' homes)")
     max_connections: int = Field(8, ge=1, description="Redis connection pool size")
     timeout_s: float = Field(0.5, gt=0, description="per Redis call; slower = Redis down")
 

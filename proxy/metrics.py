@@ -103,6 +103,11 @@ class Metrics:
         self.passthrough_seconds = Histogram(
             "laneway_passthrough_seconds", "Latency of answered pass-through requests",
             ["endpoint", "model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.response_homes = Counter(
+            "laneway_response_home_lookups", "Stored-response ids looked up (a "
+            "previous_response_id, GET or cancel), by how the backend holding it was "
+            "found: remembered (relayed here or told by another replica), asked (the "
+            "backends were asked), missing (none has it)", ["found"], registry=r)
         self.state_connected = Gauge(
             "laneway_state_connected", "1 if the last exchange with the shared state "
             "store succeeded", registry=r)

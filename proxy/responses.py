@@ -6,7 +6,11 @@ made (`store`, on by default in the API); `previous_response_id`,
 server. The proxy remembers the backend of each response id it relayed (bounded, least
 recently used out first). For an id it does not know (relayed by another replica, or
 before a restart) it asks the candidate backends at once (`GET /v1/responses/{id}`,
-`responses.lookup_timeout_s`) and uses the one that has it; nothing needs sharing.
+`responses.lookup_timeout_s`) and uses the one that has it. With shared state
+(`state.backend: redis`) the replicas tell each other the homes they learn (table
+`responses`, proxy/state/replicator.py), so a conversation whose turns a load balancer
+spreads over the replicas finds its home without asking, a sync interval after the turn
+that made it; the lookup stays as the fallback (a restart, a Redis outage).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote
 
 import aiohttp
@@ -42,17 +46,40 @@ _ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]{1,200})"')
 
 
 class ResponseHomes:
-    """response id -> the name of the backend that made it, for the last `capacity` ids."""
+    """response id -> the name of the backend that made it, for the last `capacity` ids.
+
+    What this replica learns is also kept for the replicator (`export_updates`, at most
+    `capacity` between two syncs); what the others learned comes in by `merge_updates`.
+    """
 
     def __init__(self, capacity: int = 100_000) -> None:
         self._homes: OrderedDict[str, str] = OrderedDict()
         self._capacity = capacity
+        self._learned: list[tuple[str, str]] = []  # since the last export
 
     def learn(self, response_id: str, backend: str) -> None:
+        self._remember(response_id, backend)
+        self._learned.append((response_id, backend))
+        if len(self._learned) > self._capacity:
+            del self._learned[:-self._capacity]
+
+    def _remember(self, response_id: str, backend: str) -> None:
         self._homes[response_id] = backend
         self._homes.move_to_end(response_id)
         if len(self._homes) > self._capacity:
             self._homes.popitem(last=False)
+
+    def export_updates(self) -> list[Any]:
+        """The homes learned here since the last call, as `[id, backend]` pairs."""
+        learned, self._learned = self._learned, []
+        return [list(pair) for pair in learned]
+
+    def merge_updates(self, updates: list[Any]) -> None:
+        """Remember the homes another replica learned (malformed writes are skipped)."""
+        for write in updates:
+            if (isinstance(write, list) and len(write) == 2
+                    and all(isinstance(part, str) for part in write)):
+                self._remember(write[0], write[1])
 
     def get(self, response_id: str) -> str | None:
         home = self._homes.get(response_id)
@@ -76,6 +103,7 @@ async def home_of(rt: Runtime, response_id: str, candidates: Sequence[Backend],
     answer `GET /v1/responses/{id}` with 200 (and it is remembered)."""
     known = rt.responses.get(response_id)
     if known is not None:
+        rt.metrics.response_homes.labels("remembered").inc()
         return next((b for b in candidates if b.name == known), None)
 
     async def holds(backend: Backend) -> Backend:
@@ -92,7 +120,9 @@ async def home_of(rt: Runtime, response_id: str, candidates: Sequence[Backend],
             with contextlib.suppress(LookupError, UpstreamFailure):
                 home = await done
                 rt.responses.learn(response_id, home.name)
+                rt.metrics.response_homes.labels("asked").inc()
                 return home
+        rt.metrics.response_homes.labels("missing").inc()
         return None
     finally:
         for task in asks:

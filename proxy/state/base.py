@@ -6,8 +6,8 @@ what this replica wrote since the last tick (an `Outbox`) for what the others
 wrote (an `Inbox`) every `state.sync_interval_s`.
 
 Three kinds of state, three merge rules:
-* tables (prefix index, EMA speeds): an append-only log of JSON-able writes per
-  table; each replica applies the others' writes to its own copy;
+* tables (prefix index, EMA speeds, stored responses' homes): an append-only log of
+  JSON-able writes per table; each replica applies the others' writes to its own copy;
 * counters (rate-limit windows): sums; a replica adds its increments and reads back
   the cluster totals;
 * in-flight counts: each replica's own counts, which expire `inflight_ttl_s` after

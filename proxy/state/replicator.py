@@ -1,8 +1,9 @@
 """The background task that keeps this replica's mirrors in step with the others'.
 
 Every `state.sync_interval_s` it trades, in one exchange with the store, what this
-replica wrote (policy table writes, rate-limit increments, its in-flight counts) for
-what the others wrote. Nothing on the request path waits for it. When the store is
+replica wrote (table writes: the policy's and fixed tables such as the stored
+responses' homes; rate-limit increments; its in-flight counts) for what the others
+wrote. Nothing on the request path waits for it. When the store is
 unreachable the proxy keeps serving on local state: writes and increments are kept
 (bounded) and sent once it is back, the others' in-flight counts are dropped after
 `inflight_ttl_s` (as the others drop ours), and the outage is logged once and counted
@@ -14,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from policies.base import Policy
+from policies.base import Policy, Replicated
 from proxy.config import StateConfig
 from proxy.metrics import Metrics
 from proxy.ratelimit import WindowCounters
@@ -33,10 +34,14 @@ class Replicator:
     def __init__(self, store: Store, cfg: StateConfig, registry: Registry,
                  counters: WindowCounters, metrics: Metrics,
                  policy: Callable[[], Policy],
-                 on_keys: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> None:
+                 on_keys: Callable[[dict[str, dict[str, Any]]], None] | None = None,
+                 tables: Mapping[str, Replicated] | None = None) -> None:
+        """`policy`: the current policy (its table is `policy:<name>` when it is
+        `Replicated`); `tables`: the other shared mirrors, by table name."""
         self.store, self._cfg, self._registry = store, cfg, registry
         self._counters, self._metrics, self._policy = counters, metrics, policy
         self._on_keys = on_keys
+        self._tables = dict(tables or {})
         self._unsent: dict[str, list[Any]] = {}
         self._last_ok = time.monotonic()
         self._keys_read_at = -KEYS_EVERY_S
@@ -51,11 +56,9 @@ class Replicator:
                                 else max(self._cfg.sync_interval_s, 1.0))
 
     async def sync_once(self) -> bool:
-        policy = self._policy()
-        table = f"policy:{policy.name}"
-        export = getattr(policy, "export_updates", None)
-        if export is not None:
-            self._queue(table, export())
+        tables = self._current_tables()
+        for table, mirror in tables.items():
+            self._queue(table, mirror.export_updates())
         outbox = Outbox(entries=self._unsent, counters=self._counters.outgoing(),
                         inflight={k: v for k, v in self._registry.local_inflight.items() if v})
         started = time.monotonic()
@@ -70,13 +73,19 @@ class Replicator:
         self._last_ok = time.monotonic()
         self._counters.confirm(inbox.counters)
         self._registry.set_remote_inflight(inbox.inflight)
-        merge = getattr(policy, "merge_updates", None)
-        if merge is not None and inbox.entries.get(table):
-            merge(inbox.entries[table])
+        for table, mirror in tables.items():
+            if inbox.entries.get(table):
+                mirror.merge_updates(inbox.entries[table])
         self.replicas = inbox.replicas
         self._metrics.state_replicas.set(inbox.replicas)
         self._set_connected(True, "")
         return True
+
+    def _current_tables(self) -> dict[str, Replicated]:
+        policy = self._policy()
+        if isinstance(policy, Replicated):
+            return {f"policy:{policy.name}": policy, **self._tables}
+        return self._tables
 
     async def _read_keys(self, now: float) -> None:
         if self._on_keys is not None and now - self._keys_read_at >= KEYS_EVERY_S:

