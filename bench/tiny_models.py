@@ -5,7 +5,7 @@ Nothing comes from a model hub. The tokenizer is a byte-level BPE trained with
 random (seeded, so every build of a variant is identical, which migration between
 two backends of one model relies on). Variants differ in depth, so a fleet of them
 is heterogeneous in speed. Shapes follow what vLLM's CPU backend accepts
-(head_dim 64; 16 is rejected).
+(head_dim 64; 16 is rejected). `ensure_lora` adds random LoRA adapters of a variant.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import importlib
 import json
 import os
 import shutil
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,6 +93,45 @@ def build(spec: Variant, shared: Path, target: Path) -> None:
     training = _build_weights(spec, tokenizer, target, corpus)
     (target / "laneway-build.json").write_text(json.dumps(
         {**asdict(spec), "build_version": BUILD_VERSION, "training": training}, indent=1))
+
+
+def ensure_lora(variant: str, name: str, rank: int = 8, shared: Path = DEFAULT_SHARED
+                ) -> Path:
+    """A LoRA adapter (PEFT's files: adapter_config.json, adapter_model.safetensors) of
+    random weights on the attention projections of `variant`, built on first use next to
+    the model; vLLM serves it with `--enable-lora --lora-modules NAME=DIR`. Each name
+    has its own weights (seeded by it), so each adapter changes the answers its way."""
+    import torch
+    from safetensors.torch import save_file
+
+    base = ensure_model(variant, shared)
+    target = base.parent / f"{base.name}-lora-{name}-r{rank}"
+    if (target / "adapter_config.json").exists():
+        return target
+    spec = VARIANTS[variant]
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    weights = {}
+    for layer in range(spec.layers):
+        for proj in ("q_proj", "v_proj"):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, spec.hidden,
+                                                          generator=generator) * 0.1
+            weights[f"{key}.lora_B.weight"] = torch.randn(spec.hidden, rank,
+                                                          generator=generator) * 0.1
+    scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    scratch.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()},
+              scratch / "adapter_model.safetensors")
+    (scratch / "adapter_config.json").write_text(json.dumps({
+        "base_model_name_or_path": str(base), "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": ["q_proj", "v_proj"], "fan_in_fan_out": False,
+        "inference_mode": True}, indent=1))
+    try:
+        scratch.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 def _corpus(spec: Variant, shared: Path) -> list[str]:

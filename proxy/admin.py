@@ -114,6 +114,7 @@ def _describe(rt: Runtime, name: str) -> dict[str, Any]:
     stats = rt.registry.stats.get(name)
     return {
         "name": name, "url": backend.url, "model": backend.model,
+        "serves": sorted(rt.registry.served_by(name)),  # with its LoRA adapters
         "labels": dict(backend.labels),
         "healthy": rt.registry.is_healthy(name),
         "draining": rt.registry.is_draining(name),

@@ -97,6 +97,10 @@ class PollerConfig(_Section):
         "503 at once: scrapes that time out on a starved machine must not reject "
         "requests the backends could serve; dead ones still fail over, and a request "
         "no backend accepted gets 503")
+    models_interval_s: float = Field(
+        10.0, ge=0, description="read each healthy backend's /v1/models this often: "
+        "the LoRA adapters and other names it serves become routable to it (README, "
+        "LoRA adapters); 0: only each backend's configured model")
 
 
 class MigrationConfig(_Section):

@@ -189,7 +189,8 @@ class Exchange:
             try:
                 opened = await rt.upstream.open(
                     backend, _PATHS[ctx.endpoint],
-                    self._upstream_body(body, backend.model, kv_handle), self.headers, stream)
+                    self._upstream_body(body, rt.registry.model_on(backend, ctx.model),
+                                        kv_handle), self.headers, stream)
                 if self.tracking is not None and not opened.complete:
                     await self._relay_tracked(opened, guard, pred)
                     return
@@ -219,8 +220,9 @@ class Exchange:
 
     def _upstream_body(self, body: bytes, model: str,
                        kv_handle: Mapping[str, Any] | None) -> bytes:
-        """`body` naming `model` (a model group's request goes to a member model), with
-        the prefill leg's KV handle if there is one (proxy/kv_transfer.py)."""
+        """`body` naming `model` (a model group's request goes to a member model: see
+        Registry.model_on), with the prefill leg's KV handle if there is one
+        (proxy/kv_transfer.py)."""
         changes: dict[str, Any] = {}
         if model != self.ctx.model:
             changes["model"] = model

@@ -55,7 +55,8 @@ async def sequence_for(c: Continuation, gen: Generation, target: Backend
     tokenizer = tokenizer_of(target)
     if tokenizer == gen.tokenizer:
         return gen.sequence_ids(), None
-    bodies = tokenize_bodies(c.data, c.chat, target.model, gen.text)
+    bodies = tokenize_bodies(c.data, c.chat, c.rt.registry.model_on(target, c.model),
+                             gen.text)
     if bodies is None:
         raise HandoffFailed(f"a token-id prompt cannot be re-tokenized for {target.name}")
     try:
@@ -75,7 +76,8 @@ async def open_continuation(c: Continuation, gen: Generation, target: Backend,
     guard = guard or _guard(c.rt, target)
     try:
         sequence, tokenizer = await sequence_for(c, gen, target)
-        body = continuation_body(c.data, c.tracking, target.model, sequence, gen.generated)
+        body = continuation_body(c.data, c.tracking, c.rt.registry.model_on(target, c.model),
+                                 sequence, gen.generated)
         opened = await c.rt.upstream.open(target, _PATH, body, c.headers, stream=True)
         _check(opened)
     except UpstreamFailure as failure:
@@ -133,7 +135,8 @@ class Handoff:
 
     async def _warm(self, gen: Generation) -> Opened:
         sequence, _ = await sequence_for(self.c, gen, self.target)
-        body = continuation_body(self.c.data, self.c.tracking, self.target.model, sequence,
+        model = self.c.rt.registry.model_on(self.target, self.c.model)
+        body = continuation_body(self.c.data, self.c.tracking, model, sequence,
                                  gen.generated, warm=True)
         return await self.c.rt.upstream.open(self.target, _PATH, body, self.c.headers,
                                              stream=False)

@@ -107,8 +107,9 @@ class _Call:
             backend, _load = rt.least_inflight.pick(view)
             tried.append(backend.name)
             self.backend_name = backend.name
-            body = self.body if backend.model == self.model else orjson.dumps(
-                orjson.loads(self.body) | {"model": backend.model})  # a group's member
+            model = rt.registry.model_on(backend, self.model)
+            body = self.body if model == self.model else orjson.dumps(
+                orjson.loads(self.body) | {"model": model})  # a group's member
             with rt.registry.guard(backend.name):
                 try:
                     return await rt.upstream.open(backend, self.path, body, self.headers,

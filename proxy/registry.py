@@ -15,6 +15,8 @@ log = logging.getLogger("laneway")
 class Registry:
     """Backends by name and model.
 
+    A backend serves its configured `model` and the other names its `/v1/models`
+    lists (LoRA adapters, extra served names: `set_served`, from proxy/discovery.py).
     A model group (`model_groups` in the config) is a request model whose candidates
     are the healthy backends of every member model, in member order. With `panic`,
     a model (or group) none of whose scraped, non-draining backends is healthy has
@@ -43,6 +45,7 @@ class Registry:
         self.inflight: Mapping[str, int] = MappingProxyType(self._inflight)
         self.stats: Mapping[str, BackendStats] = MappingProxyType({})
         self._draining: set[str] = set()
+        self._extra: dict[str, frozenset[str]] = {}  # backend -> names besides its model
         self._healthy_by_model: dict[str, tuple[Backend, ...]] = {}
         self._membership_changed = False  # since the last `update`
         for backend in backends:
@@ -61,9 +64,41 @@ class Registry:
     def remove(self, name: str) -> Backend:
         backend = self._backends.pop(name)
         self._draining.discard(name)
+        self._extra.pop(name, None)
         self._membership_changed = True
         self._rederive()
         return backend
+
+    def set_served(self, name: str, models: Iterable[str]) -> bool:
+        """`name` serves `models` besides its configured model (what its `/v1/models`
+        lists); True when that changed."""
+        backend = self._backends.get(name)
+        if backend is None:
+            return False
+        extra = frozenset(models) - {backend.model}
+        if extra == self._extra.get(name, frozenset()):
+            return False
+        log.info("backend %s serves %s", name, ", ".join([backend.model, *sorted(extra)]))
+        self._extra[name] = extra
+        self._rederive()
+        return True
+
+    def served_by(self, name: str) -> frozenset[str]:
+        """Every model name backend `name` serves (its configured one first known)."""
+        backend = self._backends[name]
+        return self._extra.get(name, frozenset()) | {backend.model}
+
+    def model_on(self, backend: Backend, requested: str) -> str:
+        """The model a request for `requested` names on `backend`: `requested` when the
+        backend serves it (its model, a LoRA adapter), else the first member of the
+        group `requested` that the backend serves, else the backend's model."""
+        extra = self._extra.get(backend.name, frozenset())
+        if requested == backend.model or requested in extra:
+            return requested
+        for member in self._groups.get(requested, ()):
+            if member == backend.model or member in extra:
+                return member
+        return backend.model
 
     def set_groups(self, groups: Mapping[str, Iterable[str]]) -> None:
         self._groups = {g: tuple(members) for g, members in groups.items()}
@@ -94,8 +129,9 @@ class Registry:
     def serves(self, model: str) -> bool:
         """Whether any configured backend (healthy or not) serves `model`, or a member
         of the group `model`."""
-        models = self._groups.get(model, (model,))
-        return any(b.model in models for b in self._backends.values())
+        models = set(self._groups.get(model, (model,)))
+        return any(b.model in models or not models.isdisjoint(self._extra.get(b.name, ()))
+                   for b in self._backends.values())
 
     def names_for(self, model: str) -> tuple[str, ...]:
         """`model` and the groups that list it: the names a request for it may use."""
@@ -158,15 +194,20 @@ class Registry:
         healthy: dict[str, list[Backend]] = {}
         scraped: dict[str, list[Backend]] = {}  # not draining, health known
         for backend in self._backends.values():
-            bucket = healthy.setdefault(backend.model, [])
+            models = (backend.model, *sorted(self._extra.get(backend.name, ())))
+            buckets = [healthy.setdefault(model, []) for model in models]
             if backend.name in self._draining or backend.name not in self.stats:
                 continue
-            scraped.setdefault(backend.model, []).append(backend)
+            for model in models:
+                scraped.setdefault(model, []).append(backend)
             if self.stats[backend.name].healthy:
-                bucket.append(backend)
-        for group, members in self._groups.items():
-            healthy[group] = [b for m in members for b in healthy.get(m, ())]
-            scraped[group] = [b for m in members for b in scraped.get(m, ())]
+                for bucket in buckets:
+                    bucket.append(backend)
+        for group, members in self._groups.items():  # a backend once, at its first member
+            healthy[group] = list({b.name: b for m in members for b in healthy.get(m, ())}
+                                  .values())
+            scraped[group] = list({b.name: b for m in members for b in scraped.get(m, ())}
+                                  .values())
         panicking = {k for k, bs in healthy.items() if self._panic and not bs and scraped.get(k)}
         for key in sorted((panicking ^ self.panicking) & healthy.keys()):
             if key in panicking:

@@ -16,6 +16,7 @@ from predictors.base import Prediction, load_length_predictor
 from proxy.asgi import Send, send_error
 from proxy.auth import Auth, Grant
 from proxy.config import Settings
+from proxy.discovery import ModelDiscovery
 from proxy.errors import ModelNotFound, ProxyError
 from proxy.metrics import Metrics
 from proxy.migration import ActiveStreams
@@ -73,6 +74,10 @@ class Runtime:
         self.upstream = Upstream(self._relay_session, settings.upstream)
         self.streams = ActiveStreams()
         self.poller = Poller(self.registry, settings.poller)
+        self.discovery = ModelDiscovery(self.registry, self.upstream,
+                                        settings.poller.models_interval_s,
+                                        settings.poller.timeout_s)
+        self._discover_task: asyncio.Task[None] | None = None
         self._poll_task: asyncio.Task[None] | None = None
         self.started_at_wall = time.time()
         self.replica_id = new_replica_id()
@@ -92,11 +97,15 @@ class Runtime:
         log.info("policy %s; %d/%d backends healthy: %s", self.router.policy_name,
                  len(healthy), len(self.registry.all()), ", ".join(healthy) or "none")
         self._poll_task = asyncio.create_task(self.poller.run(), name="laneway-poller")
+        if self.discovery.interval_s > 0:  # adapters routable from the first request
+            await self.discovery.once()
+            self._discover_task = asyncio.create_task(self.discovery.run(),
+                                                      name="laneway-discovery")
         await self.replicator.sync_once()  # shared state before the first request
         self._sync_task = asyncio.create_task(self.replicator.run(), name="laneway-state")
 
     async def close(self) -> None:
-        for task in (self._poll_task, self._sync_task):
+        for task in (self._poll_task, self._sync_task, self._discover_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

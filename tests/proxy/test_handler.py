@@ -176,6 +176,11 @@ async def test_models_and_no_healthy_backend() -> None:
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
 
 
+# The hop decides per connection; a GET of /v1/models would open a connection it
+# passes through, which the relay's pool then reuses for the POST.
+NO_DISCOVERY = {"models_interval_s": 0}
+
+
 @contextlib.asynccontextmanager
 async def dropping_hop(upstream: str, drop_first: int) -> AsyncIterator[str]:
     """A TCP hop to `upstream` that closes the connections of its first `drop_first`
@@ -210,7 +215,8 @@ async def dropping_hop(upstream: str, drop_first: int) -> AsyncIterator[str]:
 async def test_connection_closed_before_response_is_retried_on_same_backend() -> None:
     async with serve_fake(FakeConfig()) as fake, dropping_hop(fake.url, 1) as hop:
         settings = Settings(server={"port": 0},  # type: ignore[arg-type]
-                            backends=[{"name": "only", "url": hop, "model": "fake"}])  # type: ignore[list-item]
+                            backends=[{"name": "only", "url": hop, "model": "fake"}],  # type: ignore[list-item]
+                            poller=NO_DISCOVERY)  # type: ignore[arg-type]
         async with serve_in_loop(settings) as proxy:
             response = await post(proxy, CHAT)
     assert response.status_code == 200 and fake.app.stats.requests == 1
@@ -219,7 +225,8 @@ async def test_connection_closed_before_response_is_retried_on_same_backend() ->
 async def test_backend_that_always_drops_gives_502() -> None:
     async with serve_fake(FakeConfig()) as fake, dropping_hop(fake.url, 99) as hop:
         settings = Settings(server={"port": 0},  # type: ignore[arg-type]
-                            backends=[{"name": "only", "url": hop, "model": "fake"}])  # type: ignore[list-item]
+                            backends=[{"name": "only", "url": hop, "model": "fake"}],  # type: ignore[list-item]
+                            poller=NO_DISCOVERY)  # type: ignore[arg-type]
         async with serve_in_loop(settings) as proxy:
             response = await post(proxy, CHAT)
     assert response.status_code == 502

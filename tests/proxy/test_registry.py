@@ -103,3 +103,30 @@ def test_panic_mode_routes_among_unhealthy_backends_only_when_none_is_healthy() 
     strict = Registry([Backend("a", "http://a", "m1")])
     strict.publish({"a": down})
     assert strict.view("m1", 0.0).candidates == () and strict.panicking == frozenset()
+
+
+def test_lora_adapters_a_backend_lists_are_routed_to_it_under_their_name() -> None:
+    reg = Registry([Backend("a", "http://a", "base"), Backend("b", "http://b", "base"),
+                    Backend("c", "http://c", "other")], {"team": ["other", "sql"]})
+    reg.publish({"a": UP, "b": UP, "c": UP})
+    assert not reg.serves("sql") and reg.view("sql", 0.0).candidates == ()
+    assert reg.set_served("a", ["base", "sql", "chat"]) is True
+    assert reg.set_served("a", ["chat", "sql"]) is False  # same names: nothing changes
+    assert reg.set_served("gone", ["sql"]) is False
+    assert reg.set_served("c", ["other", "sql"]) is True
+    assert [b.name for b in reg.view("sql", 0.0).candidates] == ["a", "c"]
+    assert [b.name for b in reg.view("base", 0.0).candidates] == ["a", "b"]
+    assert [b.name for b in reg.view("team", 0.0).candidates] == ["c", "a"]  # c once
+    assert reg.serves("sql") and reg.serves("chat") and not reg.serves("nope")
+    assert reg.served_by("a") == {"base", "sql", "chat"} and reg.served_by("b") == {"base"}
+    a, b, c = reg.all()
+    assert reg.model_on(a, "sql") == "sql"  # the adapter, on the server that has it
+    assert reg.model_on(a, "base") == "base"
+    assert reg.model_on(c, "team") == "other" and reg.model_on(a, "team") == "sql"
+    assert reg.model_on(b, "team") == "base"  # no member served: its own model
+    assert reg.healthy_models() == ["base", "chat", "other", "sql", "team"]
+    reg.publish({"a": BackendStats(healthy=False), "b": UP, "c": UP})
+    assert [b.name for b in reg.view("sql", 0.0).candidates] == ["c"]
+    reg.remove("c")
+    reg.set_served("a", [])  # unloaded: a serves its configured model only
+    assert not reg.serves("sql") and reg.served_by("a") == {"base"}

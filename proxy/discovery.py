@@ -1,0 +1,76 @@
+"""What each backend serves besides its configured model: its `/v1/models`.
+
+A vLLM server lists its served model name(s) and its LoRA adapters there (`--lora-modules
+name=path`, or loaded at run time with `POST /v1/load_lora_adapter`; each adapter's
+`parent` is the base model). Every `poller.models_interval_s` the proxy reads the list of
+each healthy backend (at most `_CONCURRENT` at once, each under `poller.timeout_s`) and
+tells the registry, so a request for an adapter goes to the backends that have it loaded
+and names the adapter there (Registry.model_on). A backend that does not answer, answers
+with an error (a server that wants an API key) or with something else than a model list
+keeps what it was last known to serve; an adapter unloaded from every backend is a 404
+`model_not_found` from the next read on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+
+from proxy.registry import Registry
+from proxy.relay import Upstream, UpstreamFailure
+from proxy.types import Backend
+
+log = logging.getLogger("laneway.poller")
+
+_CONCURRENT = 32  # reads in flight at once (the relay's connection pool is shared)
+MAX_NAMES = 1000  # names kept per backend
+
+
+class ModelDiscovery:
+    def __init__(self, registry: Registry, upstream: Upstream, interval_s: float,
+                 timeout_s: float) -> None:
+        self._registry, self._upstream = registry, upstream
+        self.interval_s, self._timeout_s = interval_s, timeout_s
+        self._slots = asyncio.Semaphore(_CONCURRENT)
+
+    async def run(self) -> None:
+        """Read every `interval_s` forever (cancel to stop)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.once()
+
+    async def once(self) -> int:
+        """Read every healthy backend's list once; the number of backends whose served
+        models changed."""
+        up = [b for b in self._registry.all() if self._registry.is_healthy(b.name)]
+        lists = await asyncio.gather(*(self._served(b) for b in up))
+        return sum(self._registry.set_served(b.name, models)
+                   for b, models in zip(up, lists, strict=True) if models is not None)
+
+    async def _served(self, backend: Backend) -> list[str] | None:
+        async with self._slots:
+            try:
+                status, body, _ = await self._upstream.whole(
+                    "GET", backend, "/v1/models", None, {}, timeout_s=self._timeout_s)
+            except UpstreamFailure as failure:
+                log.debug("backend %s: /v1/models: %s", backend.name, failure.detail)
+                return None
+        if status != 200:
+            log.debug("backend %s: /v1/models answered %d", backend.name, status)
+            return None
+        return model_ids(body)
+
+
+def model_ids(body: bytes) -> list[str] | None:
+    """The ids of an OpenAI model list (`{"data": [{"id": …}, …]}`), None if it is not one."""
+    try:
+        listed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    data = listed.get("data") if isinstance(listed, dict) else None
+    if not isinstance(data, list):
+        return None
+    ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    return ids[:MAX_NAMES]

@@ -1,0 +1,84 @@
+"""LoRA adapters and other served names, read from each backend's `/v1/models`
+(proxy/discovery.py): routed to the backends that serve them, under their own name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+
+from bench.fake_vllm import FakeConfig
+from proxy.discovery import model_ids
+from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.test_migration import (
+    continuation_bodies,
+    expected_text,
+    migrated_comments,
+    stream_text,
+)
+
+SQL = {**CHAT, "model": "sql-lora", "max_tokens": 4}
+
+
+async def test_an_adapter_goes_to_the_backends_that_list_it_under_its_name() -> None:
+    with_lora = FakeConfig(aliases=("sql-lora",))
+    async with fleet(FakeConfig(), with_lora, FakeConfig(), with_lora) as (proxy, fakes):
+        answers = [await post(proxy, SQL) for _ in range(4)]
+        base = [await post(proxy, {**CHAT, "max_tokens": 2}) for _ in range(4)]
+        missing = await post(proxy, {**SQL, "model": "other-lora"})
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            listed = (await http.get("/v1/models")).json()
+            described = (await http.get("/admin/backends")).json()["backends"]
+    assert [a.status_code for a in answers] == [200] * 4
+    assert {a.headers["x-laneway-backend"] for a in answers} == {"f1", "f3"}
+    assert all(a.json()["model"] == "sql-lora" for a in answers)
+    assert [b["model"] for f in (fakes[1], fakes[3]) for b in f.app.stats.bodies
+            if b["max_tokens"] == 4] == ["sql-lora"] * 4  # named as is upstream
+    assert {b.headers["x-laneway-backend"] for b in base} == {"f0", "f1", "f2", "f3"}
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert [m["id"] for m in listed["data"]] == ["fake", "sql-lora"]
+    assert [b["serves"] for b in described] == [["fake"], ["fake", "sql-lora"]] * 2
+
+
+async def test_adapters_loaded_and_unloaded_at_run_time_follow_the_next_read() -> None:
+    async with fleet(FakeConfig(), FakeConfig()) as (proxy, fakes):
+        before = await post(proxy, SQL)
+        fakes[0].app.config = dataclasses.replace(fakes[0].app.config, aliases=("sql-lora",))
+        assert proxy.app.runtime is not None
+        discovery = proxy.app.runtime.discovery
+        assert await discovery.once() == 1
+        loaded = [await post(proxy, SQL) for _ in range(2)]
+        fakes[0].app.config = dataclasses.replace(fakes[0].app.config, aliases=())
+        assert await discovery.once() == 1
+        after = await post(proxy, SQL)
+    assert before.status_code == after.status_code == 404
+    assert [r.headers["x-laneway-backend"] for r in loaded] == ["f0", "f0"]
+
+
+async def test_discovery_off_serves_only_configured_models() -> None:
+    async with fleet(FakeConfig(aliases=("sql-lora",)),
+                     poller={"models_interval_s": 0}) as (proxy, _):
+        answer = await post(proxy, SQL)
+    assert answer.status_code == 404
+
+
+async def test_a_stream_for_an_adapter_migrates_to_a_backend_with_it_and_keeps_its_name(
+        ) -> None:
+    lora = FakeConfig(aliases=("sql-lora",), tpot_s=0.02)
+    async with fleet(lora, FakeConfig(tpot_s=0.02), lora,
+                     debug={"allow_forced_migration": True}) as (proxy, fakes):
+        response = await post(proxy, {**SQL, "stream": True, "max_tokens": 8},
+                              headers={"x-laneway-migrate-after": "3",
+                                       "x-laneway-events": "1"})
+    assert response.status_code == 200
+    (moved,) = migrated_comments(response)
+    assert (response.headers["x-laneway-backend"], moved["to"]) == ("f0", "f2")  # not f1
+    (continuation,) = continuation_bodies(fakes[2])
+    assert continuation["model"] == "sql-lora"
+    assert stream_text(response) == expected_text(8)  # nothing lost or repeated
+
+
+def test_a_model_list_is_read_leniently() -> None:
+    assert model_ids(b'{"data": [{"id": "a"}, {"id": 3}, "b", {"id": "c"}]}') == ["a", "c"]
+    assert model_ids(b"[]") is None and model_ids(b"not json") is None
+    assert model_ids(b'{"data": {}}') is None
