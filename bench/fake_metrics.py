@@ -76,12 +76,19 @@ class FakeStats:
     keep_bodies: bool = True  # off where nobody reads them (the emulator's fleets)
     bodies: list[dict[str, Any]] = field(default_factory=list)  # the most recent ones
     tokenized: list[dict[str, Any]] = field(default_factory=list)  # /tokenize bodies
+    # Authorization (else "x-api-key <key>") of each /v1/* request, None without either
+    credentials: list[str | None] = field(default_factory=list)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
     @property
     def last_body(self) -> dict[str, Any] | None:
         return self.bodies[-1] if self.bodies else None
+
+    def record_credentials(self, authorization: str | None) -> None:
+        if self.keep_bodies:
+            del self.credentials[:-_BODIES_KEPT]
+            self.credentials.append(authorization)
 
     def record(self, body: dict[str, Any]) -> None:
         self.requests += 1

@@ -40,6 +40,7 @@ from proxy.server import uvicorn_in_loop
 
 _JSON = [(b"content-type", b"application/json")]
 _MAX_BODY = 1 << 30
+_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # what vLLM's --api-key guards
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class FakeConfig:
     fail_first: int | None = None  # ... or only the first N of them
     die_after_tokens: int | None = None  # cut the connection after N tokens
     hang: bool = False  # never answer a completion request
+    api_key: str | None = None  # vLLM's --api-key: /v1/* without `Bearer <key>` is a 401
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -74,6 +76,16 @@ class FakeVllm:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
+        if path.startswith(_GUARDED):
+            headers = dict(scope["headers"])
+            authorization, api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
+            self.stats.record_credentials(
+                authorization.decode() if authorization is not None
+                else None if api_key is None else f"x-api-key {api_key.decode()}")
+            if self.config.api_key is not None and authorization != (
+                    b"Bearer " + self.config.api_key.encode()):
+                await send_json(send, 401, {"error": "Unauthorized"})  # as vLLM's
+                return
         if path in ("/metrics", "/metrics/"):  # vLLM: the instrumentator's, prometheus
             await send_bytes(send, 200, render(self.stats, self.config.model,
                                                self.config.kv_capacity_tokens,
@@ -341,13 +353,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail-first", type=int)
     parser.add_argument("--die-after-tokens", type=int)
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--api-key", help="as vLLM's: /v1/* needs `Bearer <key>`")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     config = FakeConfig(
         model=args.model, aliases=tuple(args.alias), ttft_s=args.ttft_ms / 1000,
         tpot_s=args.tpot_ms / 1000, default_tokens=args.tokens, eos_after=args.eos_after,
         max_num_seqs=args.max_num_seqs, fail_status=args.fail_status,
-        fail_first=args.fail_first, die_after_tokens=args.die_after_tokens, hang=args.hang)
+        fail_first=args.fail_first, die_after_tokens=args.die_after_tokens, hang=args.hang,
+        api_key=args.api_key)
     uvicorn.run(FakeVllm(config), host=args.host, port=args.port, loop="uvloop",
                 http="httptools", lifespan="off", access_log=False, log_level=args.log_level)
 

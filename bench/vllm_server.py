@@ -148,7 +148,8 @@ def _wait_ready(servers: Sequence[Running], timeout_s: float) -> None:
                 raise RuntimeError(f"vLLM {server.name} exited during startup:\n"
                                    + _log_tail(server.name))
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 200:
+                # 401: up, and started with --api-key
+                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code in (200, 401):
                     waiting.remove(server)
         if waiting and time.monotonic() > deadline:
             names = ", ".join(s.name for s in waiting)

@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     HttpUrl,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -59,6 +60,9 @@ class BackendConfig(_Section):
     url: HttpUrl
     model: str = Field(min_length=1, description="served model name")
     labels: dict[str, str] = Field(default_factory=dict)
+    api_key: SecretStr | None = Field(None, description="sent to this backend as "
+                                      "`Authorization: Bearer <key>` (vLLM's --api-key) "
+                                      "instead of the client's; null: upstream.api_key")
 
 
 class PolicyConfig(_Section):
@@ -77,6 +81,12 @@ class UpstreamConfig(_Section):
     keepalive_s: float = Field(
         4.0, gt=0, description="idle upstream connections are dropped after this; keep it "
         "below the backends' own keep-alive (vLLM: 5 s) so a reused one is never stale")
+    api_key: SecretStr | None = Field(
+        None, description="the key of every backend without its own `api_key` (vLLM's "
+        "--api-key), sent as `Authorization: Bearer <key>`; set it by env "
+        "(LANEWAY_UPSTREAM__API_KEY) to keep it out of the file. null: the client's "
+        "Authorization is forwarded, unless `auth` is on (the client's laneway key is "
+        "never sent to a backend)")
 
 
 class PollerConfig(_Section):

@@ -31,6 +31,7 @@ from policies.eldr import Eldr
 from policies.prefix_aware import PrefixAware, PrefixAwareParams
 from predictors.base import Prediction
 from proxy.kv_transfer import REMOTE_DECODE, PrefilledPrediction, returned_handle
+from proxy.relay import backend_auth
 from proxy.types import Backend, ClusterView, RequestContext
 
 log = logging.getLogger("laneway")
@@ -59,10 +60,13 @@ class PrefillStage:
         if not pool or ctx.endpoint not in _PATHS:  # no prefill leg for the Responses API
             return pred
         backend = self._prefix.pick(ctx, pred, dataclasses.replace(view, candidates=pool)).backend
+        headers = {"X-Request-Id": ctx.request_id}
+        if backend.api_key is not None:
+            headers = backend_auth(backend.api_key, headers)
         try:
             response = await self._client.post(
                 backend.url + _PATHS[ctx.endpoint], json=self._leg(data, backend.model),
-                headers={"X-Request-Id": ctx.request_id})
+                headers=headers)
             response.raise_for_status()
             body = response.json()
             if not isinstance(body, dict):

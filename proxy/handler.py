@@ -73,7 +73,7 @@ async def handle_completion(
         await rt.refuse(send, err, anthropic=endpoint == "messages")
         return
     tracking = _tracking(rt, ctx, data, forced)
-    upstream_headers = forward_headers(scope["headers"])
+    upstream_headers = forward_headers(scope["headers"], not rt.auth.cfg.enabled)
     home = await _previous_home(rt, ctx, data, upstream_headers)
     await Exchange(rt, ctx, body, data, upstream_headers, send,
                    tracking=tracking, forced_after=forced, grant=grant,

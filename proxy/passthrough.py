@@ -47,8 +47,8 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     except ProxyError as err:
         await rt.refuse(send, err, anthropic=path.startswith("/v1/messages"))
         return
-    call = _Call(rt, path, model, body, forward_headers(scope["headers"]), send, grant,
-                 request_id(headers))
+    upstream_headers = forward_headers(scope["headers"], not rt.auth.cfg.enabled)
+    call = _Call(rt, path, model, body, upstream_headers, send, grant, request_id(headers))
     await until_disconnect(receive, call.run(), call.left)
 
 

@@ -1,7 +1,7 @@
 """Change a running proxy: backends, policy, and a config reload (SIGHUP or admin).
 
 Sections that take effect at once on reload: backends (added, removed after their
-tracked streams were asked to move, or replaced when url/model/labels changed),
+tracked streams were asked to move, or replaced when url/model/labels/api_key changed),
 policy (name or params), auth, admin, debug, migration. Others (server, upstream,
 poller, state, predictors) are logged as needing a restart and keep their old values.
 
@@ -81,8 +81,7 @@ def _apply_backends(rt: Runtime, wanted: list[Backend]) -> dict[str, Any]:
     current = {b.name: b for b in rt.registry.all()}
     target = {b.name: b for b in wanted}
     changed = [n for n in target.keys() & current.keys()
-               if (target[n].url, target[n].model, dict(target[n].labels))
-               != (current[n].url, current[n].model, dict(current[n].labels))]
+               if _identity(target[n]) != _identity(current[n])]
     removed = sorted(current.keys() - target.keys())
     for name in removed + changed:
         remove_backend(rt, name)
@@ -90,6 +89,11 @@ def _apply_backends(rt: Runtime, wanted: list[Backend]) -> dict[str, Any]:
     for name in added + changed:
         add_backend(rt, target[name])
     return {"added": added, "removed": removed, "replaced": sorted(changed)}
+
+
+def _identity(backend: Backend) -> tuple[Any, ...]:
+    """What replaces a backend when it changes (a new key too: its streams move)."""
+    return backend.url, backend.model, dict(backend.labels), backend.api_key
 
 
 async def reload_config(rt: Runtime, path: str | Path) -> dict[str, Any]:

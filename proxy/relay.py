@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ _HOP_HEADERS = frozenset(
      "upgrade", "proxy-authorization", "proxy-authenticate", "trailer", "expect",
      "accept-encoding"}
 )
+_CREDENTIALS = frozenset({"authorization", "x-api-key"})
 _ERROR_BODY_LIMIT = 64 * 1024
 
 
@@ -80,12 +81,23 @@ class Opened:
         self.response.close()
 
 
-def forward_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+def forward_headers(raw: list[tuple[bytes, bytes]], credentials: bool = True
+                    ) -> dict[str, str]:
+    """The client's headers a backend gets: not the hop-by-hop ones, and not the
+    client's credentials without `credentials` (laneway checked them: its keys are not
+    the backends'). A backend with an `api_key` gets that instead (`Upstream._send`)."""
+    dropped = _HOP_HEADERS if credentials else _HOP_HEADERS | _CREDENTIALS
     return {
         k.decode("latin-1"): v.decode("latin-1")
         for k, v in raw
-        if k.decode("latin-1").lower() not in _HOP_HEADERS
+        if k.decode("latin-1").lower() not in dropped
     }
+
+
+def backend_auth(api_key: str, headers: Mapping[str, str]) -> dict[str, str]:
+    """`headers` with the backend's key as their only credentials."""
+    kept = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIALS}
+    return kept | {"Authorization": f"Bearer {api_key}"}
 
 
 class Upstream:
@@ -158,6 +170,8 @@ class Upstream:
         self, method: str, backend: Backend, path: str, body: bytes | None,
         headers: dict[str, str]
     ) -> aiohttp.ClientResponse:
+        if backend.api_key is not None:
+            headers = backend_auth(backend.api_key, headers)
         return await self._session.request(
             method, backend.url + path, data=body, headers=headers, timeout=self._timeout)
 

@@ -144,7 +144,7 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
         if scope["method"] != method:
             raise MethodNotAllowed(f"{scope['path']} accepts {method} only.")
         key = rt.auth.key_of(headers)  # 401 without a valid key (when auth is on)
-        upstream_headers = forward_headers(scope["headers"])
+        upstream_headers = forward_headers(scope["headers"], not rt.auth.cfg.enabled)
         up = [b for b in rt.registry.all() if rt.registry.is_healthy(b.name)]
         home = await home_of(rt, response_id, up, upstream_headers)
         if home is None:

@@ -9,6 +9,7 @@ import time
 from types import MappingProxyType
 
 import aiohttp
+from pydantic import SecretStr
 
 from policies._load import LeastInflight
 from policies.base import Policy, build_policy
@@ -40,9 +41,14 @@ def backends_from(settings: Settings) -> list[Backend]:
             url=str(b.url).rstrip("/"),
             model=b.model,
             labels=MappingProxyType(dict(b.labels)),
+            api_key=_secret(b.api_key or settings.upstream.api_key),
         )
         for b in settings.backends
     ]
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return None if value is None else value.get_secret_value()
 
 
 class Runtime:

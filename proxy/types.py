@@ -24,6 +24,8 @@ class Backend:
     labels: Mapping[str, str] = field(
         default_factory=lambda: MappingProxyType({}), compare=False, hash=False
     )
+    # `Authorization: Bearer <api_key>` on every request to it (vLLM's --api-key)
+    api_key: str | None = field(default=None, repr=False, compare=False, hash=False)
 
 
 @dataclass(frozen=True, slots=True)

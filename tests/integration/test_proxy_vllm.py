@@ -463,7 +463,9 @@ def test_lora_adapters_are_routed_to_the_server_that_has_them(vllm_fleet: Any) -
     """A vLLM server with a LoRA adapter (`--lora-modules`) beside plain servers of the
     base model: requests for the adapter go to it under the adapter's name and get the
     adapter's answer; one loaded at run time (`/v1/load_lora_adapter`) is routable after
-    the next `/v1/models` read, and one unloaded is a 404 after it."""
+    the next `/v1/models` read, and one unloaded is a 404 after it. The server wants an
+    API key (`--api-key`): the proxy sends it (`backends[].api_key`), the client has
+    none."""
     from bench.backends import Spec, start, stop
     from bench.ports import free_port
     from bench.tiny_models import ensure_lora
@@ -471,35 +473,42 @@ def test_lora_adapters_are_routed_to_the_server_that_has_them(vllm_fleet: Any) -
     sql, chat = ensure_lora("small", "sql"), ensure_lora("small", "chat")
     lora = start([Spec("lora", "small", SMALL, free_port(),
                        extra_args=("--enable-lora", "--max-lora-rank", "8",
-                                   "--lora-modules", f"tiny-sql={sql}"),
+                                   "--lora-modules", f"tiny-sql={sql}",
+                                   "--api-key", "lora-secret"),
                        env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1"),))], timeout_s=240)
     ask = {"messages": [{"role": "user", "content": "Write a query"}], "max_tokens": 8,
            "temperature": 0}
     try:
         config = fleet_config([b for b in vllm_fleet if b.model == SMALL],
                               poller={"models_interval_s": 0.5})
-        config["backends"].append({"name": "lora", "url": lora[0].url, "model": SMALL})
+        config["backends"].append({"name": "lora", "url": lora[0].url, "model": SMALL,
+                                   "api_key": "lora-secret"})
+        key = {"authorization": "Bearer lora-secret"}
         with running_proxy(config) as proxy:
             sdk = client(proxy.url)
             listed = [m.id for m in sdk.models.list()]
             routed = [sdk.chat.completions.with_raw_response.create(model="tiny-sql", **ask)
                       for _ in range(3)]
             base = sdk.chat.completions.create(model=SMALL, **ask)
-            direct = httpx.post(f"{lora[0].url}/v1/chat/completions",
+            direct = httpx.post(f"{lora[0].url}/v1/chat/completions", headers=key,
                                 json={"model": "tiny-sql", **ask}, timeout=60).json()
+            keyless = httpx.post(f"{lora[0].url}/v1/chat/completions",
+                                 json={"model": "tiny-sql", **ask}, timeout=60)
             before = httpx.post(f"{proxy.url}/v1/chat/completions",
                                 json={"model": "tiny-chat", **ask}, timeout=60)
-            loaded = httpx.post(f"{lora[0].url}/v1/load_lora_adapter", timeout=60,
+            loaded = httpx.post(f"{lora[0].url}/v1/load_lora_adapter", timeout=60, headers=key,
                                 json={"lora_name": "tiny-chat", "lora_path": str(chat)})
             time.sleep(1.5)  # > models_interval_s + a read
             after_load = sdk.chat.completions.with_raw_response.create(model="tiny-chat", **ask)
             unloaded = httpx.post(f"{lora[0].url}/v1/unload_lora_adapter", timeout=60,
+                                  headers=key,
                                   json={"lora_name": "tiny-chat"})
             time.sleep(1.5)
             after_unload = httpx.post(f"{proxy.url}/v1/chat/completions",
                                       json={"model": "tiny-chat", **ask}, timeout=60)
     finally:
         stop(lora)
+    assert keyless.status_code == 401  # the server really wants its key
     assert SMALL in listed and "tiny-sql" in listed
     assert {r.headers["x-laneway-backend"] for r in routed} == {"lora"}
     answers = [r.parse() for r in routed]
