@@ -48,7 +48,8 @@ def backends_from(settings: Settings) -> list[Backend]:
 
 
 def _secret(value: SecretStr | None) -> str | None:
-    return None if value is None else value.get_secret_value()
+    """The key, None for none or an empty one (`VAR=` in a compose file)."""
+    return None if value is None else value.get_secret_value() or None
 
 
 class Runtime:

@@ -11,6 +11,8 @@ import httpx
 import yaml
 
 from bench.fake_vllm import FakeConfig
+from proxy.config import Settings
+from proxy.runtime import backends_from
 from proxy.types import Backend
 from tests.proxy.fakes import CHAT, fleet, post
 from tests.proxy.test_auth import keys
@@ -92,3 +94,11 @@ async def test_a_reload_with_a_new_key_replaces_the_backend(tmp_path: Path) -> N
     assert before.status_code == after.status_code == 200
     assert reloaded["replaced"] == ["f0"]
     assert fakes[0].app.stats.credentials[-1] == "Bearer new"
+
+
+def test_an_empty_key_is_no_key() -> None:  # `LANEWAY_UPSTREAM__API_KEY=` in compose
+    settings = Settings(backends=[{"name": "a", "url": "http://a:1", "model": "m"},  # type: ignore[list-item]
+                                  {"name": "b", "url": "http://b:1", "model": "m",
+                                   "api_key": "own"}],
+                        upstream={"api_key": ""})  # type: ignore[arg-type]
+    assert [b.api_key for b in backends_from(settings)] == [None, "own"]
