@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from policies.base import Policy
+from proxy.access import logged
 from proxy.admin import PREFIX as ADMIN_PREFIX
 from proxy.admin import handle_admin
 from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error, send_json
@@ -118,7 +119,10 @@ class LanewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            await self._http(scope, receive, send)
+            if self.settings.server.access_log:
+                await logged(self._http, scope, receive, send)
+            else:
+                await self._http(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 

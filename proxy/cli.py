@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
+from proxy.access import configure_logging
 from proxy.config import ConfigError, load_settings, load_settings_and_policy
 
 
@@ -16,7 +16,7 @@ def _serve(args: argparse.Namespace) -> int:
     if overrides:
         server = settings.server.model_copy(update=overrides)
         settings = settings.model_copy(update={"server": server})
-    _configure_logging(settings.server.log_level)
+    configure_logging(settings.server.log_level, settings.server.log_format)
     from proxy.server import run
 
     run(settings, args.config, policy)
@@ -27,13 +27,6 @@ def _check_config(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     print(f"config ok: {len(settings.backends)} backends, policy {settings.policy.name}")
     return 0
-
-
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,6 +47,10 @@ class ServerConfig(_Section):
     session_header: str = Field("x-session-id", description="header naming a session")
     prefix_block_chars: int = Field(128, gt=0, description="block size of prompt hashing")
     log_level: str = "info"
+    log_format: Literal["text", "json"] = Field("text", description="json: one JSON "
+                                                "object per log line (README, Logs)")
+    access_log: bool = Field(False, description="one line per HTTP request on the "
+                             "logger laneway.access (README, Logs)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
     shutdown_timeout_s: int = Field(30, ge=0, description="finish open streams on stop")
     keep_alive_s: int = Field(75, ge=1, description="idle client connection lifetime")

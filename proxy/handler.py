@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 
 from predictors.base import Prediction
+from proxy.access import note
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
 from proxy.auth import Grant
 from proxy.errors import ProxyError, RequestDropped, mid_stream_failure
@@ -64,7 +65,9 @@ async def handle_completion(
             session_header=server.session_header,
             block_chars=server.prefix_block_chars,
         )
+        note(scope, model=ctx.model)
         grant = rt.auth.admit(headers, ctx)  # 401/403/429; charges the request's limits
+        note(scope, key=grant and grant.key.name)
         rt.require_served(ctx.model, grant)
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
     except ClientGone:
@@ -75,9 +78,15 @@ async def handle_completion(
     tracking = _tracking(rt, ctx, data, forced)
     upstream_headers = forward_headers(scope["headers"], not rt.auth.cfg.enabled)
     home = await _previous_home(rt, ctx, data, upstream_headers)
-    await Exchange(rt, ctx, body, data, upstream_headers, send,
-                   tracking=tracking, forced_after=forced, grant=grant,
-                   announce=headers.get(EVENTS_HEADER) == "1", home=home).run(receive)
+    exchange = Exchange(rt, ctx, body, data, upstream_headers, send,
+                        tracking=tracking, forced_after=forced, grant=grant,
+                        announce=headers.get(EVENTS_HEADER) == "1", home=home)
+    await exchange.run(receive)
+    if (outcome := exchange.outcome) is not None:
+        note(scope, policy=outcome.policy, prompt_tokens=outcome.prompt_tokens,
+             completion_tokens=outcome.completion_tokens,
+             migrations=outcome.migrations or None, predicted_tokens=None
+             if exchange.predicted_tokens is None else round(exchange.predicted_tokens))
 
 
 async def _previous_home(rt: Runtime, ctx: RequestContext, data: dict[str, Any],

@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from proxy.access import note
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, until_disconnect
 from proxy.auth import Grant
 from proxy.errors import InvalidRequest, ProxyError
@@ -39,8 +40,10 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     try:
         body = await read_body(headers, receive, rt.settings.server.max_body_bytes)
         model = _model_of(parse_body(body), path)
+        note(scope, model=model)
         # No output tokens: the body bounds the input the key is charged for.
         grant = rt.auth.admit_model(headers, model, len(body), 0)
+        note(scope, key=grant and grant.key.name)
         rt.require_served(model, grant)
     except ClientGone:
         return

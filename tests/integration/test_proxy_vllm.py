@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -522,3 +523,28 @@ def test_lora_adapters_are_routed_to_the_server_that_has_them(vllm_fleet: Any) -
     assert after_load.parse().model == "tiny-chat"
     assert unloaded.status_code == 200, unloaded.text
     assert after_unload.status_code == 404
+
+
+def test_json_access_log_of_laneway_serve(vllm_fleet: Any, tmp_path: Path) -> None:
+    """`laneway serve` with `server.log_format: json` and `server.access_log`: every line
+    of its log is a JSON object, one per request names its backend and tokens."""
+    log_path = tmp_path / "proxy.log"
+    config = fleet_config(vllm_fleet, server={"access_log": True, "log_format": "json"})
+    with running_proxy(config, log_path=log_path) as proxy:
+        sdk = client(proxy.url)
+        answer = sdk.chat.completions.with_raw_response.create(
+            model=SMALL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            extra_headers={"x-request-id": "json-log-1"})
+        missing = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
+                             json={"model": "nope", "prompt": "x"})
+    entries = [orjson.loads(line) for line in log_path.read_text().splitlines()
+               if line.strip()]
+    access = [e for e in entries if e["logger"] == "laneway.access"]
+    chat = next(e for e in access if e.get("request_id") == "json-log-1")
+    assert {e["level"] for e in entries} <= {"debug", "info", "warning", "error"}
+    assert any(e["logger"] == "laneway" and "policy" in e["message"] for e in entries)
+    assert chat["status"] == 200 and chat["backend"] == answer.headers["x-laneway-backend"]
+    assert (chat["model"], chat["completion_tokens"]) == (SMALL, 4)
+    assert chat["prompt_tokens"] == answer.parse().usage.prompt_tokens
+    assert missing.status_code == 404
+    assert [e["status"] for e in access if e["path"] == "/v1/completions"] == [404]
