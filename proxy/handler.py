@@ -87,6 +87,7 @@ async def handle_completion(
              completion_tokens=outcome.completion_tokens,
              migrations=outcome.migrations or None, predicted_tokens=None
              if exchange.predicted_tokens is None else round(exchange.predicted_tokens))
+    note(scope, client_left=exchange.client_gone or None)
 
 
 async def _previous_home(rt: Runtime, ctx: RequestContext, data: dict[str, Any],

@@ -3,6 +3,7 @@ decided and measured; `server.log_format: json` for every log line."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -89,3 +90,22 @@ def test_formats() -> None:
     assert entry["level"] == "info" and entry["logger"] == "laneway.access"
     assert entry["message"] == "POST /v1/completions 200" and entry["model"] == "a b"
     assert entry["time"].endswith("+00:00") and "ValueError: boom" in entry["exception"]
+
+
+async def test_a_stream_the_client_left_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "laneway.access")
+    async with fleet(FakeConfig(tpot_s=0.02), server={"access_log": True}) as (proxy, fakes):
+        async with httpx.AsyncClient(base_url=proxy.url) as http, http.stream(
+                "POST", "/v1/completions",
+                json={"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}
+        ) as response:
+            async for _ in response.aiter_lines():
+                if fakes[0].app.stats.running:
+                    break
+        for _ in range(100):
+            if access_lines(caplog):
+                break
+            await asyncio.sleep(0.02)
+    (line,) = access_lines(caplog)
+    assert line["status"] == 200 and line["client_left"] is True
+    assert line["backend"] == "f0" and line.get("completion_tokens", 0) < 1000  # type: ignore[operator]
