@@ -230,6 +230,10 @@ class Settings(BaseSettings):
         default_factory=dict, description="a request model naming several served models: "
         "the policy picks among all their backends and the upstream body names the "
         "picked backend's model (README, Model groups)")
+    model_fallbacks: dict[str, list[str]] = Field(
+        default_factory=dict, description="request model -> models (or groups) tried in "
+        "order when none of its backends answered before the first byte: none healthy, "
+        "or every attempt failed (README, Model fallbacks)")
     policy: PolicyConfig = PolicyConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     poller: PollerConfig = PollerConfig()
@@ -261,6 +265,10 @@ class Settings(BaseSettings):
             nested = sorted(set(members) & set(self.model_groups))
             if nested:
                 raise ValueError(f"model group {group!r} lists groups: {', '.join(nested)}")
+        for model, fallbacks in self.model_fallbacks.items():
+            if not fallbacks or model in fallbacks or len(set(fallbacks)) < len(fallbacks):
+                raise ValueError(f"model_fallbacks of {model!r} must name other models, "
+                                 "each once")
         return self
 
     @classmethod

@@ -82,6 +82,7 @@ async def handle_completion(
                         tracking=tracking, forced_after=forced, grant=grant,
                         announce=headers.get(EVENTS_HEADER) == "1", home=home)
     await exchange.run(receive)
+    note(scope, fallback_from=exchange.fallback_from, model=exchange.ctx.model)
     if (outcome := exchange.outcome) is not None:
         note(scope, policy=outcome.policy, prompt_tokens=outcome.prompt_tokens,
              completion_tokens=outcome.completion_tokens,
@@ -144,6 +145,7 @@ class Exchange:
         self.home = home  # the one backend to try first (it holds previous_response_id)
         self.outcome: Outcome | None = None  # the final leg's, for `rt.finished`
         self.predicted_tokens: float | None = None  # the length predictor's, at arrival
+        self.fallback_from: str | None = None  # the requested model, once it fell back
 
     async def run(self, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -172,7 +174,6 @@ class Exchange:
 
     async def _route_and_relay(self) -> None:
         rt, ctx = self.rt, self.ctx
-        tried: list[str] = []
         failures: list[UpstreamFailure] = []
         pred = await rt.router.prepare(  # e.g. ELDR's prefill leg, qos_drl's encoder
             ctx, self.data, self._predict(),
@@ -180,6 +181,35 @@ class Exchange:
         body = self.body if self.tracking is None else tracked_body(self.data, self.tracking)
         stream = ctx.stream or self.tracking is not None
         kv_handle = handle_of(pred)  # ELDR PD with kv_transfer: where the prompt's KV is
+        requested = ctx.model
+        for model in (requested, *rt.settings.model_fallbacks.get(requested, ())):
+            if model != requested:
+                if not rt.registry.view(model, time.monotonic()).candidates:
+                    continue
+                ctx = self.ctx = self._fall_back(requested, model, failures)
+                kv_handle, self.home = None, None
+            if await self._attempts(ctx, pred, body, stream, kv_handle, failures):
+                return
+            kv_handle = None  # the prefill leg's KV is on the first model's backends
+        raise exhausted(requested, failures, rt.settings.server.retry_after_s)
+
+    def _fall_back(self, requested: str, model: str, failures: list[UpstreamFailure]
+                   ) -> RequestContext:
+        """The request for `requested`, now for its fallback `model` (`model_fallbacks`)."""
+        why = "; ".join(f"{f.backend.name}: {f.kind}" for f in failures) or "none healthy"
+        log.warning("request %s: no backend of %s answered (%s); falling back to %s",
+                    self.ctx.request_id, self.ctx.model, why, model)
+        self.rt.metrics.fallbacks.labels(requested, model).inc()
+        self.fallback_from = requested
+        return dataclasses.replace(self.ctx, model=model)
+
+    async def _attempts(self, ctx: RequestContext, pred: Prediction, body: bytes,
+                        stream: bool, kv_handle: Mapping[str, Any] | None,
+                        failures: list[UpstreamFailure]) -> bool:
+        """Up to `upstream.max_attempts` backends of `ctx.model`; True once one answered
+        (and the answer was relayed), False when none did (`failures` says why)."""
+        rt = self.rt
+        tried: list[str] = []
         for _ in range(rt.settings.upstream.max_attempts):
             view = rt.registry.view(ctx.model, time.monotonic(), exclude=tried)
             if not view.candidates:
@@ -203,7 +233,7 @@ class Exchange:
                                         kv_handle), self.headers, stream)
                 if self.tracking is not None and not opened.complete:
                     await self._relay_tracked(opened, guard, pred)
-                    return
+                    return True
             except UpstreamFailure as failure:
                 guard.close()
                 failures.append(failure)
@@ -225,8 +255,8 @@ class Exchange:
                 finally:
                     opened.close()
                     self._account(opened)
-            return
-        raise exhausted(ctx.model, failures, rt.settings.server.retry_after_s)
+            return True
+        return False
 
     def _upstream_body(self, body: bytes, model: str,
                        kv_handle: Mapping[str, Any] | None) -> bytes:
@@ -234,7 +264,7 @@ class Exchange:
         Registry.model_on), with the prefill leg's KV handle if there is one
         (proxy/kv_transfer.py)."""
         changes: dict[str, Any] = {}
-        if model != self.ctx.model:
+        if model != (self.fallback_from or self.ctx.model):  # what the body names
             changes["model"] = model
         if kv_handle is not None:
             changes["kv_transfer_params"] = dict(kv_handle)

@@ -103,6 +103,10 @@ class Metrics:
         self.passthrough_seconds = Histogram(
             "laneway_passthrough_seconds", "Latency of answered pass-through requests",
             ["endpoint", "model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.fallbacks = Counter(
+            "laneway_fallbacks", "Requests sent to a fallback model (model_fallbacks) "
+            "because no backend of the requested one answered", ["model", "fallback"],
+            registry=r)
         self.response_homes = Counter(
             "laneway_response_home_lookups", "Stored-response ids looked up (a "
             "previous_response_id, GET or cancel), by how the backend holding it was "

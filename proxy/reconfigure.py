@@ -2,8 +2,9 @@
 
 Sections that take effect at once on reload: backends (added, removed after their
 tracked streams were asked to move, or replaced when url/model/labels/api_key changed),
-policy (name or params), auth, admin, debug, migration. Others (server, upstream,
-poller, state, predictors) are logged as needing a restart and keep their old values.
+model groups and fallbacks, policy (name or params), auth, admin, debug, migration.
+Others (server, upstream, poller, state, predictors) are logged as needing a restart and
+keep their old values.
 
 A policy switch replaces the router; outcomes of requests picked by the previous
 policy then reach the new one, which ignores requests it did not pick (every policy
@@ -25,7 +26,8 @@ from proxy.runtime import Runtime, backends_from
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.admin")
-HOT_SECTIONS = ("backends", "model_groups", "policy", "auth", "admin", "debug", "migration")
+HOT_SECTIONS = ("backends", "model_groups", "model_fallbacks", "policy", "auth", "admin",
+                "debug", "migration")
 
 
 def switch_policy(rt: Runtime, name: str, params: dict[str, Any], policy: Policy) -> None:

@@ -548,3 +548,28 @@ def test_json_access_log_of_laneway_serve(vllm_fleet: Any, tmp_path: Path) -> No
     assert chat["prompt_tokens"] == answer.parse().usage.prompt_tokens
     assert missing.status_code == 404
     assert [e["status"] for e in access if e["path"] == "/v1/completions"] == [404]
+
+
+def test_a_model_with_no_live_backend_falls_back(vllm_fleet: Any) -> None:
+    """`model_fallbacks`: requests for a model whose only backend is down are served by
+    the fallback model's real vLLM, whole and streamed, through the OpenAI SDK."""
+    config = fleet_config(vllm_fleet, model_fallbacks={"retired": [LARGE]})
+    config["backends"].append({"name": "retired-0", "url": "http://127.0.0.1:9",
+                               "model": "retired"})
+    with running_proxy(config) as proxy:
+        sdk = client(proxy.url)
+        whole = sdk.chat.completions.with_raw_response.create(
+            model="retired", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        chunks = list(sdk.chat.completions.create(
+            model="retired", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            stream=True))
+        metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    large = {b.name for b in vllm_fleet if b.model == LARGE}
+    assert whole.headers["x-laneway-backend"] in large
+    answer = whole.parse()
+    assert answer.model == LARGE and answer.usage is not None
+    assert answer.usage.completion_tokens == 4
+    assert {c.model for c in chunks} == {LARGE}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert 'laneway_fallbacks_total{fallback="tiny-llama-large",model="retired"} 2.0' \
+        in metrics
