@@ -46,6 +46,7 @@ class Registry:
         self.stats: Mapping[str, BackendStats] = MappingProxyType({})
         self._draining: set[str] = set()
         self._extra: dict[str, frozenset[str]] = {}  # backend -> names besides its model
+        self._served: frozenset[str] = frozenset()  # models and groups a backend serves
         self._healthy_by_model: dict[str, tuple[Backend, ...]] = {}
         self._membership_changed = False  # since the last `update`
         for backend in backends:
@@ -129,9 +130,7 @@ class Registry:
     def serves(self, model: str) -> bool:
         """Whether any configured backend (healthy or not) serves `model`, or a member
         of the group `model`."""
-        models = set(self._groups.get(model, (model,)))
-        return any(b.model in models or not models.isdisjoint(self._extra.get(b.name, ()))
-                   for b in self._backends.values())
+        return model in self._served
 
     def names_for(self, model: str) -> tuple[str, ...]:
         """`model` and the groups that list it: the names a request for it may use."""
@@ -208,6 +207,10 @@ class Registry:
                                   .values())
             scraped[group] = list({b.name: b for m in members for b in scraped.get(m, ())}
                                   .values())
+        served = {m for b in self._backends.values()
+                  for m in (b.model, *self._extra.get(b.name, ()))}
+        self._served = frozenset(served | {g for g, members in self._groups.items()
+                                           if not served.isdisjoint(members)})
         panicking = {k for k, bs in healthy.items() if self._panic and not bs and scraped.get(k)}
         for key in sorted((panicking ^ self.panicking) & healthy.keys()):
             if key in panicking:
