@@ -85,7 +85,8 @@ class Registry:
         return True
 
     def served_by(self, name: str) -> frozenset[str]:
-        """Every model name backend `name` serves (its configured one first known)."""
+        """Every model name backend `name` serves: its configured model and the names its
+        `/v1/models` listed."""
         backend = self._backends[name]
         return self._extra.get(name, frozenset()) | {backend.model}
 
