@@ -22,6 +22,7 @@ import yaml
 
 from bench.ports import free_port
 
+REPO = Path(__file__).resolve().parents[1]
 
 class MissingService(RuntimeError):
     """The server's binary is not installed."""
@@ -59,12 +60,17 @@ def _redis_ping(port: int) -> bool:
         return sock.recv(16).startswith(b"+PONG")
 
 
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"  # the deployment's rules
+
+
 def prometheus_config(targets: dict[str, list[str]], interval_s: float = 1.0
                       ) -> dict[str, Any]:
-    """Scrape config: job name -> host:port targets, all at `interval_s`."""
+    """Scrape config: job name -> host:port targets, all at `interval_s`, with the
+    deployment's alerting rules."""
     interval = f"{round(interval_s * 1000)}ms"  # Prometheus durations are integers
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [str(ALERTS)],
         "scrape_configs": [
             {"job_name": job, "static_configs": [{"targets": hosts}]}
             for job, hosts in targets.items()

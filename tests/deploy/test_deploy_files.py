@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import yaml
 
@@ -198,3 +199,42 @@ def test_hadolint_finds_nothing() -> None:
     result = subprocess.run([hadolint, "--no-color", str(REPO / "Dockerfile")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_alerting_rules_are_valid_and_fire_on_their_unit_tests() -> None:
+    rules = REPO / "deploy/prometheus/alerts.yml"
+    checked = subprocess.run(["promtool", "check", "rules", str(rules)],
+                             capture_output=True, text=True)
+    tested = subprocess.run(["promtool", "test", "rules",
+                             str(REPO / "deploy/prometheus/alerts_test.yml")],
+                            capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    assert prometheus["rule_files"] == ["alerts.yml"]
+    mounts = dict(bind_mounts(compose("docker-compose.yml")["services"]["prometheus"]))
+    assert mounts["./deploy/prometheus/alerts.yml"] == "/etc/prometheus/alerts.yml"
+
+
+async def test_every_metric_an_alert_reads_exists() -> None:
+    """Each series name in alerts.yml is one the proxy or a (fake) vLLM exports, so a
+    renamed metric cannot leave an alert silently reading nothing."""
+    from bench.fake_vllm import FakeConfig
+    from tests.proxy.fakes import fleet
+
+    rules = yaml.safe_load((REPO / "deploy/prometheus/alerts.yml").read_text())
+    exprs = [r["expr"] for group in rules["groups"] for r in group["rules"]]
+    def family(name: str) -> str:
+        return re.sub(r"_(total|bucket|sum|count)$", "", name)
+
+    read = {family(name) for expr in exprs
+            for name in re.findall(r"\b(?:laneway_|vllm:)[a-z_:]+", expr)}
+    async with fleet(FakeConfig()) as (proxy, fakes):
+        async with httpx.AsyncClient() as http:
+            pages = [(await http.get(f"{url}/metrics")).text
+                     for url in (proxy.url, fakes[0].url)]
+    exported = {family(line.split()[2]) for page in pages for line in page.splitlines()
+                if line.startswith("# TYPE ")}
+    assert sorted(read - exported) == []
+    assert len(read) >= 10

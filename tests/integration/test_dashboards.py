@@ -2,6 +2,7 @@
 replicas and real vLLM-CPU backends, after traffic that exercises each panel: SLOs met
 and missed, forced migrations, a backend that always fails (retries, 502s), bad input,
 length predictions against the real answers, a pass-through request (`/tokenize`).
+The deployment's alerting rules (deploy/prometheus/alerts.yml) load and evaluate there.
 
 LANEWAY_DASHBOARD_PNG=path also renders the overview dashboard there (README image).
 """
@@ -76,8 +77,18 @@ def test_every_panel_query_returns_data(vllm_fleet: list[Running], tmp_path: Pat
             time.sleep(2.5)  # the last wave scraped
             empty = empty_panels(stack.prometheus)
             peak = peaks(stack.prometheus, started, time.time())
+            rules = http.get(f"{stack.prometheus}/api/v1/rules").json()["data"]["groups"]
+            alerts = http.get(f"{stack.prometheus}/api/v1/alerts").json()["data"]["alerts"]
             png = Path(os.environ.get("LANEWAY_DASHBOARD_PNG") or tmp_path / "overview.png")
             render(stack.prometheus, png, minutes=1.5)
+    # The deployment's alerting rules load and evaluate on the real metrics; the
+    # always-failing backend's 502s and the missed SLOs make two of them pending.
+    evaluated = [r for g in rules for r in g["rules"]]
+    assert len(evaluated) >= 12 and {r["health"] for r in evaluated} == {"ok"}
+    active = {a["labels"]["alertname"]: a["state"] for a in alerts}
+    assert active.get("LanewayErrorRate") in ("pending", "firing")
+    assert active.get("LanewaySloAttainmentLow") in ("pending", "firing")
+    assert "LanewayModelUnavailable" not in active
     assert [f"{q.panel} [{q.ref}]" for q in empty] == []
     assert [f"{q.panel} [{q.ref}]" for q, v in peak.items() if v is None] == []
     # Rates and quantiles saw something happen, not just series that exist: every
