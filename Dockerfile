@@ -38,7 +38,7 @@ ENV PATH=/opt/laneway/bin:$PATH PYTHONUNBUFFERED=1 LANEWAY_SERVER__HOST=0.0.0.0
 USER 10001:10001
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:8000/metrics', timeout=2); sys.exit(0)"]
+    CMD ["python", "-c", "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:8000/livez', timeout=2); sys.exit(0)"]
 ENTRYPOINT ["laneway", "serve"]
 CMD ["--config", "/etc/laneway/laneway.yaml"]
 

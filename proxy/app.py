@@ -63,6 +63,12 @@ async def _models(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> No
     await send_json(send, 200, {"object": "list", "data": data})
 
 
+async def _livez(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
+    """The process serves (a liveness probe): 200 whatever the backends' health, which
+    `/health` reports (a readiness probe)."""
+    await send_json(send, 200, {"status": "ok"})
+
+
 async def _health(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
     backends: dict[str, Any] = {}
     for backend in rt.registry.all():
@@ -100,6 +106,7 @@ ROUTES: dict[str, tuple[str, Handler]] = {
     "/v1/messages": ("POST", _messages),
     "/v1/models": ("GET", _models),
     "/health": ("GET", _health),
+    "/livez": ("GET", _livez),
     "/metrics": ("GET", _metrics),
     **{path: ("POST", handle_passthrough) for path in PASSTHROUGH_PATHS},
 }

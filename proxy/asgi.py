@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping, Sequence
 from typing import Any
 
 import orjson
@@ -50,6 +50,15 @@ async def send_bytes(
 ) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def with_headers(send: Send, headers: Sequence[tuple[bytes, bytes]]) -> Send:
+    """`send` that adds `headers` to the response's start."""
+    async def adding(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), *headers]
+        await send(message)
+    return adding
 
 
 async def send_json(

@@ -51,6 +51,8 @@ class Grant:
     window: int
     prompt_estimate: int
     charged_tokens: int
+    # x-ratelimit-{limit,remaining}-{requests,tokens} after this charge (OpenAI's names)
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
 class Auth:
@@ -115,7 +117,19 @@ class Auth:
         window = window_of(now)
         self.limiter.charge(f"{key.name}:requests", 1, window)
         self.limiter.charge(f"{key.name}:tokens", tokens, window)
-        return Grant(key, window, prompt, tokens)
+        return Grant(key, window, prompt, tokens, self._limit_headers(key, now))
+
+    def _limit_headers(self, key: ApiKey, now: float) -> tuple[tuple[bytes, bytes], ...]:
+        """The key's limits and what is left of them in the sliding minute (tokens as
+        charged up front), as OpenAI names them; none for a key without limits."""
+        headers: list[tuple[bytes, bytes]] = []
+        for name, limit in (("requests", key.requests_per_minute),
+                            ("tokens", key.tokens_per_minute)):
+            if limit is not None:
+                left = max(0, math.floor(limit - self.limiter.used(f"{key.name}:{name}", now)))
+                headers += [(f"x-ratelimit-limit-{name}".encode(), str(limit).encode()),
+                            (f"x-ratelimit-remaining-{name}".encode(), str(left).encode())]
+        return tuple(headers)
 
     def settle(self, grant: Grant | None, outcome: Outcome | None) -> None:
         """Replace the up-front token charge by the tokens really used."""

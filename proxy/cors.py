@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxy.asgi import Message, Scope, Send
+from proxy.asgi import Scope, Send, with_headers
 
 _METHODS = b"GET, POST, PUT, DELETE, OPTIONS"
-_EXPOSE = b"x-laneway-backend, x-request-id, retry-after"
+_EXPOSE = (b"x-laneway-backend, x-request-id, retry-after, x-ratelimit-limit-requests, "
+           b"x-ratelimit-remaining-requests, x-ratelimit-limit-tokens, "
+           b"x-ratelimit-remaining-tokens")
 _DEFAULT_HEADERS = b"authorization, content-type, x-api-key"
 _MAX_AGE = b"600"
 
@@ -43,11 +45,6 @@ class Cors:
     @staticmethod
     def answering(send: Send, origin: bytes) -> Send:
         """`send` that adds the CORS headers to the response's start."""
-        async def with_cors(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()),
-                                      (b"access-control-allow-origin", origin),
-                                      (b"access-control-expose-headers", _EXPOSE),
-                                      (b"vary", b"Origin")]
-            await send(message)
-        return with_cors
+        return with_headers(send, ((b"access-control-allow-origin", origin),
+                                   (b"access-control-expose-headers", _EXPOSE),
+                                   (b"vary", b"Origin")))

@@ -21,7 +21,16 @@ from typing import Any
 import orjson
 
 from proxy.access import note
-from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, until_disconnect
+from proxy.asgi import (
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header_map,
+    read_body,
+    until_disconnect,
+    with_headers,
+)
 from proxy.auth import Grant
 from proxy.errors import InvalidRequest, ProxyError
 from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers
@@ -44,6 +53,8 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
         # No output tokens: the body bounds the input the key is charged for.
         grant = rt.auth.admit_model(headers, model, len(body), 0)
         note(scope, key=grant and grant.key.name)
+        if grant is not None and grant.headers:
+            send = with_headers(send, grant.headers)
         rt.require_served(model, grant)
     except ClientGone:
         return

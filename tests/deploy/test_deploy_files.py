@@ -238,3 +238,15 @@ async def test_every_metric_an_alert_reads_exists() -> None:
                 if line.startswith("# TYPE ")}
     assert sorted(read - exported) == []
     assert len(read) >= 10
+
+
+def test_the_proxys_healthchecks_probe_liveness() -> None:
+    """Compose and the image probe `/livez`, which answers while every backend is down
+    (a restart would not bring a backend back); `/health` is the readiness probe."""
+    from proxy.app import ROUTES
+
+    probes = [" ".join(compose("docker-compose.yml")["x-laneway"]["healthcheck"]["test"]),
+              (REPO / "Dockerfile").read_text().split("HEALTHCHECK", 1)[1].split("\n\n")[0]]
+    paths = [re.search(r"127\.0\.0\.1:8000(/\w+)", probe) for probe in probes]
+    assert [p.group(1) if p else None for p in paths] == ["/livez", "/livez"]
+    assert ROUTES["/livez"][0] == "GET"

@@ -573,3 +573,32 @@ def test_a_model_with_no_live_backend_falls_back(vllm_fleet: Any) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert 'laneway_fallbacks_total{fallback="tiny-llama-large",model="retired"} 2.0' \
         in metrics
+
+
+def test_client_keys_limits_and_rate_limit_headers(vllm_fleet: Any) -> None:
+    """`auth` in front of real vLLM, through the OpenAI SDK: a key's answers carry its
+    limits and what is left (x-ratelimit-*), the request over the limit is a 429 with
+    Retry-After, a wrong key a 401, a model outside the key's list a 403."""
+    from proxy.auth import hash_key
+
+    config = fleet_config(vllm_fleet, auth={"enabled": True, "keys": [
+        {"name": "team", "sha256": hash_key("sk-team"), "models": [SMALL],
+         "requests_per_minute": 3, "tokens_per_minute": 5000}]})
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with running_proxy(config) as proxy:
+        sdk = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-team", max_retries=0,
+                            timeout=60)
+        answers = [sdk.chat.completions.with_raw_response.create(model=SMALL, **ask)
+                   for _ in range(3)]
+        with pytest.raises(openai.RateLimitError) as limited:
+            sdk.chat.completions.create(model=SMALL, **ask)
+        with pytest.raises(openai.PermissionDeniedError):
+            sdk.chat.completions.create(model=LARGE, **ask)
+        with pytest.raises(openai.AuthenticationError):
+            client(proxy.url).chat.completions.create(model=SMALL, **ask)  # "unused"
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["2", "1", "0"]
+    assert {a.headers["x-ratelimit-limit-requests"] for a in answers} == {"3"}
+    tokens_left = [int(a.headers["x-ratelimit-remaining-tokens"]) for a in answers]
+    assert 5000 > tokens_left[0] > tokens_left[1] > tokens_left[2]
+    assert int(limited.value.response.headers["retry-after"]) >= 1
+    assert limited.value.response.json()["error"]["type"] == "requests"

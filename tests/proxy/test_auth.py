@@ -133,3 +133,24 @@ def test_store_keys_are_accepted_and_bad_ones_skipped() -> None:
                        WindowCounters())
         for _ in range(2):
             limited.admit(bearer("sk-alice"), _ctx("hi", 1))
+
+
+async def test_answers_carry_the_keys_limits_and_whats_left() -> None:
+    """OpenAI's x-ratelimit-* headers, so that clients can pace themselves."""
+    async with fleet(FakeConfig(), auth=keys(requests_per_minute=5,
+                                             tokens_per_minute=1000)) as (proxy, _):
+        first = await post(proxy, {**CHAT, "max_tokens": 10}, headers=bearer("sk-alice"))
+        streamed = await post(proxy, {**CHAT, "max_tokens": 10, "stream": True},
+                              headers=bearer("sk-alice"))
+        embedded = await post(proxy, {"model": "fake", "input": "x"}, "/v1/embeddings",
+                              headers=bearer("sk-alice"))
+        unlimited = await post(proxy, {**CHAT, "model": "other"}, headers=bearer("sk-bob"))
+    assert first.status_code == streamed.status_code == embedded.status_code == 200
+    assert [r.headers["x-ratelimit-limit-requests"] for r in (first, streamed)] == ["5", "5"]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in (first, streamed, embedded)
+            ] == ["4", "3", "2"]
+    assert first.headers["x-ratelimit-limit-tokens"] == "1000"
+    left = [int(r.headers["x-ratelimit-remaining-tokens"]) for r in (first, streamed)]
+    assert 1000 - 12 <= left[0] < 1000 and left[1] < left[0]  # charged prompt + max_tokens
+    assert unlimited.status_code == 404  # bob's model is not served; no limits, no headers
+    assert "x-ratelimit-limit-requests" not in unlimited.headers

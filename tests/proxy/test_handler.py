@@ -176,6 +176,15 @@ async def test_models_and_no_healthy_backend() -> None:
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
 
 
+async def test_livez_answers_while_health_says_no_backend_is_up() -> None:
+    ghost = {"name": "ghost", "url": "http://127.0.0.1:9", "model": "ghost-model"}
+    settings = Settings(server={"port": 0}, backends=[ghost])  # type: ignore[arg-type, list-item]
+    async with serve_in_loop(settings) as proxy, httpx.AsyncClient(base_url=proxy.url) as http:
+        health, live = await http.get("/health"), await http.get("/livez")
+    assert health.status_code == 503  # readiness: no backend to route to
+    assert live.status_code == 200 and live.json() == {"status": "ok"}  # liveness
+
+
 # The hop decides per connection; a GET of /v1/models would open a connection it
 # passes through, which the relay's pool then reuses for the POST.
 NO_DISCOVERY = {"models_interval_s": 0}
