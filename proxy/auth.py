@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,17 @@ class Grant:
     charged_tokens: int
     # x-ratelimit-{limit,remaining}-{requests,tokens} after this charge (OpenAI's names)
     headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def anthropic_limit_headers(headers: Iterable[tuple[bytes, bytes]]
+                            ) -> tuple[tuple[bytes, bytes], ...]:
+    """`Grant.headers` under the names the Anthropic API uses
+    (`anthropic-ratelimit-requests-remaining`, …), for `/v1/messages` clients."""
+    renamed = []
+    for name, value in headers:
+        _, _, kind, unit = name.decode().split("-")  # x-ratelimit-<kind>-<unit>
+        renamed.append((f"anthropic-ratelimit-{unit}-{kind}".encode(), value))
+    return tuple(renamed)
 
 
 class Auth:

@@ -22,7 +22,7 @@ import orjson
 from predictors.base import Prediction
 from proxy.access import note
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, with_headers
-from proxy.auth import Grant
+from proxy.auth import Grant, anthropic_limit_headers
 from proxy.errors import ProxyError, RequestDropped, mid_stream_failure
 from proxy.kv_transfer import handle_of, without_handle
 from proxy.legs import Leg
@@ -69,7 +69,8 @@ async def handle_completion(
         grant = rt.auth.admit(headers, ctx)  # 401/403/429; charges the request's limits
         note(scope, key=grant and grant.key.name)
         if grant is not None and grant.headers:
-            send = with_headers(send, grant.headers)
+            send = with_headers(send, anthropic_limit_headers(grant.headers)
+                                if endpoint == "messages" else grant.headers)
         rt.require_served(ctx.model, grant)
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
     except ClientGone:

@@ -154,3 +154,14 @@ async def test_answers_carry_the_keys_limits_and_whats_left() -> None:
     assert 1000 - 12 <= left[0] < 1000 and left[1] < left[0]  # charged prompt + max_tokens
     assert unlimited.status_code == 404  # bob's model is not served; no limits, no headers
     assert "x-ratelimit-limit-requests" not in unlimited.headers
+
+
+async def test_anthropic_clients_get_anthropics_header_names() -> None:
+    async with fleet(FakeConfig(), auth=keys(requests_per_minute=5)) as (proxy, _):
+        answer = await post(proxy, {"model": "fake", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"}]}, "/v1/messages",
+            headers={"x-api-key": "sk-alice"})
+    assert answer.status_code == 200
+    assert answer.headers["anthropic-ratelimit-requests-limit"] == "5"
+    assert answer.headers["anthropic-ratelimit-requests-remaining"] == "4"
+    assert "x-ratelimit-limit-requests" not in answer.headers
