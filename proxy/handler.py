@@ -185,10 +185,8 @@ class Exchange:
         stream = ctx.stream or self.tracking is not None
         kv_handle = handle_of(pred)  # ELDR PD with kv_transfer: where the prompt's KV is
         requested = ctx.model
-        for model in (requested, *rt.settings.model_fallbacks.get(requested, ())):
+        for model in (requested, *rt.fallbacks(requested)):
             if model != requested:
-                if not rt.registry.view(model, time.monotonic()).candidates:
-                    continue
                 ctx = self.ctx = self._fall_back(requested, model, failures)
                 kv_handle, self.home = None, None
             if await self._attempts(ctx, pred, body, stream, kv_handle, failures):
@@ -199,10 +197,7 @@ class Exchange:
     def _fall_back(self, requested: str, model: str, failures: list[UpstreamFailure]
                    ) -> RequestContext:
         """The request for `requested`, now for its fallback `model` (`model_fallbacks`)."""
-        why = "; ".join(f"{f.backend.name}: {f.kind}" for f in failures) or "none healthy"
-        log.warning("request %s: no backend of %s answered (%s); falling back to %s",
-                    self.ctx.request_id, self.ctx.model, why, model)
-        self.rt.metrics.fallbacks.labels(requested, model).inc()
+        self.rt.falling_back(self.ctx.request_id, requested, self.ctx.model, model, failures)
         self.fallback_from = requested
         return dataclasses.replace(self.ctx, model=model)
 

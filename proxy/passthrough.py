@@ -110,27 +110,33 @@ class _Call:
                 self.rt.metrics.observe_passthrough(self.path, self.model, outcome)
 
     async def _open(self) -> Opened:
-        """The first backend's full response; on failure the next backend's."""
+        """The first backend's full response; on failure the next backend's, then those
+        of the model's fallbacks (`model_fallbacks`)."""
         rt = self.rt
-        tried: list[str] = []
         failures: list[UpstreamFailure] = []
-        for _ in range(rt.settings.upstream.max_attempts):
-            view = rt.registry.view(self.model, time.monotonic(), exclude=tried)
-            if not view.candidates:
-                break
-            backend, _load = rt.least_inflight.pick(view)
-            tried.append(backend.name)
-            self.backend_name = backend.name
-            model = rt.registry.model_on(backend, self.model)
-            body = self.body if model == self.model else orjson.dumps(
-                orjson.loads(self.body) | {"model": model})  # a group's member
-            with rt.registry.guard(backend.name):
-                try:
-                    return await rt.upstream.open(backend, self.path, body, self.headers,
-                                                  stream=False)
-                except UpstreamFailure as failure:
-                    failures.append(failure)
-                    rt.upstream_failed(failure, self.model)
+        previous = self.model
+        for target in (self.model, *rt.fallbacks(self.model)):
+            if target != self.model:
+                rt.falling_back(self.request_id, self.model, previous, target, failures)
+                previous = target
+            tried: list[str] = []
+            for _ in range(rt.settings.upstream.max_attempts):
+                view = rt.registry.view(target, time.monotonic(), exclude=tried)
+                if not view.candidates:
+                    break
+                backend, _load = rt.least_inflight.pick(view)
+                tried.append(backend.name)
+                self.backend_name = backend.name
+                model = rt.registry.model_on(backend, target)
+                body = self.body if model == self.model else orjson.dumps(
+                    orjson.loads(self.body) | {"model": model})  # a group's member, a fallback
+                with rt.registry.guard(backend.name):
+                    try:
+                        return await rt.upstream.open(backend, self.path, body, self.headers,
+                                                      stream=False)
+                    except UpstreamFailure as failure:
+                        failures.append(failure)
+                        rt.upstream_failed(failure, target)
         raise exhausted(self.model, failures, rt.settings.server.retry_after_s)
 
     async def _respond(self, opened: Opened) -> None:

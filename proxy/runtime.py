@@ -163,6 +163,22 @@ class Runtime:
             self.metrics.slo.labels(ctx.model, self.router.policy_name,
                                     "true" if met else "false").inc()
 
+    def fallbacks(self, model: str) -> list[str]:
+        """The models a request for `model` may fall back to (`model_fallbacks`) that have
+        a routable backend now, in order."""
+        now = time.monotonic()
+        return [m for m in self.settings.model_fallbacks.get(model, ())
+                if self.registry.view(m, now).candidates]
+
+    def falling_back(self, request_id: str, requested: str, previous: str, model: str,
+                     failures: list[UpstreamFailure]) -> None:
+        """Log and count a request for `requested` going to its fallback `model` after no
+        backend of `previous` answered."""
+        why = "; ".join(f"{f.backend.name}: {f.kind}" for f in failures) or "none healthy"
+        log.warning("request %s: no backend of %s answered (%s); falling back to %s",
+                    request_id, previous, why, model)
+        self.metrics.fallbacks.labels(requested, model).inc()
+
     def require_served(self, model: str, grant: Grant | None) -> None:
         """Raise `ModelNotFound` (refunding `grant`) unless a backend serves `model`."""
         if not self.registry.serves(model):

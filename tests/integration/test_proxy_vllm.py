@@ -339,11 +339,14 @@ def test_embeddings_and_tokenize_route_by_model(vllm_fleet: Any) -> None:
                         extra_args=("--runner", "pooling", "--convert", "embed"))],
                   timeout_s=240)
     try:
-        config = fleet_config(vllm_fleet)
-        config["backends"].append({"name": "embed", "url": embed[0].url,
-                                   "model": "tiny-embed"})
+        config = fleet_config(vllm_fleet, model_fallbacks={"old-embed": ["tiny-embed"]})
+        config["backends"] += [{"name": "embed", "url": embed[0].url, "model": "tiny-embed"},
+                               {"name": "old", "url": "http://127.0.0.1:9",  # down
+                                "model": "old-embed"}]
         with running_proxy(config) as proxy:
             texts = ["Say hi", "A longer sentence to embed."]
+            fell_back = httpx.post(f"{proxy.url}/v1/embeddings", timeout=60,
+                                   json={"model": "old-embed", "input": texts})
             raw = client(proxy.url).embeddings.with_raw_response.create(
                 model="tiny-embed", input=texts)
             direct = httpx.post(f"{embed[0].url}/v1/embeddings", timeout=60,
@@ -367,6 +370,12 @@ def test_embeddings_and_tokenize_route_by_model(vllm_fleet: Any) -> None:
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
     assert 'laneway_passthrough_requests_total{backend="embed",endpoint="/v1/embeddings",' \
         'model="tiny-embed",status="200"} 1.0' in metrics
+    # `model_fallbacks` on a pass-through route: the dead model's request is embedded
+    # by the fallback's server, under the fallback's name
+    assert fell_back.status_code == 200 and fell_back.headers["x-laneway-backend"] == "embed"
+    assert fell_back.json()["model"] == "tiny-embed"
+    for got, want in zip(fell_back.json()["data"], direct["data"], strict=True):
+        assert got["embedding"] == pytest.approx(want["embedding"], abs=1e-6)
 
 
 def test_responses_api_streams_and_follows_stored_responses(vllm_fleet: Any) -> None:

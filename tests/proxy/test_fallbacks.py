@@ -69,3 +69,12 @@ async def test_without_fallbacks_every_failure_is_the_clients_error() -> None:
 def test_fallback_lists_name_other_models_once(fallbacks: dict[str, list[str]]) -> None:
     with pytest.raises((ConfigError, ValueError), match="model_fallbacks"):
         Settings(model_fallbacks=fallbacks)
+
+
+async def test_pass_through_routes_fall_back_too() -> None:
+    async with fleet(FakeConfig(model="big", fail_status=503), FakeConfig(model="small"),
+                     model_fallbacks={"big": ["small"]}) as (proxy, fakes):
+        embedded = await post(proxy, {"model": "big", "input": "x"}, "/v1/embeddings")
+    assert embedded.status_code == 200 and embedded.headers["x-laneway-backend"] == "f1"
+    assert embedded.json()["model"] == "small"
+    assert fakes[1].app.stats.bodies[-1]["model"] == "small"
