@@ -21,8 +21,8 @@ import orjson
 
 from predictors.base import Prediction
 from proxy.access import note
-from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body, with_headers
-from proxy.auth import Grant, anthropic_limit_headers
+from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
+from proxy.auth import Grant
 from proxy.errors import ProxyError, RequestDropped, mid_stream_failure
 from proxy.kv_transfer import handle_of, without_handle
 from proxy.legs import Leg
@@ -65,13 +65,8 @@ async def handle_completion(
             session_header=server.session_header,
             block_chars=server.prefix_block_chars,
         )
-        note(scope, model=ctx.model)
-        grant = rt.auth.admit(headers, ctx)  # 401/403/429; charges the request's limits
-        note(scope, key=grant and grant.key.name)
-        if grant is not None and grant.headers:
-            send = with_headers(send, anthropic_limit_headers(grant.headers)
-                                if endpoint == "messages" else grant.headers)
-        rt.require_served(ctx.model, grant)
+        grant, send = rt.admit(scope, send, ctx.model, lambda: rt.auth.admit(headers, ctx),
+                               anthropic=endpoint == "messages")
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
     except ClientGone:
         return
@@ -185,7 +180,7 @@ class Exchange:
         stream = ctx.stream or self.tracking is not None
         kv_handle = handle_of(pred)  # ELDR PD with kv_transfer: where the prompt's KV is
         requested = ctx.model
-        for model in (requested, *rt.fallbacks(requested)):
+        for model in rt.models_to_try(requested):
             if model != requested:
                 ctx = self.ctx = self._fall_back(requested, model, failures)
                 kv_handle, self.home = None, None
@@ -308,16 +303,11 @@ class Exchange:
             completion_tokens=0))
 
     async def _respond(self, opened: Opened) -> None:
-        headers = [
-            (b"content-type", opened.content_type),
-            (b"x-laneway-backend", opened.backend.name.encode()),
-            (b"x-request-id", self.ctx.request_id.encode()),
-        ]
+        headers = opened.answer_headers(self.ctx.request_id)
         self.tally = tally = StreamTally(
             time.monotonic(), opened.head,
             _ENDS.get(self.ctx.endpoint))
         if opened.complete:
-            headers.append((b"content-length", str(len(opened.head)).encode()))
             await self.send({"type": "http.response.start", "status": opened.status,
                              "headers": headers})
             self.finished = True

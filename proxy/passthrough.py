@@ -20,7 +20,6 @@ from typing import Any
 
 import orjson
 
-from proxy.access import note
 from proxy.asgi import (
     ClientGone,
     Receive,
@@ -29,7 +28,6 @@ from proxy.asgi import (
     header_map,
     read_body,
     until_disconnect,
-    with_headers,
 )
 from proxy.auth import Grant
 from proxy.errors import InvalidRequest, ProxyError
@@ -49,13 +47,10 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     try:
         body = await read_body(headers, receive, rt.settings.server.max_body_bytes)
         model = _model_of(parse_body(body), path)
-        note(scope, model=model)
         # No output tokens: the body bounds the input the key is charged for.
-        grant = rt.auth.admit_model(headers, model, len(body), 0)
-        note(scope, key=grant and grant.key.name)
-        if grant is not None and grant.headers:
-            send = with_headers(send, grant.headers)
-        rt.require_served(model, grant)
+        grant, send = rt.admit(scope, send, model,
+                               lambda: rt.auth.admit_model(headers, model, len(body), 0),
+                               anthropic=path.startswith("/v1/messages"))
     except ClientGone:
         return
     except ProxyError as err:
@@ -115,7 +110,7 @@ class _Call:
         rt = self.rt
         failures: list[UpstreamFailure] = []
         previous = self.model
-        for target in (self.model, *rt.fallbacks(self.model)):
+        for target in rt.models_to_try(self.model):
             if target != self.model:
                 rt.falling_back(self.request_id, self.model, previous, target, failures)
                 previous = target
@@ -142,12 +137,7 @@ class _Call:
     async def _respond(self, opened: Opened) -> None:
         try:
             await self.send({"type": "http.response.start", "status": opened.status,
-                             "headers": [
-                                 (b"content-type", opened.content_type),
-                                 (b"content-length", str(len(opened.head)).encode()),
-                                 (b"x-laneway-backend", opened.backend.name.encode()),
-                                 (b"x-request-id", self.request_id.encode()),
-                             ]})
+                             "headers": opened.answer_headers(self.request_id)})
             await self.send({"type": "http.response.body", "body": opened.head})
         finally:
             opened.close()

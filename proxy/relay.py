@@ -69,6 +69,16 @@ class Opened:
     def content_type(self) -> bytes:
         return self.response.headers.get("content-type", "application/json").encode()
 
+    def answer_headers(self, request_id: str) -> list[tuple[bytes, bytes]]:
+        """The headers of the client's answer relaying this one: its content type (and
+        length, for a whole answer), which backend answered, and the request's id."""
+        headers = [(b"content-type", self.content_type),
+                   (b"x-laneway-backend", self.backend.name.encode()),
+                   (b"x-request-id", request_id.encode())]
+        if self.complete:
+            headers.append((b"content-length", str(len(self.head)).encode()))
+        return headers
+
     async def next_chunk(self) -> bytes:
         """The next body bytes as they arrive; b"" at the end of the body."""
         if self.complete:

@@ -35,6 +35,7 @@ from proxy.errors import (
     mid_stream_failure,
 )
 from proxy.relay import Opened, StallWatch, UpstreamFailure, exhausted, forward_headers
+from proxy.requests import request_id
 from proxy.stream import RESPONSES_END, StreamTally
 from proxy.types import Backend
 
@@ -164,19 +165,16 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
     except ProxyError as err:
         await rt.refuse(send, err)
         return
-    await until_disconnect(receive, _relay(rt, opened, send), lambda: None)
+    await until_disconnect(receive, _relay(rt, opened, send, request_id(headers)),
+                           lambda: None)
 
 
-async def _relay(rt: Runtime, opened: Opened, send: Send) -> None:
+async def _relay(rt: Runtime, opened: Opened, send: Send, request_id: str) -> None:
     """The backend's answer, whole or as it streams (a silence longer than
     `upstream.read_timeout_s` or a broken stream ends it with an error event)."""
-    headers = [(b"content-type", opened.content_type),
-               (b"x-laneway-backend", opened.backend.name.encode())]
-    if opened.complete:
-        headers.append((b"content-length", str(len(opened.head)).encode()))
     try:
         await send({"type": "http.response.start", "status": opened.status,
-                    "headers": headers})
+                    "headers": opened.answer_headers(request_id)})
         await send({"type": "http.response.body", "body": opened.head,
                     "more_body": not opened.complete})
         if opened.complete:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from types import MappingProxyType
 
 import aiohttp
@@ -14,8 +15,9 @@ from pydantic import SecretStr
 from policies._load import LeastInflight
 from policies.base import Policy, build_policy
 from predictors.base import Prediction, load_length_predictor
-from proxy.asgi import Send, send_error
-from proxy.auth import Auth, Grant
+from proxy.access import note
+from proxy.asgi import Scope, Send, send_error, with_headers
+from proxy.auth import Auth, Grant, anthropic_limit_headers
 from proxy.config import Settings
 from proxy.discovery import ModelDiscovery
 from proxy.errors import ModelNotFound, ProxyError
@@ -163,12 +165,14 @@ class Runtime:
             self.metrics.slo.labels(ctx.model, self.router.policy_name,
                                     "true" if met else "false").inc()
 
-    def fallbacks(self, model: str) -> list[str]:
-        """The models a request for `model` may fall back to (`model_fallbacks`) that have
-        a routable backend now, in order."""
-        now = time.monotonic()
-        return [m for m in self.settings.model_fallbacks.get(model, ())
-                if self.registry.view(m, now).candidates]
+    def models_to_try(self, model: str) -> Iterator[str]:
+        """`model`, then the models a request for it may fall back to (`model_fallbacks`),
+        in order; each fallback only if it has a routable backend when its turn comes
+        (checked lazily: most requests never get past `model`)."""
+        yield model
+        for fallback in self.settings.model_fallbacks.get(model, ()):
+            if self.registry.view(fallback, time.monotonic()).candidates:
+                yield fallback
 
     def falling_back(self, request_id: str, requested: str, previous: str, model: str,
                      failures: list[UpstreamFailure]) -> None:
@@ -178,6 +182,22 @@ class Runtime:
         log.warning("request %s: no backend of %s answered (%s); falling back to %s",
                     request_id, previous, why, model)
         self.metrics.fallbacks.labels(requested, model).inc()
+
+    def admit(self, scope: Scope, send: Send, model: str,
+              charge: Callable[[], Grant | None], anthropic: bool = False
+              ) -> tuple[Grant | None, Send]:
+        """Admit a request for `model`: `charge` checks the client's key and charges its
+        limits (raising 401/403/429), then a backend must serve `model` (404 refunds the
+        charge). Returns the grant and `send` adding its rate-limit headers (under the
+        Anthropic API's names for a `/v1/messages` client); the access log notes both."""
+        note(scope, model=model)
+        grant = charge()
+        note(scope, key=grant and grant.key.name)
+        if grant is not None and grant.headers:
+            send = with_headers(send, anthropic_limit_headers(grant.headers)
+                                if anthropic else grant.headers)
+        self.require_served(model, grant)
+        return grant, send
 
     def require_served(self, model: str, grant: Grant | None) -> None:
         """Raise `ModelNotFound` (refunding `grant`) unless a backend serves `model`."""
