@@ -81,6 +81,12 @@ class UpstreamConfig(_Section):
     first_byte_timeout_s: float = Field(300.0, gt=0, description="until headers + 1st chunk")
     read_timeout_s: float = Field(60.0, gt=0, description="max gap between stream chunks")
     max_attempts: int = Field(3, ge=1, description="backends tried before the first byte")
+    retry_window_s: float = Field(
+        0.0, ge=0, description="a request none of whose backends answered (none routable, "
+        "or each of its `max_attempts` failed; fallbacks included) waits and tries them "
+        "all again, with backoff from 0.1 s to 1 s, until this long after it arrived, "
+        "instead of getting 503/502/504 at once: it rides out a backend restart or a "
+        "drain of the only backend. 0: answer at once")
     pool_size: int = Field(0, ge=0, description="max open connections; 0 = unlimited")
     keepalive_s: float = Field(
         4.0, gt=0, description="idle upstream connections are dropped after this; keep it "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Mapping
@@ -180,14 +181,21 @@ class Exchange:
         stream = ctx.stream or self.tracking is not None
         kv_handle = handle_of(pred)  # ELDR PD with kv_transfer: where the prompt's KV is
         requested = ctx.model
-        for model in rt.models_to_try(requested):
-            if model != requested:
-                ctx = self.ctx = self._fall_back(requested, model, failures)
-                kv_handle, self.home = None, None
-            if await self._attempts(ctx, pred, body, stream, kv_handle, failures):
-                return
-            kv_handle = None  # the prefill leg's KV is on the first model's backends
-        raise exhausted(requested, failures, rt.settings.server.retry_after_s)
+        for rounds in itertools.count():
+            for model in rt.models_to_try(requested):
+                if model != ctx.model:
+                    ctx = self.ctx = self._fall_back(requested, model, failures)
+                    kv_handle, self.home = None, None
+                if await self._attempts(ctx, pred, body, stream, kv_handle, failures):
+                    return
+                kv_handle = None  # the prefill leg's KV is on the first model's backends
+            pause = rt.retry_pause(requested, ctx.arrived_at, rounds, failures)
+            if pause is None:
+                raise exhausted(requested, failures, rt.settings.server.retry_after_s)
+            await asyncio.sleep(pause)
+            failures.clear()
+            ctx = self.ctx = dataclasses.replace(ctx, model=requested)
+            self.fallback_from = None
 
     def _fall_back(self, requested: str, model: str, failures: list[UpstreamFailure]
                    ) -> RequestContext:

@@ -107,6 +107,9 @@ class Metrics:
             "laneway_fallbacks", "Requests sent to a fallback model (model_fallbacks) "
             "because no backend of the requested one answered", ["model", "fallback"],
             registry=r)
+        self.retry_waits = Counter(
+            "laneway_retry_waits", "Waits of requests none of whose backends answered, "
+            "before trying them again (upstream.retry_window_s)", ["model"], registry=r)
         self.response_homes = Counter(
             "laneway_response_home_lookups", "Stored-response ids looked up (a "
             "previous_response_id, GET or cancel), by how the backend holding it was "

@@ -109,30 +109,46 @@ class _Call:
         of the model's fallbacks (`model_fallbacks`)."""
         rt = self.rt
         failures: list[UpstreamFailure] = []
-        previous = self.model
-        for target in rt.models_to_try(self.model):
-            if target != self.model:
-                rt.falling_back(self.request_id, self.model, previous, target, failures)
-                previous = target
-            tried: list[str] = []
-            for _ in range(rt.settings.upstream.max_attempts):
-                view = rt.registry.view(target, time.monotonic(), exclude=tried)
-                if not view.candidates:
-                    break
-                backend, _load = rt.least_inflight.pick(view)
-                tried.append(backend.name)
-                self.backend_name = backend.name
-                model = rt.registry.model_on(backend, target)
-                body = self.body if model == self.model else orjson.dumps(
-                    orjson.loads(self.body) | {"model": model})  # a group's member, a fallback
-                with rt.registry.guard(backend.name):
-                    try:
-                        return await rt.upstream.open(backend, self.path, body, self.headers,
-                                                      stream=False)
-                    except UpstreamFailure as failure:
-                        failures.append(failure)
-                        rt.upstream_failed(failure, target)
-        raise exhausted(self.model, failures, rt.settings.server.retry_after_s)
+        rounds = 0
+        while True:
+            previous = self.model
+            for target in rt.models_to_try(self.model):
+                if target != previous:
+                    rt.falling_back(self.request_id, self.model, previous, target, failures)
+                    previous = target
+                if (opened := await self._attempts(target, failures)) is not None:
+                    return opened
+            pause = rt.retry_pause(self.model, self.started, rounds, failures)
+            if pause is None:
+                raise exhausted(self.model, failures, rt.settings.server.retry_after_s)
+            await asyncio.sleep(pause)
+            failures.clear()
+            rounds += 1
+
+    async def _attempts(self, target: str, failures: list[UpstreamFailure]
+                        ) -> Opened | None:
+        """Up to `upstream.max_attempts` backends of `target`: the first answer, or None
+        when none answered (`failures` says why)."""
+        rt = self.rt
+        tried: list[str] = []
+        for _ in range(rt.settings.upstream.max_attempts):
+            view = rt.registry.view(target, time.monotonic(), exclude=tried)
+            if not view.candidates:
+                break
+            backend, _load = rt.least_inflight.pick(view)
+            tried.append(backend.name)
+            self.backend_name = backend.name
+            model = rt.registry.model_on(backend, target)
+            body = self.body if model == self.model else orjson.dumps(
+                orjson.loads(self.body) | {"model": model})  # a group's member, a fallback
+            with rt.registry.guard(backend.name):
+                try:
+                    return await rt.upstream.open(backend, self.path, body, self.headers,
+                                                  stream=False)
+                except UpstreamFailure as failure:
+                    failures.append(failure)
+                    rt.upstream_failed(failure, target)
+        return None
 
     async def _respond(self, opened: Opened) -> None:
         try:

@@ -34,6 +34,8 @@ from proxy.state.replicator import Replicator
 from proxy.types import Backend, Outcome, RequestContext
 
 log = logging.getLogger("laneway")
+# upstream.retry_window_s: the first wait, doubled each round up to the last.
+_RETRY_PAUSE_S, _RETRY_PAUSE_MAX_S = 0.1, 1.0
 
 
 def backends_from(settings: Settings) -> list[Backend]:
@@ -173,6 +175,21 @@ class Runtime:
         for fallback in self.settings.model_fallbacks.get(model, ()):
             if self.registry.view(fallback, time.monotonic()).candidates:
                 yield fallback
+
+    def retry_pause(self, model: str, arrived_at: float, rounds: int,
+                    failures: list[UpstreamFailure]) -> float | None:
+        """Seconds a request for `model` that arrived at `arrived_at` waits before trying
+        its backends again, after `rounds` rounds in which none answered; None once
+        `upstream.retry_window_s` is spent (the request then gets its 503/502/504)."""
+        left = arrived_at + self.settings.upstream.retry_window_s - time.monotonic()
+        if left <= 0:
+            return None
+        pause = min(left, _RETRY_PAUSE_S * 2.0 ** min(rounds, 10), _RETRY_PAUSE_MAX_S)
+        why = "; ".join(f"{f.backend.name}: {f.kind}" for f in failures[-3:]) or "none routable"
+        log.info("no backend of %s answered (%s); trying again in %.2f s (%.1f s of the retry "
+                 "window left)", model, why, pause, left)
+        self.metrics.retry_waits.labels(model).inc()
+        return pause
 
     def falling_back(self, request_id: str, requested: str, previous: str, model: str,
                      failures: list[UpstreamFailure]) -> None:

@@ -611,3 +611,26 @@ def test_client_keys_limits_and_rate_limit_headers(vllm_fleet: Any) -> None:
     assert 5000 > tokens_left[0] > tokens_left[1] > tokens_left[2]
     assert int(limited.value.response.headers["retry-after"]) >= 1
     assert limited.value.response.json()["error"]["type"] == "requests"
+
+
+def test_requests_wait_out_a_drain_of_every_backend(vllm_fleet: Any) -> None:
+    """`upstream.retry_window_s`: while an operator drains every backend of a model,
+    requests wait instead of getting 503, and real vLLM serves them once one is back."""
+    small = sorted(small_backends(vllm_fleet))
+    config = fleet_config(vllm_fleet, upstream={"retry_window_s": 30})
+    with running_proxy(config) as proxy, httpx.Client(base_url=proxy.url, timeout=60) as http:
+        for name in small:
+            assert http.post(f"/admin/backends/{name}/drain").status_code == 200
+        answers: list[Any] = []
+        waiting = threading.Thread(target=lambda: answers.append(
+            client(proxy.url).chat.completions.with_raw_response.create(
+                model=SMALL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)))
+        waiting.start()
+        time.sleep(1.5)
+        assert waiting.is_alive()  # waiting, not refused
+        assert http.post(f"/admin/backends/{small[0]}/undrain").status_code == 200
+        waiting.join(60)
+        metrics = http.get("/metrics").text
+    assert answers and answers[0].headers["x-laneway-backend"] == small[0]
+    assert answers[0].parse().usage.completion_tokens == 4
+    assert re.search(r'laneway_retry_waits_total\{model="tiny-llama"\} [1-9]', metrics)
