@@ -148,6 +148,24 @@ class MigrationConfig(_Section):
                                        "source's TPOT is not known yet")
 
 
+class FlowControlConfig(_Section):
+    """Requests wait in the proxy while every backend of their model is full, and leave
+    by priority, fairly across keys (README, Flow control)."""
+
+    max_inflight_per_backend: int = Field(
+        0, ge=0, description="a backend with this many open requests (every replica's) "
+        "takes no more: new ones wait in the proxy for room, and the policy picks when "
+        "they leave, among the backends with room. 0: off (every request is sent at once)")
+    queue_timeout_s: float = Field(30.0, gt=0, description="a request waiting longer "
+                                   "gets 503 `overloaded` with Retry-After")
+    max_queued: int = Field(10_000, ge=1, description="requests waiting at most; one "
+                            "more gets 503 `overloaded` at once (load shedding)")
+    priority_header: bool = Field(True, description="with `auth` off, a request's "
+                                  "`x-laneway-priority: <int>` header sets its priority "
+                                  "(higher leaves first); with `auth` on the key's "
+                                  "`priority` does and the header is ignored")
+
+
 class AdminConfig(_Section):
     enabled: bool = Field(True, description="serve /admin/... (drain, undrain)")
     token: str | None = Field(None, description="if set, /admin needs `Authorization: "
@@ -164,6 +182,9 @@ class ApiKeyConfig(_Section):
     requests_per_minute: int | None = Field(None, gt=0, description="null: unlimited")
     tokens_per_minute: int | None = Field(None, gt=0, description="prompt + completion "
                                           "tokens; null: unlimited")
+    priority: int = Field(0, description="flow control: while backends are full, this "
+                          "key's requests leave the proxy's queue before those of keys "
+                          "with a lower priority")
 
 
 class AuthConfig(_Section):
@@ -245,6 +266,7 @@ class Settings(BaseSettings):
     poller: PollerConfig = PollerConfig()
     migration: MigrationConfig = MigrationConfig()
     admin: AdminConfig = AdminConfig()
+    flow_control: FlowControlConfig = FlowControlConfig()
     predictors: PredictorsConfig = PredictorsConfig()
     auth: AuthConfig = AuthConfig()
     state: StateConfig = StateConfig()

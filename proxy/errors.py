@@ -101,6 +101,12 @@ class NoHealthyBackend(ProxyError):
         return [(b"retry-after", str(self.retry_after_s).encode())]
 
 
+class Overloaded(NoHealthyBackend):
+    """Flow control shed the request: its queue was full, or it waited too long."""
+
+    code = "overloaded"
+
+
 class RequestDropped(ProxyError):
     """The routing policy dropped the request (e.g. qos_drl: no expert can serve it
     without breaking the latency requirement of others)."""

@@ -25,6 +25,7 @@ from proxy.access import note
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
 from proxy.auth import Grant
 from proxy.errors import ProxyError, RequestDropped, mid_stream_failure
+from proxy.flow import ANYONE, Place
 from proxy.kv_transfer import handle_of, without_handle
 from proxy.legs import Leg
 from proxy.migration import (
@@ -69,6 +70,7 @@ async def handle_completion(
         grant, send = rt.admit(scope, send, ctx.model, lambda: rt.auth.admit(headers, ctx),
                                anthropic=endpoint == "messages")
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
+        place = rt.queue_place(grant, headers)
     except ClientGone:
         return
     except ProxyError as err:
@@ -79,7 +81,7 @@ async def handle_completion(
     home = await _previous_home(rt, ctx, data, upstream_headers)
     exchange = Exchange(rt, ctx, body, data, upstream_headers, send,
                         tracking=tracking, forced_after=forced, grant=grant,
-                        announce=headers.get(EVENTS_HEADER) == "1", home=home)
+                        announce=headers.get(EVENTS_HEADER) == "1", home=home, place=place)
     await exchange.run(receive)
     note(scope, fallback_from=exchange.fallback_from, model=exchange.ctx.model)
     if (outcome := exchange.outcome) is not None:
@@ -130,7 +132,7 @@ class Exchange:
         self, rt: Runtime, ctx: RequestContext, body: bytes, data: dict[str, Any],
         headers: dict[str, str], send: Send, *, tracking: Tracking | None = None,
         forced_after: int | None = None, announce: bool = False, grant: Grant | None = None,
-        home: str | None = None,
+        home: str | None = None, place: Place = ANYONE,
     ) -> None:
         self.rt, self.ctx, self.body, self.data, self.headers, self.send = (
             rt, ctx, body, data, headers, send)
@@ -145,6 +147,7 @@ class Exchange:
         self.outcome: Outcome | None = None  # the final leg's, for `rt.finished`
         self.predicted_tokens: float | None = None  # the length predictor's, at arrival
         self.fallback_from: str | None = None  # the requested model, once it fell back
+        self.place = place  # its place in flow control's queue
 
     async def run(self, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -212,7 +215,7 @@ class Exchange:
         rt = self.rt
         tried: list[str] = []
         for _ in range(rt.settings.upstream.max_attempts):
-            view = rt.registry.view(ctx.model, time.monotonic(), exclude=tried)
+            view = await rt.flow.view(ctx.model, tried, self.place)  # may wait for room
             if not view.candidates:
                 break
             if self.home is not None and not tried:

@@ -35,7 +35,8 @@ def _add(args: argparse.Namespace) -> int:
     key = f"sk-lw-{secrets.token_urlsafe(32)}"
     entry: dict[str, Any] = {"name": args.name,
                              "models": [m for m in (args.models or "").split(",") if m],
-                             "requests_per_minute": args.rpm, "tokens_per_minute": args.tpm}
+                             "requests_per_minute": args.rpm, "tokens_per_minute": args.tpm,
+                             "priority": args.priority}
 
     async def store() -> None:
         client = aioredis.Redis.from_url(args.redis_url)
@@ -63,4 +64,6 @@ def add_cli(subparsers: Any) -> None:
     add.add_argument("--models", help="comma-separated; default: every model")
     add.add_argument("--rpm", type=int, help="requests per minute")
     add.add_argument("--tpm", type=int, help="tokens per minute")
+    add.add_argument("--priority", type=int, default=0,
+                     help="flow control: higher leaves the queue first (default 0)")
     add.set_defaults(func=_add)

@@ -107,6 +107,16 @@ class Metrics:
             "laneway_fallbacks", "Requests sent to a fallback model (model_fallbacks) "
             "because no backend of the requested one answered", ["model", "fallback"],
             registry=r)
+        self.flow_queued = Gauge(
+            "laneway_flow_queued_requests", "Requests waiting in the proxy for a backend "
+            "with room (flow_control)", registry=r)
+        self.flow_wait = Histogram(
+            "laneway_flow_wait_seconds", "Time requests waited for a backend with room "
+            "(flow_control), by priority", ["model", "priority"], buckets=_LATENCY_BUCKETS,
+            registry=r)
+        self.flow_rejected = Counter(
+            "laneway_flow_rejected", "Requests flow control answered 503 overloaded",
+            ["model", "reason"], registry=r)
         self.retry_waits = Counter(
             "laneway_retry_waits", "Waits of requests none of whose backends answered, "
             "before trying them again (upstream.retry_window_s)", ["model"], registry=r)

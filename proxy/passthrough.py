@@ -31,6 +31,7 @@ from proxy.asgi import (
 )
 from proxy.auth import Grant
 from proxy.errors import InvalidRequest, ProxyError
+from proxy.flow import Place
 from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers
 from proxy.requests import parse_body, request_id
 from proxy.runtime import Runtime
@@ -51,13 +52,15 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
         grant, send = rt.admit(scope, send, model,
                                lambda: rt.auth.admit_model(headers, model, len(body), 0),
                                anthropic=path.startswith("/v1/messages"))
+        place = rt.queue_place(grant, headers)
     except ClientGone:
         return
     except ProxyError as err:
         await rt.refuse(send, err, anthropic=path.startswith("/v1/messages"))
         return
     upstream_headers = forward_headers(scope["headers"], not rt.auth.cfg.enabled)
-    call = _Call(rt, path, model, body, upstream_headers, send, grant, request_id(headers))
+    call = _Call(rt, path, model, body, upstream_headers, send, grant, request_id(headers),
+                 place)
     await until_disconnect(receive, call.run(), call.left)
 
 
@@ -73,10 +76,11 @@ class _Call:
     """One pass-through request, from the first pick to the response (or its error)."""
 
     def __init__(self, rt: Runtime, path: str, model: str, body: bytes,
-                 headers: dict[str, str], send: Send, grant: Grant | None, rid: str) -> None:
+                 headers: dict[str, str], send: Send, grant: Grant | None, rid: str,
+                 place: Place) -> None:
         self.rt, self.path, self.model, self.body, self.headers, self.send = (
             rt, path, model, body, headers, send)
-        self.grant = grant
+        self.grant, self.place = grant, place
         self.request_id = rid
         self.started = time.monotonic()
         self.client_gone = False
@@ -132,7 +136,7 @@ class _Call:
         rt = self.rt
         tried: list[str] = []
         for _ in range(rt.settings.upstream.max_attempts):
-            view = rt.registry.view(target, time.monotonic(), exclude=tried)
+            view = await rt.flow.view(target, tried, self.place)  # may wait for room
             if not view.candidates:
                 break
             backend, _load = rt.least_inflight.pick(view)

@@ -2,7 +2,8 @@
 
 Sections that take effect at once on reload: backends (added, removed after their
 tracked streams were asked to move, or replaced when url/model/labels/api_key changed),
-model groups and fallbacks, policy (name or params), auth, admin, debug, migration.
+model groups and fallbacks, policy (name or params), auth, admin, debug, migration,
+flow control.
 Others (server, upstream, poller, state, predictors) are logged as needing a restart and
 keep their old values.
 
@@ -27,7 +28,7 @@ from proxy.types import Backend
 
 log = logging.getLogger("laneway.admin")
 HOT_SECTIONS = ("backends", "model_groups", "model_fallbacks", "policy", "auth", "admin",
-                "debug", "migration")
+                "debug", "migration", "flow_control")
 
 
 def switch_policy(rt: Runtime, name: str, params: dict[str, Any], policy: Policy) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
 
@@ -49,6 +49,7 @@ class Registry:
         self._served: frozenset[str] = frozenset()  # models and groups a backend serves
         self._healthy_by_model: dict[str, tuple[Backend, ...]] = {}
         self._membership_changed = False  # since the last `update`
+        self.on_release: Callable[[str], None] | None = None  # a request left a backend
         for backend in backends:
             self.add(backend)
         self.set_groups(groups or {})
@@ -183,6 +184,8 @@ class Registry:
         finally:
             self._local[name] -= 1
             self._inflight[name] -= 1
+            if self.on_release is not None:
+                self.on_release(name)
 
     def set_remote_inflight(self, counts: Mapping[str, int]) -> None:
         """Other replicas' open requests per backend (from the shared state)."""

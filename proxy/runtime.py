@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
 import aiohttp
@@ -20,7 +20,8 @@ from proxy.asgi import Scope, Send, send_error, with_headers
 from proxy.auth import Auth, Grant, anthropic_limit_headers
 from proxy.config import Settings
 from proxy.discovery import ModelDiscovery
-from proxy.errors import ModelNotFound, ProxyError
+from proxy.errors import InvalidRequest, ModelNotFound, ProxyError
+from proxy.flow import ANYONE, FlowControl, Place
 from proxy.metrics import Metrics
 from proxy.migration import ActiveStreams
 from proxy.poller import Poller
@@ -36,6 +37,7 @@ from proxy.types import Backend, Outcome, RequestContext
 log = logging.getLogger("laneway")
 # upstream.retry_window_s: the first wait, doubled each round up to the last.
 _RETRY_PAUSE_S, _RETRY_PAUSE_MAX_S = 0.1, 1.0
+PRIORITY_HEADER = "x-laneway-priority"
 
 
 def backends_from(settings: Settings) -> list[Backend]:
@@ -85,6 +87,7 @@ class Runtime:
         self.upstream = Upstream(self._relay_session, settings.upstream)
         self.streams = ActiveStreams()
         self.poller = Poller(self.registry, settings.poller)
+        self.flow = FlowControl(lambda: self.settings, self.registry, self.metrics)
         self.discovery = ModelDiscovery(self.registry, self.upstream,
                                         settings.poller.models_interval_s,
                                         settings.poller.timeout_s)
@@ -215,6 +218,21 @@ class Runtime:
                                 if anthropic else grant.headers)
         self.require_served(model, grant)
         return grant, send
+
+    def queue_place(self, grant: Grant | None, headers: Mapping[str, str]) -> Place:
+        """Where a request waits when flow control holds it: its priority (the key's;
+        with `auth` off, its `x-laneway-priority` header if allowed) and its tenant
+        (the key's name), whose requests share the tenant's turn in round-robin."""
+        if grant is not None:
+            return Place(grant.key.priority, grant.key.name)
+        raw = headers.get(PRIORITY_HEADER)
+        if raw is None or not self.settings.flow_control.priority_header:
+            return ANYONE
+        try:
+            return Place(int(raw))
+        except ValueError:
+            raise InvalidRequest(f"{PRIORITY_HEADER} must be an integer, not {raw[:40]!r}."
+                                 ) from None
 
     def require_served(self, model: str, grant: Grant | None) -> None:
         """Raise `ModelNotFound` (refunding `grant`) unless a backend serves `model`."""

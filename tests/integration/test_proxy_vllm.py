@@ -634,3 +634,38 @@ def test_requests_wait_out_a_drain_of_every_backend(vllm_fleet: Any) -> None:
     assert answers and answers[0].headers["x-laneway-backend"] == small[0]
     assert answers[0].parse().usage.completion_tokens == 4
     assert re.search(r'laneway_retry_waits_total\{model="tiny-llama"\} [1-9]', metrics)
+
+
+def test_flow_control_holds_requests_and_serves_priority_first(vllm_fleet: Any) -> None:
+    """`flow_control` in front of a real vLLM: with room for one request, the others
+    wait in the proxy (vLLM never holds two), and one sent last with a higher priority
+    is served before those that waited longer."""
+    config = fleet_config(vllm_fleet, flow_control={"max_inflight_per_backend": 1})
+    large = next(b for b in vllm_fleet if b.model == LARGE)
+    finished: list[str] = []
+    peak = [0.0]
+
+    def ask(name: str, tokens: int, priority: int = 0) -> None:
+        client(proxy.url).completions.create(
+            model=LARGE, prompt=f"{name} says", max_tokens=tokens,
+            extra_body={"ignore_eos": True},
+            extra_headers={"x-laneway-priority": str(priority)})
+        finished.append(name)
+
+    with running_proxy(config) as proxy:
+        threads = [threading.Thread(target=ask, args=("busy", 150))]
+        threads += [threading.Thread(target=ask, args=(f"low{i}", 20)) for i in range(3)]
+        threads.append(threading.Thread(target=ask, args=("high", 20, 5)))
+        for thread in threads:
+            thread.start()
+            time.sleep(0.1)
+        while any(t.is_alive() for t in threads):
+            peak[0] = max(peak[0], running_on(large.url)
+                          + parse_samples(httpx.get(f"{large.url}/metrics", timeout=5).text)
+                          .get("vllm:num_requests_waiting", 0.0))
+            time.sleep(0.02)
+        metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    assert finished == ["busy", "high", "low0", "low1", "low2"]
+    assert peak[0] == 1
+    assert 'laneway_flow_wait_seconds_count{model="tiny-llama-large",priority="5"} 1.0' \
+        in metrics

@@ -1,0 +1,209 @@
+"""Flow control: requests wait in the proxy while every backend of their model is full.
+
+With `flow_control.max_inflight_per_backend` set, a backend holding that many open
+requests (every replica's, as the policies see them) takes no new one. A request for a
+model whose every routable backend is full waits here, and the waiting requests leave
+as backends free up: higher priority first (a key's `priority`), fairly across keys
+within a priority (round-robin over the keys, first come first served within a key).
+
+The policy still picks the backend, when the request leaves and only among those with
+room: late binding, so a request goes to the backend that freed first instead of
+queueing inside one vLLM behind others. A queue longer than `max_queued` or a wait
+longer than `queue_timeout_s` is answered 503 `overloaded` with Retry-After, so an
+overload sheds load with a clear error instead of timing out.
+
+Moves of running streams (migration) are never held: their request was admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from proxy.config import FlowControlConfig, Settings
+from proxy.errors import Overloaded
+from proxy.metrics import Metrics
+from proxy.registry import Registry
+from proxy.types import Backend, ClusterView
+
+log = logging.getLogger("laneway")
+_TICK_S = 0.05  # while requests wait: look for room this often (drains, health, replicas)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Place:
+    """Where a held request queues: higher `priority` leaves first; within a priority
+    the `tenant`s (API keys) take turns."""
+
+    priority: int = 0
+    tenant: str = ""
+
+
+ANYONE = Place()  # no key, no priority header
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    model: str
+    priority: int
+    tenant: str
+    exclude: tuple[str, ...]
+    seq: int
+    future: asyncio.Future[str]  # the backend whose room it was given (reserved)
+
+
+# model -> priority -> tenant -> its waiting requests, oldest first. The tenants'
+# order is the round-robin: the tenant served goes to the back.
+_Lanes = dict[str, dict[int, OrderedDict[str, deque[_Waiter]]]]
+
+
+class FlowControl:
+    def __init__(self, settings: Callable[[], Settings], registry: Registry,
+                 metrics: Metrics) -> None:
+        """`settings`: the proxy's settings now (flow_control reloads at once)."""
+        self._settings, self._registry, self._metrics = settings, registry, metrics
+        self._lanes: _Lanes = {}
+        self._queued = 0
+        self._reserved: dict[str, int] = {}  # room given to woken requests not yet there
+        self._seq = itertools.count()
+        self._tick: asyncio.TimerHandle | None = None
+        registry.on_release = self._released
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    async def view(self, model: str, exclude: list[str], place: Place = ANYONE
+                   ) -> ClusterView:
+        """The routable backends of `model` (not in `exclude`) that have room, waiting
+        for room if every one is full; all of them when flow control is off. An empty
+        view when none is routable (the caller's retry window or 503 decides)."""
+        view = self._registry.view(model, time.monotonic(), exclude)
+        cfg = self._settings().flow_control
+        if cfg.max_inflight_per_backend == 0 or not view.candidates:
+            return view
+        if model not in self._lanes and (room := self._room(view)):
+            return dataclasses.replace(view, candidates=room)
+        deadline = time.monotonic() + cfg.queue_timeout_s
+        started = time.monotonic()
+        while True:
+            backend = await self._wait(model, tuple(exclude), place, deadline, cfg)
+            self._unreserve(backend)
+            view = self._registry.view(model, time.monotonic(), exclude)
+            if room := self._room(view):
+                self._metrics.flow_wait.labels(model, str(place.priority)).observe(
+                    time.monotonic() - started)
+                return dataclasses.replace(view, candidates=room)
+            if not view.candidates:
+                return view
+            # The room went (a replica took it, the backend left): wait again.
+
+    async def _wait(self, model: str, exclude: tuple[str, ...], place: Place,
+                    deadline: float, cfg: FlowControlConfig) -> str:
+        if self._queued >= cfg.max_queued:
+            self._metrics.flow_rejected.labels(model, "queue_full").inc()
+            raise Overloaded(f"{self._queued} requests are waiting for a backend "
+                             "(flow_control.max_queued); try again later.",
+                             retry_after_s=self._settings().server.retry_after_s)
+        waiter = _Waiter(model, place.priority, place.tenant, exclude, next(self._seq),
+                         asyncio.get_running_loop().create_future())
+        self._enqueue(waiter)
+        taken = False
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                backend = await asyncio.shield(waiter.future)
+            taken = True
+            return backend
+        except TimeoutError:
+            if waiter.future.done():  # room came as the time ran out: take it
+                taken = True
+                return waiter.future.result()
+            self._metrics.flow_rejected.labels(model, "timeout").inc()
+            raise Overloaded(
+                f"Every backend of `{model}` stayed full for {cfg.queue_timeout_s:g} s "
+                "(flow_control.queue_timeout_s); try again later.",
+                retry_after_s=self._settings().server.retry_after_s) from None
+        finally:
+            if not waiter.future.done():
+                self._dequeue(waiter)
+                waiter.future.cancel()
+            elif not taken:  # left (the client went away) as room was given: pass it on
+                self._unreserve(waiter.future.result())
+                self._pump()
+
+    def _room(self, view: ClusterView) -> tuple[Backend, ...]:
+        limit = self._settings().flow_control.max_inflight_per_backend
+        inflight, reserved = self._registry.inflight, self._reserved
+        return tuple(b for b in view.candidates
+                     if inflight.get(b.name, 0) + reserved.get(b.name, 0) < limit)
+
+    def _enqueue(self, waiter: _Waiter) -> None:
+        lanes = self._lanes.setdefault(waiter.model, {})
+        lanes.setdefault(waiter.priority, OrderedDict()).setdefault(
+            waiter.tenant, deque()).append(waiter)
+        self._queued += 1
+        self._metrics.flow_queued.set(self._queued)
+        self._arm()
+
+    def _dequeue(self, waiter: _Waiter) -> None:
+        lanes = self._lanes[waiter.model]
+        tenants = lanes[waiter.priority]
+        fifo = tenants[waiter.tenant]
+        fifo.remove(waiter)
+        if not fifo:
+            del tenants[waiter.tenant]
+            if not tenants:
+                del lanes[waiter.priority]
+                if not lanes:
+                    del self._lanes[waiter.model]
+        self._queued -= 1
+        self._metrics.flow_queued.set(self._queued)
+
+    def _released(self, _name: str) -> None:
+        if self._queued:
+            self._pump()
+
+    def _pump(self) -> None:
+        """Give room to waiting requests, best first, while there is room."""
+        now = time.monotonic()
+        while self._queued:
+            best: _Waiter | None = None
+            best_room: tuple[Backend, ...] = ()
+            for model, lanes in self._lanes.items():
+                priority = max(lanes)
+                head = next(iter(lanes[priority].values()))[0]
+                if best is not None and (priority, -head.seq) <= (best.priority, -best.seq):
+                    continue
+                if room := self._room(self._registry.view(model, now, head.exclude)):
+                    best, best_room = head, room
+            if best is None:
+                return
+            tenants = self._lanes[best.model][best.priority]
+            tenants.move_to_end(best.tenant)  # round-robin over the tenants
+            self._dequeue(best)
+            backend = min(best_room, key=lambda b: self._registry.inflight.get(b.name, 0))
+            self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
+            best.future.set_result(backend.name)
+
+    def _unreserve(self, name: str) -> None:
+        left = self._reserved.get(name, 0) - 1
+        if left > 0:
+            self._reserved[name] = left
+        else:
+            self._reserved.pop(name, None)
+
+    def _arm(self) -> None:
+        if self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(_TICK_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        if self._queued:
+            self._pump()
+            if self._queued:
+                self._arm()

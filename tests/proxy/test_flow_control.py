@@ -1,0 +1,140 @@
+"""Flow control (`flow_control`): requests wait in the proxy while every backend of
+their model is full, and leave by priority, the keys taking turns within a priority."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.fake_vllm import FakeConfig, RunningFake
+from proxy.auth import hash_key
+from tests.proxy.fakes import CHAT, fleet, post
+
+SLOW = FakeConfig(tpot_s=0.02)  # 16 tokens: ~0.3 s a request
+KEYS = {"keys": [{"name": "a", "sha256": hash_key("sk-a")},
+                 {"name": "b", "sha256": hash_key("sk-b")},
+                 {"name": "vip", "sha256": hash_key("sk-vip"), "priority": 5}],
+        "enabled": True}
+
+
+def _limit(n: int, **more: Any) -> dict[str, Any]:
+    return {"max_inflight_per_backend": n, **more}
+
+
+def _asked(fakes: list[RunningFake]) -> list[str]:
+    """The first message of each request the fakes got, in the order they got them."""
+    return [b["messages"][0]["content"] for f in fakes for b in f.app.stats.bodies]
+
+
+async def _peak(fakes: list[RunningFake], until: asyncio.Task[Any]) -> int:
+    peak = 0
+    while not until.done():
+        peak = max(peak, *(f.app.stats.running + f.app.stats.waiting for f in fakes))
+        await asyncio.sleep(0.005)
+    return peak
+
+
+def _chat(text: str, **more: Any) -> dict[str, Any]:
+    return {**CHAT, "messages": [{"role": "user", "content": text}], **more}
+
+
+async def _send_in_order(proxy: Any, requests: list[tuple[str, dict[str, str]]]
+                         ) -> list[httpx.Response]:
+    """Send each (text, headers) 20 ms after the previous one; all their answers."""
+    tasks = []
+    for text, headers in requests:
+        tasks.append(asyncio.create_task(post(proxy, _chat(text), headers=headers)))
+        await asyncio.sleep(0.02)
+    return list(await asyncio.gather(*tasks))
+
+
+async def test_a_backend_never_holds_more_than_its_limit() -> None:
+    async with fleet(SLOW, SLOW, flow_control=_limit(2)) as (proxy, fakes):
+        sent = asyncio.gather(*(post(proxy, _chat(f"r{i}", stream=i % 2 == 0))
+                                for i in range(12)))
+        task = asyncio.ensure_future(sent)
+        peak = await _peak(fakes, task)
+        answers = await task
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            metrics = (await http.get("/metrics")).text
+    assert [a.status_code for a in answers] == [200] * 12
+    assert peak == 2  # per backend: the 12 requests waited their turn in the proxy
+    assert [f.app.stats.requests for f in fakes] == [6, 6]
+    assert 'laneway_flow_wait_seconds_count{model="fake",priority="0"} 8.0' in metrics
+    assert "laneway_flow_queued_requests 0.0" in metrics
+
+
+async def test_without_a_limit_every_request_goes_at_once() -> None:
+    async with fleet(SLOW) as (proxy, fakes):
+        task = asyncio.ensure_future(asyncio.gather(*(post(proxy, _chat(f"r{i}"))
+                                                     for i in range(6))))
+        peak = await _peak(fakes, task)
+        await task
+    assert peak == 6
+
+
+async def test_higher_priority_leaves_the_queue_first() -> None:
+    async with fleet(SLOW, flow_control=_limit(1)) as (proxy, fakes):
+        answers = await _send_in_order(proxy, [
+            ("busy", {}), ("low1", {}), ("low2", {}),
+            ("high", {"x-laneway-priority": "3"}), ("low3", {"x-laneway-priority": "-1"}),
+            ("low4", {})])
+    assert {a.status_code for a in answers} == {200}
+    assert _asked(fakes) == ["busy", "high", "low1", "low2", "low4", "low3"]
+
+
+async def test_keys_take_turns_and_a_keys_priority_counts() -> None:
+    a, b, vip = ({"authorization": f"Bearer sk-{k}"} for k in ("a", "b", "vip"))
+    async with fleet(SLOW, flow_control=_limit(1), auth=KEYS) as (proxy, fakes):
+        answers = await _send_in_order(proxy, [
+            ("a0", a), ("a1", a), ("a2", a), ("a3", a), ("b1", b), ("b2", b),
+            ("vip", vip), ("p", a | {"x-laneway-priority": "9"})])  # header ignored
+    assert {r.status_code for r in answers} == {200}
+    assert _asked(fakes) == ["a0", "vip", "a1", "b1", "a2", "b2", "a3", "p"]
+
+
+async def test_a_full_queue_and_a_long_wait_are_overloaded_503s() -> None:
+    async with fleet(FakeConfig(tpot_s=0.1), flow_control=_limit(
+            1, max_queued=2, queue_timeout_s=0.5)) as (proxy, fakes):
+        answers = await _send_in_order(proxy, [(f"r{i}", {}) for i in range(4)])
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            metrics = (await http.get("/metrics")).text
+    statuses = [a.status_code for a in answers]
+    assert statuses == [200, 503, 503, 503]
+    assert {a.json()["error"]["code"] for a in answers[1:]} == {"overloaded"}
+    assert all(a.headers["retry-after"] == "1" for a in answers[1:])
+    assert _asked(fakes) == ["r0"]
+    assert 'laneway_flow_rejected_total{model="fake",reason="queue_full"} 1.0' in metrics
+    assert 'laneway_flow_rejected_total{model="fake",reason="timeout"} 2.0' in metrics
+
+
+async def test_a_client_leaving_the_queue_frees_its_place() -> None:
+    async with fleet(SLOW, flow_control=_limit(1)) as (proxy, fakes):
+        busy = asyncio.create_task(post(proxy, _chat("busy")))
+        await asyncio.sleep(0.05)
+        with pytest.raises(httpx.ReadTimeout):
+            await post(proxy, _chat("gone"), timeout=0.1)
+        after = await post(proxy, _chat("after"))
+        await busy
+    assert after.status_code == 200 and _asked(fakes) == ["busy", "after"]
+
+
+async def test_pass_through_requests_are_held_too() -> None:
+    async with fleet(SLOW, flow_control=_limit(1)) as (proxy, _):
+        busy = asyncio.create_task(post(proxy, _chat("busy")))
+        await asyncio.sleep(0.05)
+        embedded = asyncio.create_task(post(proxy, {"model": "fake", "input": "x"},
+                                            "/v1/embeddings"))
+        await asyncio.sleep(0.1)
+        assert not embedded.done()  # the only backend is full
+        assert (await busy).status_code == 200 and (await embedded).status_code == 200
+
+
+async def test_a_bad_priority_header_is_a_400() -> None:
+    async with fleet(FakeConfig(), flow_control=_limit(1)) as (proxy, _):
+        answer = await post(proxy, CHAT, headers={"x-laneway-priority": "high"})
+    assert answer.status_code == 400 and "x-laneway-priority" in answer.json()[
+        "error"]["message"]
