@@ -113,6 +113,7 @@ class FlowControl:
         waiter = _Waiter(model, place.priority, place.tenant, exclude, next(self._seq),
                          asyncio.get_running_loop().create_future())
         self._enqueue(waiter)
+        self._pump()  # there may be room that waiters ahead cannot use (their exclusions)
         taken = False
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
@@ -138,6 +139,8 @@ class FlowControl:
 
     def _room(self, view: ClusterView) -> tuple[Backend, ...]:
         limit = self._settings().flow_control.max_inflight_per_backend
+        if limit == 0:  # turned off by a reload: no backend is full
+            return view.candidates
         inflight, reserved = self._registry.inflight, self._reserved
         return tuple(b for b in view.candidates
                      if inflight.get(b.name, 0) + reserved.get(b.name, 0) < limit)

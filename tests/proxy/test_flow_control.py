@@ -11,6 +11,8 @@ import pytest
 
 from bench.fake_vllm import FakeConfig, RunningFake
 from proxy.auth import hash_key
+from proxy.config import FlowControlConfig
+from proxy.reconfigure import apply_settings
 from tests.proxy.fakes import CHAT, fleet, post
 
 SLOW = FakeConfig(tpot_s=0.02)  # 16 tokens: ~0.3 s a request
@@ -138,3 +140,18 @@ async def test_a_bad_priority_header_is_a_400() -> None:
         answer = await post(proxy, CHAT, headers={"x-laneway-priority": "high"})
     assert answer.status_code == 400 and "x-laneway-priority" in answer.json()[
         "error"]["message"]
+
+
+async def test_turning_flow_control_off_releases_the_waiting_requests() -> None:
+    async with fleet(FakeConfig(tpot_s=0.2), flow_control=_limit(1)) as (proxy, fakes):
+        busy = asyncio.create_task(post(proxy, _chat("busy")))
+        await asyncio.sleep(0.05)
+        waiting = asyncio.create_task(post(proxy, _chat("waiting")))
+        await asyncio.sleep(0.2)
+        assert _asked(fakes) == ["busy"]
+        rt = proxy.app.runtime
+        new = rt.settings.model_copy(update={"flow_control": FlowControlConfig()})
+        apply_settings(rt, new, rt.router.policy)
+        await asyncio.sleep(0.3)  # a few of flow control's ticks; busy runs ~3 s
+        assert _asked(fakes) == ["busy", "waiting"]
+        assert {(await busy).status_code, (await waiting).status_code} == {200}
