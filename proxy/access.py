@@ -28,6 +28,11 @@ NOTES = "laneway.access"  # the scope key of a request's notes, while the log is
 Http = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+def wait_ms(seconds: float) -> float | None:
+    """A wait for the log line: milliseconds, or None (left out) under one."""
+    return round(seconds * 1000, 1) if seconds >= 0.001 else None
+
+
 def note(scope: Scope, **fields: Any) -> None:
     """Add `fields` to the request's access log line (nothing when the log is off)."""
     notes = scope.get(NOTES)

@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 
 from predictors.base import Prediction
-from proxy.access import note
+from proxy.access import note, wait_ms
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
 from proxy.auth import Grant
 from proxy.errors import ProxyError, RequestDropped, mid_stream_failure
@@ -89,7 +89,7 @@ async def handle_completion(
              completion_tokens=outcome.completion_tokens,
              migrations=outcome.migrations or None, predicted_tokens=None
              if exchange.predicted_tokens is None else round(exchange.predicted_tokens))
-    note(scope, client_left=exchange.client_gone or None)
+    note(scope, client_left=exchange.client_gone or None, queued_ms=wait_ms(exchange.queued_s))
 
 
 async def _previous_home(rt: Runtime, ctx: RequestContext, data: dict[str, Any],
@@ -148,6 +148,7 @@ class Exchange:
         self.predicted_tokens: float | None = None  # the length predictor's, at arrival
         self.fallback_from: str | None = None  # the requested model, once it fell back
         self.place = place  # its place in flow control's queue
+        self.queued_s = 0.0  # time it waited there
 
     async def run(self, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -215,7 +216,9 @@ class Exchange:
         rt = self.rt
         tried: list[str] = []
         for _ in range(rt.settings.upstream.max_attempts):
+            held = time.monotonic()
             view = await rt.flow.view(ctx.model, tried, self.place)  # may wait for room
+            self.queued_s += time.monotonic() - held
             if not view.candidates:
                 break
             if self.home is not None and not tried:

@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from proxy.access import note, wait_ms
 from proxy.asgi import (
     ClientGone,
     Receive,
@@ -62,6 +63,7 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     call = _Call(rt, path, model, body, upstream_headers, send, grant, request_id(headers),
                  place)
     await until_disconnect(receive, call.run(), call.left)
+    note(scope, queued_ms=wait_ms(call.queued_s))
 
 
 def _model_of(data: dict[str, Any], path: str) -> str:
@@ -81,6 +83,7 @@ class _Call:
         self.rt, self.path, self.model, self.body, self.headers, self.send = (
             rt, path, model, body, headers, send)
         self.grant, self.place = grant, place
+        self.queued_s = 0.0  # time it waited in flow control's queue
         self.request_id = rid
         self.started = time.monotonic()
         self.client_gone = False
@@ -136,7 +139,9 @@ class _Call:
         rt = self.rt
         tried: list[str] = []
         for _ in range(rt.settings.upstream.max_attempts):
+            held = time.monotonic()
             view = await rt.flow.view(target, tried, self.place)  # may wait for room
+            self.queued_s += time.monotonic() - held
             if not view.candidates:
                 break
             backend, _load = rt.least_inflight.pick(view)

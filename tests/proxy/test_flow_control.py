@@ -4,6 +4,7 @@ their model is full, and leave by priority, the keys taking turns within a prior
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
@@ -124,8 +125,10 @@ async def test_a_client_leaving_the_queue_frees_its_place() -> None:
     assert after.status_code == 200 and _asked(fakes) == ["busy", "after"]
 
 
-async def test_pass_through_requests_are_held_too() -> None:
-    async with fleet(SLOW, flow_control=_limit(1)) as (proxy, _):
+async def test_pass_through_requests_are_held_too(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "laneway.access")
+    async with fleet(SLOW, flow_control=_limit(1), server={"access_log": True}
+                     ) as (proxy, _):
         busy = asyncio.create_task(post(proxy, _chat("busy")))
         await asyncio.sleep(0.05)
         embedded = asyncio.create_task(post(proxy, {"model": "fake", "input": "x"},
@@ -133,6 +136,9 @@ async def test_pass_through_requests_are_held_too() -> None:
         await asyncio.sleep(0.1)
         assert not embedded.done()  # the only backend is full
         assert (await busy).status_code == 200 and (await embedded).status_code == 200
+    access = {r.getMessage().split()[1]: r.fields for r in caplog.records  # type: ignore[attr-defined]
+              if r.name == "laneway.access"}
+    assert access["/v1/embeddings"]["queued_ms"] > 100
 
 
 async def test_a_bad_priority_header_is_a_400() -> None:
@@ -155,3 +161,16 @@ async def test_turning_flow_control_off_releases_the_waiting_requests() -> None:
         await asyncio.sleep(0.3)  # a few of flow control's ticks; busy runs ~3 s
         assert _asked(fakes) == ["busy", "waiting"]
         assert {(await busy).status_code, (await waiting).status_code} == {200}
+
+
+async def test_the_access_log_says_how_long_a_request_queued(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "laneway.access")
+    async with fleet(SLOW, flow_control=_limit(1), server={"access_log": True}
+                     ) as (proxy, _):
+        answers = await _send_in_order(proxy, [("busy", {}), ("queued", {})])
+    assert {a.status_code for a in answers} == {200}
+    queued = [r.fields.get("queued_ms") for r in caplog.records  # type: ignore[attr-defined]
+              if r.name == "laneway.access"]
+    assert len(queued) == 2 and queued.count(None) == 1
+    assert min(q for q in queued if q is not None) > 100  # "busy" runs ~0.3 s
