@@ -161,9 +161,9 @@ class FlowControlConfig(_Section):
     max_queued: int = Field(10_000, ge=1, description="requests waiting at most; one "
                             "more gets 503 `overloaded` at once (load shedding)")
     priority_header: bool = Field(True, description="with `auth` off, a request's "
-                                  "`x-laneway-priority: <int>` header sets its priority "
-                                  "(higher leaves first); with `auth` on the key's "
-                                  "`priority` does and the header is ignored")
+                                  "`x-laneway-priority: <int>` header (-10 to 10) sets "
+                                  "its priority (higher leaves first); with `auth` on "
+                                  "the key's `priority` does and the header is ignored")
 
 
 class AdminConfig(_Section):

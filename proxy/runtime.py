@@ -37,7 +37,7 @@ from proxy.types import Backend, Outcome, RequestContext
 log = logging.getLogger("laneway")
 # upstream.retry_window_s: the first wait, doubled each round up to the last.
 _RETRY_PAUSE_S, _RETRY_PAUSE_MAX_S = 0.1, 1.0
-PRIORITY_HEADER = "x-laneway-priority"
+PRIORITY_HEADER, MAX_HEADER_PRIORITY = "x-laneway-priority", 10
 
 
 def backends_from(settings: Settings) -> list[Backend]:
@@ -229,10 +229,15 @@ class Runtime:
         if raw is None or not self.settings.flow_control.priority_header:
             return ANYONE
         try:
-            return Place(int(raw))
+            priority = int(raw)
         except ValueError:
-            raise InvalidRequest(f"{PRIORITY_HEADER} must be an integer, not {raw[:40]!r}."
-                                 ) from None
+            priority = None
+        if priority is None or abs(priority) > MAX_HEADER_PRIORITY:
+            # bounded: the priority is a metric label, and clients choose it
+            raise InvalidRequest(f"{PRIORITY_HEADER} must be an integer from "
+                                 f"-{MAX_HEADER_PRIORITY} to {MAX_HEADER_PRIORITY}, not "
+                                 f"{raw[:40]!r}.")
+        return Place(priority)
 
     def require_served(self, model: str, grant: Grant | None) -> None:
         """Raise `ModelNotFound` (refunding `grant`) unless a backend serves `model`."""

@@ -141,9 +141,10 @@ async def test_pass_through_requests_are_held_too(caplog: pytest.LogCaptureFixtu
     assert access["/v1/embeddings"]["queued_ms"] > 100
 
 
-async def test_a_bad_priority_header_is_a_400() -> None:
+@pytest.mark.parametrize("priority", ["high", "11", "-11", "1e3"])
+async def test_a_bad_priority_header_is_a_400(priority: str) -> None:
     async with fleet(FakeConfig(), flow_control=_limit(1)) as (proxy, _):
-        answer = await post(proxy, CHAT, headers={"x-laneway-priority": "high"})
+        answer = await post(proxy, CHAT, headers={"x-laneway-priority": priority})
     assert answer.status_code == 400 and "x-laneway-priority" in answer.json()[
         "error"]["message"]
 
