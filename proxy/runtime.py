@@ -225,9 +225,9 @@ class Runtime:
         (the key's name), whose requests share the tenant's turn in round-robin."""
         if grant is not None:
             return Place(grant.key.priority, grant.key.name)
-        raw = headers.get(PRIORITY_HEADER)
-        if raw is None or not self.settings.flow_control.priority_header:
-            return ANYONE
+        raw, cfg = headers.get(PRIORITY_HEADER), self.settings.flow_control
+        if raw is None or not cfg.priority_header or cfg.max_inflight_per_backend == 0:
+            return ANYONE  # (flow control off: the header means nothing, even a bad one)
         try:
             priority = int(raw)
         except ValueError:

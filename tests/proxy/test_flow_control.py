@@ -141,6 +141,12 @@ async def test_pass_through_requests_are_held_too(caplog: pytest.LogCaptureFixtu
     assert access["/v1/embeddings"]["queued_ms"] > 100
 
 
+async def test_the_priority_header_means_nothing_without_flow_control() -> None:
+    async with fleet(FakeConfig()) as (proxy, _):
+        answer = await post(proxy, CHAT, headers={"x-laneway-priority": "high"})
+    assert answer.status_code == 200
+
+
 @pytest.mark.parametrize("priority", ["high", "11", "-11", "1e3"])
 async def test_a_bad_priority_header_is_a_400(priority: str) -> None:
     async with fleet(FakeConfig(), flow_control=_limit(1)) as (proxy, _):
