@@ -50,8 +50,7 @@ ANYONE = Place()  # no key, no priority header
 @dataclasses.dataclass(eq=False)
 class _Waiter:
     model: str
-    priority: int
-    tenant: str
+    place: Place
     exclude: tuple[str, ...]
     seq: int
     future: asyncio.Future[str]  # the backend whose room it was given (reserved)
@@ -74,10 +73,6 @@ class FlowControl:
         self._tick: asyncio.TimerHandle | None = None
         registry.on_release = self._released
 
-    @property
-    def queued(self) -> int:
-        return self._queued
-
     async def view(self, model: str, exclude: list[str], place: Place = ANYONE
                    ) -> ClusterView:
         """The routable backends of `model` (not in `exclude`) that have room, waiting
@@ -91,8 +86,9 @@ class FlowControl:
             return dataclasses.replace(view, candidates=room)
         deadline = time.monotonic() + cfg.queue_timeout_s
         started = time.monotonic()
+        seq = next(self._seq)  # its place in line, kept if it must wait again
         while True:
-            backend = await self._wait(model, tuple(exclude), place, deadline, cfg)
+            backend = await self._wait(model, tuple(exclude), place, seq, deadline, cfg)
             self._unreserve(backend)
             view = self._registry.view(model, time.monotonic(), exclude)
             if room := self._room(view):
@@ -101,16 +97,16 @@ class FlowControl:
                 return dataclasses.replace(view, candidates=room)
             if not view.candidates:
                 return view
-            # The room went (a replica took it, the backend left): wait again.
+            # The room went (a replica took it, the backend left): wait again, at the
+            # head of its key's line (it keeps its sequence number).
 
-    async def _wait(self, model: str, exclude: tuple[str, ...], place: Place,
+    async def _wait(self, model: str, exclude: tuple[str, ...], place: Place, seq: int,
                     deadline: float, cfg: FlowControlConfig) -> str:
         if self._queued >= cfg.max_queued:
-            self._metrics.flow_rejected.labels(model, "queue_full").inc()
-            raise Overloaded(f"{self._queued} requests are waiting for a backend "
-                             "(flow_control.max_queued); try again later.",
-                             retry_after_s=self._settings().server.retry_after_s)
-        waiter = _Waiter(model, place.priority, place.tenant, exclude, next(self._seq),
+            raise self._shed(model, place, "queue_full",
+                             f"{self._queued} requests are waiting for a backend "
+                             "(flow_control.max_queued); try again later.")
+        waiter = _Waiter(model, place, exclude, seq,
                          asyncio.get_running_loop().create_future())
         self._enqueue(waiter)
         self._pump()  # there may be room that waiters ahead cannot use (their exclusions)
@@ -124,11 +120,10 @@ class FlowControl:
             if waiter.future.done():  # room came as the time ran out: take it
                 taken = True
                 return waiter.future.result()
-            self._metrics.flow_rejected.labels(model, "timeout").inc()
-            raise Overloaded(
+            raise self._shed(
+                model, place, "timeout",
                 f"Every backend of `{model}` stayed full for {cfg.queue_timeout_s:g} s "
-                "(flow_control.queue_timeout_s); try again later.",
-                retry_after_s=self._settings().server.retry_after_s) from None
+                "(flow_control.queue_timeout_s); try again later.") from None
         finally:
             if not waiter.future.done():
                 self._dequeue(waiter)
@@ -136,6 +131,12 @@ class FlowControl:
             elif not taken:  # left (the client went away) as room was given: pass it on
                 self._unreserve(waiter.future.result())
                 self._pump()
+
+    def _shed(self, model: str, place: Place, reason: str, message: str) -> Overloaded:
+        self._metrics.flow_rejected.labels(model, reason).inc()
+        log.warning("flow control shed a request for %s (priority %d, %s): %s; "
+                    "%d waiting", model, place.priority, reason, message, self._queued)
+        return Overloaded(message, retry_after_s=self._settings().server.retry_after_s)
 
     def _room(self, view: ClusterView) -> tuple[Backend, ...]:
         limit = self._settings().flow_control.max_inflight_per_backend
@@ -147,21 +148,25 @@ class FlowControl:
 
     def _enqueue(self, waiter: _Waiter) -> None:
         lanes = self._lanes.setdefault(waiter.model, {})
-        lanes.setdefault(waiter.priority, OrderedDict()).setdefault(
-            waiter.tenant, deque()).append(waiter)
+        fifo = lanes.setdefault(waiter.place.priority, OrderedDict()).setdefault(
+            waiter.place.tenant, deque())
+        if not fifo or fifo[-1].seq < waiter.seq:
+            fifo.append(waiter)
+        else:  # back again after losing its room: in line by arrival
+            fifo.insert(next(i for i, w in enumerate(fifo) if w.seq > waiter.seq), waiter)
         self._queued += 1
         self._metrics.flow_queued.set(self._queued)
         self._arm()
 
     def _dequeue(self, waiter: _Waiter) -> None:
         lanes = self._lanes[waiter.model]
-        tenants = lanes[waiter.priority]
-        fifo = tenants[waiter.tenant]
+        tenants = lanes[waiter.place.priority]
+        fifo = tenants[waiter.place.tenant]
         fifo.remove(waiter)
         if not fifo:
-            del tenants[waiter.tenant]
+            del tenants[waiter.place.tenant]
             if not tenants:
-                del lanes[waiter.priority]
+                del lanes[waiter.place.priority]
                 if not lanes:
                     del self._lanes[waiter.model]
         self._queued -= 1
@@ -180,14 +185,15 @@ class FlowControl:
             for model, lanes in self._lanes.items():
                 priority = max(lanes)
                 head = next(iter(lanes[priority].values()))[0]
-                if best is not None and (priority, -head.seq) <= (best.priority, -best.seq):
+                if best is not None and (priority, -head.seq) <= (best.place.priority,
+                                                                  -best.seq):
                     continue
                 if room := self._room(self._registry.view(model, now, head.exclude)):
                     best, best_room = head, room
             if best is None:
                 return
-            tenants = self._lanes[best.model][best.priority]
-            tenants.move_to_end(best.tenant)  # round-robin over the tenants
+            tenants = self._lanes[best.model][best.place.priority]
+            tenants.move_to_end(best.place.tenant)  # round-robin over the tenants
             self._dequeue(best)
             backend = min(best_room, key=lambda b: self._registry.inflight.get(b.name, 0))
             self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1

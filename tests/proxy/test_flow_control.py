@@ -12,8 +12,12 @@ import pytest
 
 from bench.fake_vllm import FakeConfig, RunningFake
 from proxy.auth import hash_key
-from proxy.config import FlowControlConfig
+from proxy.config import FlowControlConfig, Settings
+from proxy.flow import FlowControl
+from proxy.metrics import Metrics
 from proxy.reconfigure import apply_settings
+from proxy.registry import Registry
+from proxy.types import Backend, BackendStats
 from tests.proxy.fakes import CHAT, fleet, post
 
 SLOW = FakeConfig(tpot_s=0.02)  # 16 tokens: ~0.3 s a request
@@ -99,7 +103,9 @@ async def test_keys_take_turns_and_a_keys_priority_counts() -> None:
     assert _asked(fakes) == ["a0", "vip", "a1", "b1", "a2", "b2", "a3", "p"]
 
 
-async def test_a_full_queue_and_a_long_wait_are_overloaded_503s() -> None:
+async def test_a_full_queue_and_a_long_wait_are_overloaded_503s(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "laneway")
     async with fleet(FakeConfig(tpot_s=0.1), flow_control=_limit(
             1, max_queued=2, queue_timeout_s=0.5)) as (proxy, fakes):
         answers = await _send_in_order(proxy, [(f"r{i}", {}) for i in range(4)])
@@ -112,6 +118,30 @@ async def test_a_full_queue_and_a_long_wait_are_overloaded_503s() -> None:
     assert _asked(fakes) == ["r0"]
     assert 'laneway_flow_rejected_total{model="fake",reason="queue_full"} 1.0' in metrics
     assert 'laneway_flow_rejected_total{model="fake",reason="timeout"} 2.0' in metrics
+    shed = [r.getMessage() for r in caplog.records if "flow control shed" in r.getMessage()]
+    assert len(shed) == 3  # the decision is in the log, not only in the metrics
+    assert sum("queue_full" in m and "max_queued" in m for m in shed) == 1
+    assert sum("timeout" in m and "queue_timeout_s" in m for m in shed) == 2
+
+
+async def test_a_request_whose_room_was_taken_keeps_its_place_in_line() -> None:
+    registry = Registry([Backend("b1", "http://b1", "m")])
+    registry.publish({"b1": BackendStats(healthy=True)})
+    settings = Settings(flow_control=FlowControlConfig(max_inflight_per_backend=1))
+    flow = FlowControl(lambda: settings, registry, Metrics(registry))
+    with registry.guard("b1"):
+        first = asyncio.create_task(flow.view("m", []))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(flow.view("m", []))
+        await asyncio.sleep(0.01)
+    # The release gave `first` the room; another replica fills it before `first` runs.
+    registry.set_remote_inflight({"b1": 1})
+    await asyncio.sleep(0.01)
+    assert not first.done() and not second.done()  # `first` waits again
+    registry.set_remote_inflight({})  # the room is back: the next tick hands it out
+    done, _ = await asyncio.wait({first, second}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {first}  # at the head of the line, not behind `second`
+    second.cancel()
 
 
 async def test_a_client_leaving_the_queue_frees_its_place() -> None:
