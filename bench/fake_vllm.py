@@ -41,6 +41,7 @@ from proxy.server import uvicorn_in_loop
 _JSON = [(b"content-type", b"application/json")]
 _MAX_BODY = 1 << 30
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # what vLLM's --api-key guards
+_LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,8 @@ class FakeConfig:
     die_after_tokens: int | None = None  # cut the connection after N tokens
     hang: bool = False  # never answer a completion request
     api_key: str | None = None  # vLLM's --api-key: /v1/* without `Bearer <key>` is a 401
+    lora_runtime: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): adapters are served names, no weights change
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -73,6 +76,10 @@ class FakeVllm:
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._prefix_cache = PrefixCache()
         self.responses: dict[str, dict[str, Any]] = {}  # stored Responses API answers
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded at run time: name -> path
+
+    def served(self) -> tuple[str, ...]:
+        return (*self.config.served_models, *self.adapters)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -100,7 +107,7 @@ class FakeVllm:
                 {"id": name, "object": "model", "created": self.created, "owned_by": "vllm",
                  "root": self.config.model, "parent": None,
                  "max_model_len": self.config.max_model_len}
-                for name in self.config.served_models]})
+                for name in self.served()]})
         elif path == fake_apis.PREFIX or path.startswith(fake_apis.PREFIX + "/"):
             await fake_apis.handle(self, scope, receive, send)
         elif path in (fake_apis.MESSAGES, fake_apis.MESSAGES + "/count_tokens"):
@@ -109,8 +116,35 @@ class FakeVllm:
             await self._embeddings(receive, send)
         elif path in ("/v1/chat/completions", "/v1/completions"):
             await self._completion(path == "/v1/chat/completions", scope, receive, send)
+        elif path in _LORA_ROUTES and self.config.lora_runtime:
+            await self._lora(path == _LORA_ROUTES[0], receive, send)
         else:
             await send_json(send, 404, {"detail": "Not Found"})
+
+    async def _lora(self, load: bool, receive: Receive, send: Send) -> None:
+        """vLLM's runtime LoRA routes, with its answers (OpenAIServingModels)."""
+        try:
+            body = orjson.loads(await read_body({}, receive, _MAX_BODY))
+        except ClientGone:
+            return
+        name = body.get("lora_name")
+        if load and name in self.adapters and not body.get("load_inplace"):
+            await send_json(send, 400, {"error": {
+                "message": f"The lora adapter '{name}' has already been loaded. If you "
+                           "want to load the adapter in place, set 'load_inplace' to True.",
+                "type": "InvalidUserInput", "param": None, "code": 400}})
+        elif not load and name not in self.adapters:
+            await send_json(send, 404, {"error": {
+                "message": f"The lora adapter '{name}' cannot be found.",
+                "type": "NotFoundError", "param": None, "code": 404}})
+        else:
+            if load:
+                self.adapters[name] = body["lora_path"]
+            else:
+                del self.adapters[name]
+            verb = "added" if load else "removed"
+            await send_bytes(send, 200, f"Success: LoRA adapter '{name}' {verb} "
+                             "successfully.".encode(), [])
 
     async def _completion(self, chat: bool, scope: Scope, receive: Receive, send: Send) -> None:
         if (taken := await self.take(receive, send)) is None:
@@ -162,7 +196,7 @@ class FakeVllm:
         is injected."""
         cfg, stats = self.config, self.stats
         stats.record(body)
-        if model not in cfg.served_models:
+        if model not in self.served():
             await send_json(send, 404, {"error": {
                 "message": f"The model `{model}` does not exist.", "type": "NotFoundError",
                 "param": "model", "code": 404}})

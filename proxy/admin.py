@@ -12,6 +12,11 @@ POST   /admin/backends/{name}/undrain  route to `name` again
 GET    /admin/policy                   {"name", "params"}
 PUT    /admin/policy                   switch policy and/or params: {"name", "params"?}
 POST   /admin/reload                   re-read the config file (as SIGHUP does)
+GET    /admin/lora_adapters            every adapter (served name besides the base
+                                       models) and the backends serving it
+POST   /admin/lora_adapters            load one on backends: {"lora_name", "lora_path",
+                                       "model" | "backends", "load_inplace"?, "timeout_s"?}
+DELETE /admin/lora_adapters/{name}     unload it ({"backends"?, "timeout_s"?})
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import orjson
 from pydantic import ValidationError
 
 from policies.base import PolicyLoadError, UnknownPolicyError, build_policy
+from proxy import lora_admin
 from proxy.asgi import (
     ClientGone,
     Receive,
@@ -76,8 +82,10 @@ def _route(parts: list[str], method: str, path: str) -> Action:
         key = ("backend", method)
     elif parts[0] == "backends" and len(parts) == 3 and parts[2] in ("drain", "undrain"):
         key = (parts[2], method)
-    elif len(parts) == 1 and parts[0] in ("policy", "reload"):
+    elif len(parts) == 1 and parts[0] in ("policy", "reload", "lora_adapters"):
         key = (parts[0], method)
+    elif parts[0] == "lora_adapters" and len(parts) == 2:
+        key = ("lora_adapter", method)
     else:
         raise NotFound(f"No admin route for {path}.")
     action = _ACTIONS.get(key)
@@ -196,12 +204,40 @@ async def _reload(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]
         raise InvalidRequest(str(exc)) from None
 
 
+async def _list_adapters(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    bases = {b.model for b in rt.registry.all()}
+    adapters: dict[str, list[str]] = {}
+    for backend in rt.registry.all():
+        for name in sorted(rt.registry.served_by(backend.name) - bases):
+            adapters.setdefault(name, []).append(backend.name)
+    return 200, {"data": [{"lora_name": name, "backends": names}
+                          for name, names in sorted(adapters.items())]}
+
+
+async def _load_adapter(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    try:
+        req = lora_admin.LoadAdapter.model_validate(_json(body))
+    except ValidationError as exc:
+        raise InvalidRequest(_first_error(exc)) from None
+    return await lora_admin.load(rt, req)
+
+
+async def _unload_adapter(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    try:
+        req = lora_admin.UnloadAdapter.model_validate(_json(body))
+    except ValidationError as exc:
+        raise InvalidRequest(_first_error(exc)) from None
+    return await lora_admin.unload(rt, parts[1], req)
+
+
 _ACTIONS: dict[tuple[str, str], Action] = {
     ("backends", "GET"): _list, ("backends", "POST"): _add,
     ("backend", "DELETE"): _remove,
     ("drain", "POST"): _drain, ("undrain", "POST"): _undrain,
     ("policy", "GET"): _get_policy, ("policy", "PUT"): _put_policy,
     ("reload", "POST"): _reload,
+    ("lora_adapters", "GET"): _list_adapters, ("lora_adapters", "POST"): _load_adapter,
+    ("lora_adapter", "DELETE"): _unload_adapter,
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
 import orjson
 
@@ -41,10 +42,11 @@ class ModelDiscovery:
             await asyncio.sleep(self.interval_s)
             await self.once()
 
-    async def once(self) -> int:
-        """Read every healthy backend's list once; the number of backends whose served
-        models changed."""
-        up = [b for b in self._registry.all() if self._registry.is_healthy(b.name)]
+    async def once(self, backends: Iterable[Backend] | None = None) -> int:
+        """Read every healthy backend's list once (of `backends`, default all); the
+        number of backends whose served models changed."""
+        up = [b for b in (self._registry.all() if backends is None else backends)
+              if self._registry.is_healthy(b.name)]
         lists = await asyncio.gather(*(self._served(b) for b in up))
         return sum(self._registry.set_served(b.name, models)
                    for b, models in zip(up, lists, strict=True) if models is not None)

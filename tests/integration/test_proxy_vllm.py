@@ -474,7 +474,8 @@ def test_lora_adapters_are_routed_to_the_server_that_has_them(vllm_fleet: Any) -
     """A vLLM server with a LoRA adapter (`--lora-modules`) beside plain servers of the
     base model: requests for the adapter go to it under the adapter's name and get the
     adapter's answer; one loaded at run time (`/v1/load_lora_adapter`) is routable after
-    the next `/v1/models` read, and one unloaded is a 404 after it. The server wants an
+    the next `/v1/models` read, and one unloaded is a 404 after it; one loaded and
+    unloaded through `/admin/lora_adapters` is routable (a 404) at once. The server wants an
     API key (`--api-key`): the proxy sends it (`backends[].api_key`), the client has
     none."""
     from bench.backends import Spec, start, stop
@@ -517,6 +518,19 @@ def test_lora_adapters_are_routed_to_the_server_that_has_them(vllm_fleet: Any) -
             time.sleep(1.5)
             after_unload = httpx.post(f"{proxy.url}/v1/chat/completions",
                                       json={"model": "tiny-chat", **ask}, timeout=60)
+            # The proxy's own route: every backend of the base model is asked; the plain
+            # servers (no runtime LoRA) refuse, the LoRA server loads it.
+            admin_load = httpx.post(f"{proxy.url}/admin/lora_adapters", timeout=120, json={
+                "lora_name": "tiny-chat", "lora_path": str(chat), "model": SMALL})
+            via_admin = [sdk.chat.completions.with_raw_response.create(model="tiny-chat", **ask)
+                         for _ in range(3)]
+            admin_list = httpx.get(f"{proxy.url}/admin/lora_adapters", timeout=30).json()
+            admin_unload = httpx.delete(f"{proxy.url}/admin/lora_adapters/tiny-chat",
+                                        timeout=120)
+            after_admin_unload = httpx.post(f"{proxy.url}/v1/chat/completions",
+                                            json={"model": "tiny-chat", **ask}, timeout=60)
+            served_direct = httpx.get(f"{lora[0].url}/v1/models", headers=key,
+                                      timeout=30).json()
     finally:
         stop(lora)
     assert keyless.status_code == 401  # the server really wants its key
@@ -533,6 +547,18 @@ def test_lora_adapters_are_routed_to_the_server_that_has_them(vllm_fleet: Any) -
     assert after_load.parse().model == "tiny-chat"
     assert unloaded.status_code == 200, unloaded.text
     assert after_unload.status_code == 404
+    assert admin_load.status_code == 502  # the plain servers could not load it
+    results = {r["backend"]: r for r in admin_load.json()["backends"]}
+    assert results.pop("lora")["result"] == "loaded"
+    assert results and {r["result"] for r in results.values()} == {"failed"}
+    assert all("VLLM_ALLOW_RUNTIME_LORA_UPDATING" in r["detail"] for r in results.values())
+    assert {r.headers["x-laneway-backend"] for r in via_admin} == {"lora"}
+    assert via_admin[0].parse().model == "tiny-chat"
+    assert {"lora_name": "tiny-chat", "backends": ["lora"]} in admin_list["data"]
+    assert admin_unload.status_code == 200, admin_unload.text
+    assert [r["result"] for r in admin_unload.json()["backends"]] == ["unloaded"]
+    assert after_admin_unload.status_code == 404
+    assert "tiny-chat" not in {m["id"] for m in served_direct["data"]}
 
 
 def test_json_access_log_of_laneway_serve(vllm_fleet: Any, tmp_path: Path) -> None:
