@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-migration bench-flow-control bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-peers bench-migration bench-flow-control bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -55,6 +55,18 @@ lint: install
 
 bench-overhead: install
 	$(PY) -m bench.overhead
+
+# laneway against vLLM Router (Rust) and the LiteLLM proxy in front of the same fakes
+# (README, Proxy overhead); the peers live in their own venv → docs/results/peers.json
+PEERS_VENV := .venv-peers
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || python3.11 -m venv $(PEERS_VENV) || python3 -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q 'vllm-router==0.1.17' 'litellm[proxy]==1.100.5'
+	touch $@
+
+bench-peers: install $(PEERS_VENV)/.installed
+	$(PY) -m bench.peers
 
 # two vLLM-CPU servers, one core each → docs/results/migration_vllm.json; the fake-
 # backend table of the README: python -m bench.migration --fake 20,5 (→ migration.json)
