@@ -224,6 +224,17 @@ ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protec
                         "goodput-capability-quantile-checks-protect-rescue-stay"})
 
 
+def peer_variants(spec: str, parser: argparse.ArgumentParser) -> list[Variant]:
+    """`--peers vllm-router:cache_aware,...`: one baseline run per peer router and policy."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        router, _, policy = item.partition(":")
+        if router != "vllm-router" or not policy:
+            parser.error(f"--peers: {item!r} is not vllm-router:<policy>")
+        out.append(Variant(f"{router}-{policy}", policy, peer=router))
+    return out
+
+
 def select_variants(every: list[Variant], only: str | None) -> list[Variant]:
     """The baselines, `goodput` (the headline) and the goodput variants named in `only`
     (comma-separated; None: all but those run on request only)."""
@@ -469,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the baselines, goodput and only these variants (a quick look; "
                         f"default: all of {every}; {', '.join(sorted(ON_REQUEST))} only "
                         "when named)")
+    parser.add_argument("--peers", default="", metavar="ROUTER:POLICY,...",
+                        help="also run peer routers in front of the same fleet, as "
+                        "baselines (bench/peers.py; `make bench-peers` installs them): "
+                        "vllm-router:cache_aware, vllm-router:power_of_two, ...")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the whole comparison this many times per fleet; goodput "
                         "is the median, ratios the median of each repeat's (with range)")
@@ -512,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     use_predictor = not args.no_predictor
     dilation = args.time_dilation
     chosen = dilated_variants(select_variants(variants(use_predictor), args.only), dilation)
+    chosen = [*peer_variants(args.peers, parser), *chosen]
     fleets = []
     for spec in args.fleet or ["emulated:64"]:
         name = spec.replace(":", "-").replace(",", "-").replace("@", "-")

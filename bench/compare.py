@@ -33,6 +33,7 @@ from bench.backends import Spec, fleet
 from bench.commands import read_solo
 from bench.emulator.profile import dilated_fields
 from bench.overhead_procs import child, wait_ok
+from bench.peers import vllm_router
 from bench.ports import free_port_range
 from bench.report import Summary, summarize
 from bench.tiny_models import REPO
@@ -53,6 +54,7 @@ class Variant:
     params: dict[str, Any] = field(default_factory=dict)
     per_scale: bool = False
     predictor: bool = False  # load the length predictor artifact
+    peer: str | None = None  # another router instead of laneway: `policy` is its own
 
 
 # One emulator process answers ~1,300 scrapes/s on this machine; at the proxy's default
@@ -177,6 +179,9 @@ def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
         "--out", str(solo), "--no-progress")
     files: dict[str, list[Path]] = {}
     for variant in plan.variants:
+        if variant.peer is not None:
+            files[variant.label] = [run_peer(plan, fleet_, variant, solo, work)]
+            continue
         for scale in plan.scales if variant.per_scale else [None]:
             name = run_name(variant.label, scale)
             config = work / f"{name}.yaml"
@@ -193,6 +198,19 @@ def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
                 *slo, *log)
             files.setdefault(variant.label, []).append(out)
     return files
+
+
+def run_peer(plan: Plan, fleet_: Fleet, variant: Variant, solo: Path, work: Path) -> Path:
+    """One run through a peer router (bench/peers.py) in front of the whole fleet; it
+    ignores the SLO header, so one run serves every scale, as a baseline's does."""
+    if variant.peer != "vllm-router":
+        raise ValueError(f"unknown peer {variant.peer!r}")
+    out = work / f"{variant.label}.jsonl"
+    with vllm_router(*(b["url"] for b in fleet_.backends), policy=variant.policy) as (url, _):
+        cli("bench", "run", *plan.workload, "--target", url, "--policy", variant.policy,
+            "--label", variant.label, "--out", str(out), "--time-limit",
+            str(plan.time_limit_s), "--no-progress", "--solo", str(solo), "--slo-scale", "2")
+    return out
 
 
 def summaries(files: dict[str, list[Path]], solo: Path, scales: Sequence[float]

@@ -71,12 +71,14 @@ def peer_process(args: list[str], ready_url: str, cwd: str | None = None
 
 
 @contextlib.contextmanager
-def vllm_router(worker: str) -> Iterator[tuple[str, int]]:
+def vllm_router(*workers: str, policy: str = "round_robin") -> Iterator[tuple[str, int]]:
+    """vLLM Router in front of `workers` (one model's servers) with `policy` (its
+    round_robin, random, power_of_two, cache_aware, consistent_hash); (URL, pid)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with peer_process([str(PEERS_VENV / "bin" / "vllm-router"), "--worker-urls", worker,
-                       "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
-                       "--prometheus-port", str(free_port())],  # two run at once
+    with peer_process([str(PEERS_VENV / "bin" / "vllm-router"), "--worker-urls", *workers,
+                       "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+                       "--prometheus-port", str(free_port())],  # two may run at once
                       f"{url}/health") as proc:
         yield url, proc.pid
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -340,3 +341,38 @@ def test_side_figures_only_refreshes_the_three_figures_and_keeps_the_rest(
     assert written["fleets"] == ["kept"]
     assert {k: written[k] for k in side_figures()} == side_figures()
     assert written["decision_p99_ms_512"] != -1.0
+
+
+def test_a_peer_router_runs_once_in_front_of_the_whole_fleet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--peers vllm-router:cache_aware`: a baseline run through vLLM Router (policy its
+    own) in front of every backend, the harness pointed at the router."""
+    import contextlib
+    from collections.abc import Iterator
+
+    from bench.compare import Fleet, Plan
+
+    started: list[tuple[tuple[str, ...], str]] = []
+    runs: list[tuple[str, ...]] = []
+
+    @contextlib.contextmanager
+    def router(*workers: str, policy: str = "round_robin") -> Iterator[tuple[str, int]]:
+        started.append((workers, policy))
+        yield "http://router", 1
+
+    monkeypatch.setattr(compare, "vllm_router", router)
+    monkeypatch.setattr(compare, "cli", lambda *args: runs.append(args))
+    chosen = bench_goodput.peer_variants("vllm-router:cache_aware",
+                                         argparse.ArgumentParser())
+    fleet = Fleet([{"name": "a", "url": "http://a"}, {"name": "b", "url": "http://b"}],
+                  ["http://a"], ["http://b"])
+    plan = Plan([], chosen, list(bench_goodput.SCALES), tmp_path, 1, 1.0, None)
+    files = compare.run_all(plan, fleet, tmp_path)
+    assert started == [(("http://a", "http://b"), "cache_aware")]
+    run = runs[-1]
+    assert run[:2] == ("bench", "run") and run[run.index("--target") + 1] == "http://router"
+    assert run[run.index("--label") + 1] == "vllm-router-cache_aware"
+    assert files == {"vllm-router-cache_aware": [tmp_path / "vllm-router-cache_aware.jsonl"]}
+    assert not chosen[0].per_scale  # one run serves every scale, as a baseline's
+    with pytest.raises(SystemExit):
+        bench_goodput.peer_variants("envoy:least_request", argparse.ArgumentParser())
