@@ -102,7 +102,8 @@ def _targets(rt: Runtime, names: list[str] | None, model: str | None) -> list[Ba
         unknown = [n for n in names if rt.registry.get(n) is None]
         if unknown:
             raise NotFound(f"No backend named {', '.join(f'`{n}`' for n in unknown)}.")
-        return [b for b in rt.registry.all() if b.name in set(names)]
+        wanted = set(names)
+        return [b for b in rt.registry.all() if b.name in wanted]
     targets = [b for b in rt.registry.all() if b.model == model]
     if not targets:
         raise NotFound(f"No backend has the base model `{model}`.", param="model")
