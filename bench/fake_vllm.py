@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--die-after-tokens", type=int)
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--api-key", help="as vLLM's: /v1/* needs `Bearer <key>`")
+    parser.add_argument("--lora-runtime", action="store_true",
+                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     config = FakeConfig(
@@ -395,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         tpot_s=args.tpot_ms / 1000, default_tokens=args.tokens, eos_after=args.eos_after,
         max_num_seqs=args.max_num_seqs, fail_status=args.fail_status,
         fail_first=args.fail_first, die_after_tokens=args.die_after_tokens, hang=args.hang,
-        api_key=args.api_key)
+        api_key=args.api_key, lora_runtime=args.lora_runtime)
     uvicorn.run(FakeVllm(config), host=args.host, port=args.port, loop="uvloop",
                 http="httptools", lifespan="off", access_log=False, log_level=args.log_level)
 

@@ -9,6 +9,10 @@ and names the adapter there (Registry.model_on). A backend that does not answer,
 with an error (a server that wants an API key) or with something else than a model list
 keeps what it was last known to serve; an adapter unloaded from every backend is a 404
 `model_not_found` from the next read on.
+
+When this replica changes what backends serve (`/admin/lora_adapters`), it `announce`s
+them; through the shared state (the `discovery` table) every other replica reads those
+backends' lists at once instead of at its next periodic read.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import orjson
 
@@ -35,6 +40,8 @@ class ModelDiscovery:
         self._registry, self._upstream = registry, upstream
         self.interval_s, self._timeout_s = interval_s, timeout_s
         self._slots = asyncio.Semaphore(_CONCURRENT)
+        self._announced: list[str] = []  # backends whose lists this replica changed
+        self._reads: set[asyncio.Task[int]] = set()  # asked for by other replicas
 
     async def run(self) -> None:
         """Read every `interval_s` forever (cancel to stop)."""
@@ -50,6 +57,27 @@ class ModelDiscovery:
         lists = await asyncio.gather(*(self._served(b) for b in up))
         return sum(self._registry.set_served(b.name, models)
                    for b, models in zip(up, lists, strict=True) if models is not None)
+
+    def announce(self, names: Iterable[str]) -> None:
+        """Tell the other replicas to read these backends' lists now."""
+        self._announced.extend(names)
+
+    def export_updates(self) -> list[Any]:
+        """Replicated: the backends announced since the last call, as one write."""
+        announced, self._announced = self._announced, []
+        return [sorted(set(announced))] if announced else []
+
+    def merge_updates(self, updates: list[Any]) -> None:
+        """Replicated: another replica changed these backends' lists: read them."""
+        names = {name for write in updates if isinstance(write, list)
+                 for name in write if isinstance(name, str)}
+        backends = [b for b in self._registry.all() if b.name in names]
+        if backends:
+            log.info("another replica changed what %s serve: reading their lists",
+                     ", ".join(b.name for b in backends))
+            task = asyncio.create_task(self.once(backends))
+            self._reads.add(task)
+            task.add_done_callback(self._reads.discard)
 
     async def _served(self, backend: Backend) -> list[str] | None:
         async with self._slots:

@@ -11,8 +11,9 @@ Every backend done: 200; any failed: 502 `lora_failed` with the same report, as 
 is safe (a backend that has the adapter answers `already_loaded`).
 
 Unloading stops routing to the adapter on those backends first, then unloads it, so no
-new request is sent to an adapter that is going away. Other proxy replicas learn either
-change at their next `/v1/models` read (`poller.models_interval_s`).
+new request is sent to an adapter that is going away. With shared state (`state.backend:
+redis`) the other replicas read those backends' lists within a sync interval
+(proxy/discovery.py); without it, at their next read (`poller.models_interval_s`).
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ async def _each(rt: Runtime, targets: list[Backend], path: str, body: bytes,
 
 
 async def _refresh(rt: Runtime, targets: list[Backend]) -> None:
+    """Read the targets' lists here now, and have the other replicas read them."""
     await rt.discovery.once([b for b in targets if rt.registry.get(b.name) is not None])
+    rt.discovery.announce(b.name for b in targets)
 
 
 def _report(name: str, action: str, results: list[dict[str, Any]]

@@ -176,6 +176,29 @@ def test_inflight_counts_add_up_and_a_crashed_replicas_vanish(redis_url: str) ->
                     future.result()
 
 
+def test_an_adapter_loaded_through_one_replica_is_routable_through_the_other(
+        redis_url: str) -> None:
+    """`/admin/lora_adapters` on replica a: b reads the changed backends' lists within
+    a sync interval, though its periodic read is an hour away."""
+    with running_fakes(2, "--lora-runtime") as urls:
+        fleet = [{"name": f"f{i}", "url": u, "model": "fake"} for i, u in enumerate(urls)]
+        cfg = config(redis_url, fleet, "round_robin") | {"poller": {"models_interval_s": 3600}}
+        body = {"model": "sql", "max_tokens": 2, "messages": [{"role": "user", "content": "q"}]}
+        with two_replicas(cfg) as (a, b):
+            before = HTTP.post(f"{b.url}/v1/chat/completions", json=body)
+            loaded = HTTP.post(f"{a.url}/admin/lora_adapters", json={
+                "lora_name": "sql", "lora_path": "/adapters/sql", "backends": ["f1"]})
+            time.sleep(0.5)  # > a few sync intervals (50 ms) and a read
+            on_b = [HTTP.post(f"{b.url}/v1/chat/completions", json=body) for _ in range(3)]
+            unloaded = HTTP.delete(f"{a.url}/admin/lora_adapters/sql")
+            time.sleep(0.5)
+            gone = HTTP.post(f"{b.url}/v1/chat/completions", json=body)
+    assert before.status_code == 404
+    assert loaded.status_code == 200 and unloaded.status_code == 200
+    assert [r.headers.get("x-laneway-backend") for r in on_b] == ["f1"] * 3
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
 @pytest.mark.vllm
 def test_replicas_agree_on_real_vllm(redis_url: str, vllm_fleet: list[Running]) -> None:
     small = [s for s in vllm_fleet if s.model == "tiny-llama"][:2]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import httpx
@@ -82,3 +83,27 @@ def test_a_model_list_is_read_leniently() -> None:
     assert model_ids(b'{"data": [{"id": "a"}, {"id": 3}, "b", {"id": "c"}]}') == ["a", "c"]
     assert model_ids(b"[]") is None and model_ids(b"not json") is None
     assert model_ids(b'{"data": {}}') is None
+
+
+async def test_another_replicas_notice_reads_the_backends_it_names() -> None:
+    """The `discovery` shared table: this replica's announcements go out once; one merged
+    from another replica reads the named backends' lists now (unknown names skipped)."""
+    async with fleet(FakeConfig(), FakeConfig(), poller={"models_interval_s": 3600}) as (
+            proxy, fakes):
+        assert proxy.app.runtime is not None
+        discovery = proxy.app.runtime.discovery
+        discovery.announce(["f1", "f0"])
+        discovery.announce(["f1"])
+        assert discovery.export_updates() == [["f0", "f1"]]
+        assert discovery.export_updates() == []  # each goes out once
+        for fake in fakes:  # loaded behind this replica's back (by another replica)
+            fake.app.config = dataclasses.replace(fake.app.config, aliases=("sql-lora",))
+        discovery.merge_updates([["f1", "nope"], "f0", [3]])
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            served = proxy.app.runtime.registry.served_by("f1")
+            if "sql-lora" in served:
+                break
+        answers = [await post(proxy, SQL) for _ in range(2)]
+        assert discovery.export_updates() == []  # merged notices are not sent back
+    assert [a.headers["x-laneway-backend"] for a in answers] == ["f1", "f1"]  # f0 not read
