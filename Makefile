@@ -67,6 +67,15 @@ $(PEERS_VENV)/.installed:
 
 bench-peers: install $(PEERS_VENV)/.installed
 	$(PY) -m bench.peers
+	# routing quality: vLLM Router's policies as two more baselines of the goodput bench
+	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
+	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length SHARED=$(SHARED)
+	$(PY) -m bench.bench_goodput --fleet emulated:64 --hide-length 512 --heldout-prompts \
+		--only goodput-capability-headroom --peers vllm-router:cache_aware,vllm-router:power_of_two \
+		--shared $(SHARED) --out docs/results/goodput_peers/goodput_peers.json
+	$(PY) -m bench.bench_goodput --fleet real:small,small,large --hide-length 512 --heldout-prompts \
+		--only goodput-capability-headroom --peers vllm-router:cache_aware,vllm-router:power_of_two \
+		--shared $(SHARED) --out docs/results/goodput_peers/real/goodput_peers_real.json
 
 # two vLLM-CPU servers, one core each → docs/results/migration_vllm.json; the fake-
 # backend table of the README: python -m bench.migration --fake 20,5 (→ migration.json)
