@@ -14,6 +14,7 @@ import httpx
 
 from bench.ports import free_port
 from bench.proxy_process import ProxyProcess, running_proxy
+from bench.services import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 _START_TIMEOUT_S = 30.0
@@ -27,12 +28,7 @@ def child(args: list[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
         wait_ok(ready_url, proc)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def wait_ok(url: str, proc: subprocess.Popen[bytes] | None = None) -> None:

@@ -36,6 +36,7 @@ from bench.overhead import Legs, Plan, measure
 from bench.overhead_procs import fake_process, proxy_for, wait_ok
 from bench.ports import free_port
 from bench.results import write_json
+from bench.services import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_VENV = REPO / ".venv-peers"
@@ -62,12 +63,7 @@ def peer_process(args: list[str], ready_url: str, cwd: str | None = None
                 raise
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ def running_redis(port: int | None = None) -> Iterator[str]:
             _wait(lambda: _redis_ping(port), proc, 10.0, "redis-server")
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            _stop(proc)
+            stop_process(proc)
 
 
 def _redis_ping(port: int) -> bool:
@@ -100,7 +100,7 @@ def running_prometheus(config: dict[str, Any], port: int | None = None) -> Itera
         try:
             yield url
         finally:
-            _stop(proc)
+            stop_process(proc)
             log.close()
 
 
@@ -113,11 +113,12 @@ def _wait(ready: Any, proc: subprocess.Popen[bytes], timeout_s: float, name: str
             if ready():
                 return
         time.sleep(0.05)
-    _stop(proc)
+    stop_process(proc)
     raise RuntimeError(f"{name} not ready in {timeout_s}s")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s; returns once it has exited."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -145,4 +146,4 @@ def running_fakes(count: int, *args: str) -> Iterator[list[str]]:
         yield urls
     finally:
         for proc in procs:
-            _stop(proc)
+            stop_process(proc)
