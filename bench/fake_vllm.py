@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import email.parser
+import email.policy
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,6 +43,7 @@ from proxy.server import uvicorn_in_loop
 _JSON = [(b"content-type", b"application/json")]
 _MAX_BODY = 1 << 30
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # what vLLM's --api-key guards
+_AUDIO_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 _LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
@@ -116,10 +119,37 @@ class FakeVllm:
             await self._embeddings(receive, send)
         elif path in ("/v1/chat/completions", "/v1/completions"):
             await self._completion(path == "/v1/chat/completions", scope, receive, send)
+        elif path in _AUDIO_ROUTES:
+            await self._audio(scope, receive, send)
         elif path in _LORA_ROUTES and self.config.lora_runtime:
             await self._lora(path == _LORA_ROUTES[0], receive, send)
         else:
             await send_json(send, 404, {"detail": "Not Found"})
+
+    async def _audio(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's speech-to-text routes: a form upload (parsed here with the standard
+        library's MIME parser); the "transcript" names the model and the file's size
+        and digest, so a test sees the upload arrived whole."""
+        try:
+            raw = await read_body({}, receive, _MAX_BODY)
+        except ClientGone:
+            return
+        content_type = dict(scope["headers"]).get(b"content-type", b"")
+        form = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            b"Content-Type: " + content_type + b"\r\n\r\n" + raw)
+        fields: dict[str, Any] = {}
+        for part in form.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            payload = part.get_payload(decode=True)
+            if isinstance(name, str) and isinstance(payload, bytes):
+                fields[name] = payload if part.get_filename() else payload.decode()
+        upload = fields.pop("file", b"")
+        fields["file_sha256"] = hashlib.sha256(upload).hexdigest()
+        if await self.refused(fields, fields.get("model") or self.config.model, send):
+            return
+        await send_json(send, 200, {
+            "text": f"{fields.get('model')} heard {len(upload)} bytes",
+            "usage": {"type": "duration", "seconds": 1}})
 
     async def _lora(self, load: bool, receive: Receive, send: Send) -> None:
         """vLLM's runtime LoRA routes, with its answers (OpenAIServingModels)."""

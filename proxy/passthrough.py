@@ -1,5 +1,5 @@
-"""The model-routed JSON endpoints that generate nothing: embeddings, scoring,
-reranking, pooling, classification and (de)tokenization.
+"""The model-routed endpoints that generate no stream of tokens: embeddings, scoring,
+reranking, pooling, classification, (de)tokenization, and speech to text.
 
 vLLM serves these beside the completion routes (`/tokenize`), or instead of them on
 a pooling model (`--runner pooling`: `/v1/embeddings`, `/v1/score`, `/v1/rerank`, …).
@@ -8,18 +8,22 @@ migration) have nothing to work with: a request goes to the healthy backend of i
 `model` with the fewest requests open, with the same auth, limits, retries before
 the first byte, timeouts and OpenAI-shaped errors as a completion. Bodies are relayed
 untouched both ways (but for a model group's member name); the response says which
-backend answered (`x-laneway-backend`).
+backend answered (`x-laneway-backend`). The audio routes take a form upload
+(`multipart/form-data`): their `model` is a form field (proxy/multipart.py), and a key
+is charged the request, not the audio's bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
 import orjson
 
+from proxy import multipart
 from proxy.access import note, wait_ms
 from proxy.asgi import (
     ClientGone,
@@ -39,19 +43,44 @@ from proxy.runtime import Runtime
 from proxy.stream import body_usage
 from proxy.types import Outcome
 
+_MAX_MODEL_CHARS = 1024
+AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")  # form uploads
 PATHS = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank",
-         "/pooling", "/classify", "/tokenize", "/detokenize", "/v1/messages/count_tokens")
+         "/pooling", "/classify", "/tokenize", "/detokenize", "/v1/messages/count_tokens",
+         *AUDIO_PATHS)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Body:
+    """A request's body and the model it names; `span`: where a form upload's `model`
+    field lies (None: a JSON body)."""
+
+    raw: bytes
+    model: str
+    span: tuple[int, int] | None = None
+
+    def naming(self, model: str) -> bytes:
+        """The body as sent to a backend that serves it as `model` (a group's member, a
+        fallback); untouched when that is the model asked for."""
+        if model == self.model:
+            return self.raw
+        if self.span is not None:
+            return multipart.replaced(self.raw, self.span, model)
+        return orjson.dumps(orjson.loads(self.raw) | {"model": model})
 
 
 async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
     path: str = scope["path"]
     headers = header_map(scope)
     try:
-        body = await read_body(headers, receive, rt.settings.server.max_body_bytes)
-        model = _model_of(parse_body(body), path)
-        # No output tokens: the body bounds the input the key is charged for.
+        raw = await read_body(headers, receive, rt.settings.server.max_body_bytes)
+        body = _read(raw, headers, path)
+        model = body.model
+        # No output tokens: the body bounds the input the key is charged for (an audio
+        # file's bytes are no text: its request is counted, not its bytes).
+        chars = 0 if body.span is not None else len(raw)
         grant, send = rt.admit(scope, send, model,
-                               lambda: rt.auth.admit_model(headers, model, len(body), 0),
+                               lambda: rt.auth.admit_model(headers, model, chars, 0),
                                anthropic=path.startswith("/v1/messages"))
         place = rt.queue_place(grant, headers)
     except ClientGone:
@@ -60,10 +89,27 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
         await rt.refuse(send, err, anthropic=path.startswith("/v1/messages"))
         return
     upstream_headers = forward_headers(scope["headers"], not rt.auth.cfg.enabled)
-    call = _Call(rt, path, model, body, upstream_headers, send, grant, request_id(headers),
-                 place)
+    call = _Call(rt, path, body, upstream_headers, send, grant, request_id(headers), place)
     await until_disconnect(receive, call.run(), call.left)
     note(scope, queued_ms=wait_ms(call.queued_s))
+
+
+def _read(raw: bytes, headers: dict[str, str], path: str) -> _Body:
+    if path not in AUDIO_PATHS:
+        return _Body(raw, _model_of(parse_body(raw), path))
+    boundary = multipart.boundary_of(headers.get("content-type", ""))
+    if boundary is None:
+        raise InvalidRequest(f"{path} takes a multipart/form-data upload (the audio file "
+                             "and the request's fields), as OpenAI's does.")
+    span = multipart.field_span(raw, boundary, "model")
+    try:
+        model = raw[span[0]:span[1]].decode() if span is not None else ""
+    except UnicodeDecodeError:
+        model = ""
+    if not model or len(model) > _MAX_MODEL_CHARS:
+        raise InvalidRequest(f"The form field `model` is required on {path}: it decides "
+                             "which backends may answer.", param="model")
+    return _Body(raw, model, span)
 
 
 def _model_of(data: dict[str, Any], path: str) -> str:
@@ -77,11 +123,10 @@ def _model_of(data: dict[str, Any], path: str) -> str:
 class _Call:
     """One pass-through request, from the first pick to the response (or its error)."""
 
-    def __init__(self, rt: Runtime, path: str, model: str, body: bytes,
-                 headers: dict[str, str], send: Send, grant: Grant | None, rid: str,
-                 place: Place) -> None:
+    def __init__(self, rt: Runtime, path: str, body: _Body, headers: dict[str, str],
+                 send: Send, grant: Grant | None, rid: str, place: Place) -> None:
         self.rt, self.path, self.model, self.body, self.headers, self.send = (
-            rt, path, model, body, headers, send)
+            rt, path, body.model, body, headers, send)
         self.grant, self.place = grant, place
         self.queued_s = 0.0  # time it waited in flow control's queue
         self.request_id = rid
@@ -147,9 +192,7 @@ class _Call:
             backend, _load = rt.least_inflight.pick(view)
             tried.append(backend.name)
             self.backend_name = backend.name
-            model = rt.registry.model_on(backend, target)
-            body = self.body if model == self.model else orjson.dumps(
-                orjson.loads(self.body) | {"model": model})  # a group's member, a fallback
+            body = self.body.naming(rt.registry.model_on(backend, target))
             with rt.registry.guard(backend.name):
                 try:
                     return await rt.upstream.open(backend, self.path, body, self.headers,

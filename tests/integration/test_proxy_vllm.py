@@ -448,6 +448,21 @@ def test_anthropic_messages_whole_and_streamed(proxy_url: str, vllm_fleet: Any) 
     assert counted.input_tokens > 0
 
 
+def test_an_audio_upload_reaches_a_real_server_of_its_model(proxy_url: str,
+                                                           vllm_fleet: Any) -> None:
+    """The speech-to-text routes are form uploads routed by their `model` field. No
+    speech model serves here (vLLM-CPU, text models), so vLLM's own answer (it has no
+    such route for a text model) is what must come back, from a server of the model:
+    the same answer as asking that server directly."""
+    upload = {"data": {"model": SMALL, "language": "en"},
+              "files": {"file": ("a.wav", b"RIFF" + bytes(2000), "audio/wav")}}
+    answer = httpx.post(f"{proxy_url}/v1/audio/transcriptions", timeout=60, **upload)
+    backend = next(b for b in vllm_fleet if b.name == answer.headers["x-laneway-backend"])
+    direct = httpx.post(f"{backend.url}/v1/audio/transcriptions", timeout=60, **upload)
+    assert backend.model == SMALL
+    assert (answer.status_code, answer.json()) == (direct.status_code, direct.json())
+
+
 def test_a_browser_origin_gets_cors_on_real_streams(vllm_fleet: Any) -> None:
     """`server.cors_allow_origins`: a browser's preflight, then a real vLLM stream whose
     answer the browser may read (and a non-listed origin's, which it may not)."""
