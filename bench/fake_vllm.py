@@ -147,9 +147,20 @@ class FakeVllm:
         fields["file_sha256"] = hashlib.sha256(upload).hexdigest()
         if await self.refused(fields, fields.get("model") or self.config.model, send):
             return
-        await send_json(send, 200, {
-            "text": f"{fields.get('model')} heard {len(upload)} bytes",
-            "usage": {"type": "duration", "seconds": 1}})
+        text = f"{fields.get('model')} heard {len(upload)} bytes"
+        if fields.get("stream") != "true":
+            await send_json(send, 200, {"text": text,
+                                        "usage": {"type": "duration", "seconds": 1}})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for word in text.split():  # vLLM's transcription chunks, one per word here
+            chunk = {"object": "transcription.chunk",
+                     "choices": [{"delta": {"content": word + " "}}]}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + orjson.dumps(chunk) + b"\n\n"})
+            await asyncio.sleep(self.config.tpot_s)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     async def _lora(self, load: bool, receive: Receive, send: Send) -> None:
         """vLLM's runtime LoRA routes, with its answers (OpenAIServingModels)."""

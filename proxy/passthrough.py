@@ -37,7 +37,7 @@ from proxy.asgi import (
 from proxy.auth import Grant
 from proxy.errors import InvalidRequest, ProxyError
 from proxy.flow import Place
-from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers
+from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
 from proxy.requests import parse_body, request_id
 from proxy.runtime import Runtime
 from proxy.stream import body_usage
@@ -58,6 +58,7 @@ class _Body:
     raw: bytes
     model: str
     span: tuple[int, int] | None = None
+    stream: bool = False  # a form upload's `stream=true`: the answer is relayed as it streams
 
     def naming(self, model: str) -> bytes:
         """The body as sent to a backend that serves it as `model` (a group's member, a
@@ -109,7 +110,9 @@ def _read(raw: bytes, headers: dict[str, str], path: str) -> _Body:
     if not model or len(model) > _MAX_MODEL_CHARS:
         raise InvalidRequest(f"The form field `model` is required on {path}: it decides "
                              "which backends may answer.", param="model")
-    return _Body(raw, model, span)
+    stream = multipart.field_span(raw, boundary, "stream")
+    return _Body(raw, model, span,
+                 stream is not None and raw[stream[0]:stream[1]].strip().lower() == b"true")
 
 
 def _model_of(data: dict[str, Any], path: str) -> str:
@@ -196,19 +199,16 @@ class _Call:
             with rt.registry.guard(backend.name):
                 try:
                     return await rt.upstream.open(backend, self.path, body, self.headers,
-                                                  stream=False)
+                                                  stream=self.body.stream)
                 except UpstreamFailure as failure:
                     failures.append(failure)
                     rt.upstream_failed(failure, target)
         return None
 
     async def _respond(self, opened: Opened) -> None:
-        try:
-            await self.send({"type": "http.response.start", "status": opened.status,
-                             "headers": opened.answer_headers(self.request_id)})
-            await self.send({"type": "http.response.body", "body": opened.head})
-        finally:
-            opened.close()
+        await relay_answer(opened, self.send, self.request_id,
+                           self.rt.settings.upstream.read_timeout_s,
+                           self.rt.count_upstream_error)
 
     def _outcome(self, backend: str, status: int, body: bytes) -> Outcome:
         prompt_tokens = None  # None: settled at the up-front estimate

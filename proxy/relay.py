@@ -18,8 +18,16 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy.asgi import Send
 from proxy.config import UpstreamConfig
-from proxy.errors import NoHealthyBackend, ProxyError, UpstreamError, UpstreamTimeout
+from proxy.errors import (
+    NoHealthyBackend,
+    ProxyError,
+    UpstreamError,
+    UpstreamTimeout,
+    mid_stream_failure,
+)
+from proxy.stream import StreamEnd, StreamTally
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.relay")
@@ -234,6 +242,38 @@ class StallWatch:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+async def relay_answer(opened: Opened, send: Send, request_id: str, read_timeout_s: float,
+                       failed: Callable[[str, str], None], ends: StreamEnd | None = None
+                       ) -> None:
+    """The backend's answer to the client, whole or as it streams, then closed. A silence
+    longer than `read_timeout_s` or a broken stream ends it with an error event (`ends`'s,
+    or an OpenAI one and `[DONE]`), counted by `failed(backend, kind)`."""
+    try:
+        await send({"type": "http.response.start", "status": opened.status,
+                    "headers": opened.answer_headers(request_id)})
+        await send({"type": "http.response.body", "body": opened.head,
+                    "more_body": not opened.complete})
+        if opened.complete:
+            return
+        tally = StreamTally(time.monotonic(), opened.head, ends)
+        watch = StallWatch(opened, read_timeout_s, tally.last_seen)
+        try:
+            while chunk := await opened.next_chunk():
+                tally.add(chunk, time.monotonic())
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            kind = "timeout" if watch.fired else "broken"
+            failed(opened.backend.name, kind)
+            err = mid_stream_failure(opened.backend.name, kind, str(exc))
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": tally.error_event(err)})
+        finally:
+            watch.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        opened.close()
 
 
 def exhausted(model: str, failures: list[UpstreamFailure], retry_after_s: int) -> ProxyError:

@@ -18,13 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote
-
-import aiohttp
 
 from proxy.asgi import Receive, Scope, Send, header_map, until_disconnect
 from proxy.errors import (
@@ -32,11 +29,10 @@ from proxy.errors import (
     NotFound,
     PermissionDenied,
     ProxyError,
-    mid_stream_failure,
 )
-from proxy.relay import Opened, StallWatch, UpstreamFailure, exhausted, forward_headers
+from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
 from proxy.requests import request_id
-from proxy.stream import RESPONSES_END, StreamTally
+from proxy.stream import RESPONSES_END
 from proxy.types import Backend
 
 if TYPE_CHECKING:
@@ -170,32 +166,8 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
 
 
 async def _relay(rt: Runtime, opened: Opened, send: Send, request_id: str) -> None:
-    """The backend's answer, whole or as it streams (a silence longer than
-    `upstream.read_timeout_s` or a broken stream ends it with an error event)."""
-    try:
-        await send({"type": "http.response.start", "status": opened.status,
-                    "headers": opened.answer_headers(request_id)})
-        await send({"type": "http.response.body", "body": opened.head,
-                    "more_body": not opened.complete})
-        if opened.complete:
-            return
-        tally = StreamTally(time.monotonic(), opened.head, RESPONSES_END)
-        watch = StallWatch(opened, rt.settings.upstream.read_timeout_s, tally.last_seen)
-        try:
-            while chunk := await opened.next_chunk():
-                tally.add(chunk, time.monotonic())
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            kind = "timeout" if watch.fired else "broken"
-            rt.metrics.upstream_errors.labels(opened.backend.name, kind).inc()
-            err = mid_stream_failure(opened.backend.name, kind, str(exc))
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": tally.error_event(err)})
-        finally:
-            watch.cancel()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-    finally:
-        opened.close()
+    await relay_answer(opened, send, request_id, rt.settings.upstream.read_timeout_s,
+                       rt.count_upstream_error, RESPONSES_END)
 
 
 def _with_query(scope: Scope) -> str:

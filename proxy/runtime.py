@@ -251,6 +251,10 @@ class Runtime:
         self.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
         await send_error(send, err, anthropic)
 
+    def count_upstream_error(self, backend: str, kind: str) -> None:
+        """A backend's stream failed after its first byte (`kind`: timeout, broken)."""
+        self.metrics.upstream_errors.labels(backend, kind).inc()
+
     def upstream_failed(self, failure: UpstreamFailure, model: str) -> None:
         log.warning("attempt on %s failed (%s): %s", failure.backend.name, failure.kind,
                     failure.detail)

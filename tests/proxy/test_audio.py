@@ -3,11 +3,13 @@ field (proxy/multipart.py, proxy/passthrough.py), the upload relayed whole."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from bench.fake_vllm import FakeConfig
@@ -81,3 +83,26 @@ def test_the_model_field_is_found_and_replaced_without_touching_the_file() -> No
     assert multipart.boundary_of("application/json") is None
     assert multipart.boundary_of('multipart/form-data; boundary="a b"') == b"a b"
     assert multipart.field_span(body[:100], boundary, "model") is None  # cut short
+
+
+async def test_a_streamed_transcription_is_relayed_as_it_streams() -> None:
+    async with fleet(FakeConfig(model="whisper", tpot_s=0.2)) as (proxy, _), \
+            httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
+        arrivals: list[float] = []
+        chunks: list[bytes] = []
+        async with http.stream("POST", "/v1/audio/transcriptions",
+                               data={"model": "whisper", "stream": "true"},
+                               files={"file": ("a.wav", AUDIO, "audio/wav")}) as answer:
+            started = asyncio.get_running_loop().time()
+            async for chunk in answer.aiter_raw():
+                arrivals.append(asyncio.get_running_loop().time() - started)
+                chunks.append(chunk)
+    body = b"".join(chunks)
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "text/event-stream"
+    assert "content-length" not in answer.headers
+    words = [orjson.loads(line[6:])["choices"][0]["delta"]["content"]
+             for line in body.split(b"\n\n") if line.startswith(b"data: {")]
+    assert "".join(words) == f"whisper heard {len(AUDIO)} bytes "
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert arrivals[0] < 0.15 < arrivals[-1]  # the first word came before the last was said
