@@ -24,36 +24,41 @@ def boundary_of(content_type: str) -> bytes | None:
     return None if found is None else (found.group(1) or found.group(2)).encode("latin-1")
 
 
-def field_span(body: bytes, boundary: bytes, name: str) -> tuple[int, int] | None:
-    """Where the value of the form field `name` (not a file) lies in `body`, or None
-    when the body has no such field or is not well formed."""
+def field_spans(body: bytes, boundary: bytes, *names: str) -> dict[str, tuple[int, int]]:
+    """Where the values of the form fields `names` (not files) lie in `body`, in one pass
+    that stops once all are found; a name the body lacks (or a body that is not well
+    formed from there on) is left out."""
     delimiter = b"--" + boundary
+    spans: dict[str, tuple[int, int]] = {}
     at = body.find(delimiter)
-    while at != -1:
+    while at != -1 and len(spans) < len(names):
         head_start = at + len(delimiter)
         if body[head_start:head_start + 2] != b"\r\n":  # "--": the closing delimiter
-            return None
+            break
         head_end = body.find(b"\r\n\r\n", head_start, head_start + _MAX_HEAD)
         if head_end == -1:
-            return None
+            break
         value_start = head_end + 4
         value_end = body.find(b"\r\n" + delimiter, value_start)
         if value_end == -1:
-            return None
-        if _is_field(body[head_start + 2:head_end], name):
-            return value_start, value_end
+            break
+        name = _field_name(body[head_start + 2:head_end])
+        if name in names and name not in spans:
+            spans[name] = (value_start, value_end)
         at = value_end + 2
-    return None
+    return spans
 
 
-def _is_field(head: bytes, name: str) -> bool:
+def _field_name(head: bytes) -> str | None:
+    """The `name` of a part that is a form field (not a file), from its headers."""
     for line in head.split(b"\r\n"):
         key, _, value = line.partition(b":")
         if key.strip().lower() == b"content-disposition":
             found = _NAME.search(value.split(b";", 1)[1] if b";" in value else b"")
-            return (found is not None and found.group(1) == name.encode()
-                    and b"filename" not in value.lower())
-    return False
+            if found is None or b"filename" in value.lower():
+                return None
+            return found.group(1).decode(errors="replace")
+    return None
 
 
 def replaced(body: bytes, span: tuple[int, int], value: str) -> bytes:

@@ -102,7 +102,8 @@ def _read(raw: bytes, headers: dict[str, str], path: str) -> _Body:
     if boundary is None:
         raise InvalidRequest(f"{path} takes a multipart/form-data upload (the audio file "
                              "and the request's fields), as OpenAI's does.")
-    span = multipart.field_span(raw, boundary, "model")
+    spans = multipart.field_spans(raw, boundary, "model", "stream")
+    span, stream = spans.get("model"), spans.get("stream")
     try:
         model = raw[span[0]:span[1]].decode() if span is not None else ""
     except UnicodeDecodeError:
@@ -110,7 +111,6 @@ def _read(raw: bytes, headers: dict[str, str], path: str) -> _Body:
     if not model or len(model) > _MAX_MODEL_CHARS:
         raise InvalidRequest(f"The form field `model` is required on {path}: it decides "
                              "which backends may answer.", param="model")
-    stream = multipart.field_span(raw, boundary, "stream")
     return _Body(raw, model, span,
                  stream is not None and raw[stream[0]:stream[1]].strip().lower() == b"true")
 

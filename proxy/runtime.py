@@ -252,13 +252,13 @@ class Runtime:
         await send_error(send, err, anthropic)
 
     def count_upstream_error(self, backend: str, kind: str) -> None:
-        """A backend's stream failed after its first byte (`kind`: timeout, broken)."""
+        """A backend failed a request (`kind`: connect, timeout, status, broken)."""
         self.metrics.upstream_errors.labels(backend, kind).inc()
 
     def upstream_failed(self, failure: UpstreamFailure, model: str) -> None:
         log.warning("attempt on %s failed (%s): %s", failure.backend.name, failure.kind,
                     failure.detail)
-        self.metrics.upstream_errors.labels(failure.backend.name, failure.kind).inc()
+        self.count_upstream_error(failure.backend.name, failure.kind)
         self.metrics.retries.labels(model, failure.backend.name, failure.kind).inc()
         if failure.unreachable:
             self.poller.report_failure(failure.backend.name, failure.kind)

@@ -72,17 +72,17 @@ def test_the_model_field_is_found_and_replaced_without_touching_the_file() -> No
     body = request.read()
     boundary = multipart.boundary_of(request.headers["content-type"])
     assert boundary is not None
-    span = multipart.field_span(body, boundary, "model")
+    span = multipart.field_spans(body, boundary, "model").get("model")
     assert span is not None and body[span[0]:span[1]] == b"whisper"
-    assert multipart.field_span(body, boundary, "file") is None  # a file, not a field
-    assert multipart.field_span(body, boundary, "nope") is None
+    assert multipart.field_spans(body, boundary, "file").get("file") is None  # a file, not a field
+    assert multipart.field_spans(body, boundary, "nope").get("nope") is None
     renamed = multipart.replaced(body, span, "whisper-large")
-    again = multipart.field_span(renamed, boundary, "model")
+    again = multipart.field_spans(renamed, boundary, "model").get("model")
     assert again is not None and renamed[again[0]:again[1]] == b"whisper-large"
     assert AUDIO in renamed
     assert multipart.boundary_of("application/json") is None
     assert multipart.boundary_of('multipart/form-data; boundary="a b"') == b"a b"
-    assert multipart.field_span(body[:100], boundary, "model") is None  # cut short
+    assert multipart.field_spans(body[:100], boundary, "model").get("model") is None  # cut short
 
 
 async def test_a_streamed_transcription_is_relayed_as_it_streams() -> None:
