@@ -32,6 +32,7 @@ from policies.prefix_aware import PrefixAware, PrefixAwareParams
 from predictors.base import Prediction
 from proxy.kv_transfer import REMOTE_DECODE, PrefilledPrediction, returned_handle
 from proxy.relay import backend_auth
+from proxy.stages import ModelOn, base_model
 from proxy.types import Backend, ClusterView, RequestContext
 
 log = logging.getLogger("laneway")
@@ -41,8 +42,12 @@ _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 class PrefillStage:
     def __init__(self, policy: Eldr, timeout_s: float = 30.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 model_on: ModelOn = base_model) -> None:
+        """`model_on`: the name a request names on the prefill backend (a LoRA
+        adapter's request prefills with the adapter, as its decode will)."""
         self._policy = policy
+        self._model_on = model_on
         self._prefix = PrefixAware(PrefixAwareParams())
         self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
         self._kv_transfer = policy.kv_transfer
@@ -64,9 +69,9 @@ class PrefillStage:
         if backend.api_key is not None:
             headers = backend_auth(backend.api_key, headers)
         try:
-            response = await self._client.post(
-                backend.url + _PATHS[ctx.endpoint], json=self._leg(data, backend.model),
-                headers=headers)
+            leg = self._leg(data, self._model_on(backend, ctx.model))
+            response = await self._client.post(backend.url + _PATHS[ctx.endpoint], json=leg,
+                                               headers=headers)
             response.raise_for_status()
             body = response.json()
             if not isinstance(body, dict):

@@ -11,21 +11,23 @@ from typing import Any
 from policies.base import Policy, Rerouting
 from predictors.base import Prediction
 from proxy.metrics import Metrics
-from proxy.stages import Stage, stages_for
+from proxy.stages import ModelOn, Stage, base_model, stages_for
 from proxy.types import ClusterView, Decision, Outcome, Progress, RequestContext
 
 log = logging.getLogger("laneway.routing")
 
 
 class Router:
-    def __init__(self, policy: Policy, metrics: Metrics, *, log_decisions: bool) -> None:
+    def __init__(self, policy: Policy, metrics: Metrics, *, log_decisions: bool,
+                 model_on: ModelOn = base_model) -> None:
+        """`model_on`: Registry.model_on, for stages that send the request themselves."""
         self.policy = policy
         self.policy_name = policy.name
         self._timer = metrics.decision.labels(policy.name)
         self._log_level = logging.INFO if log_decisions else logging.DEBUG
         reroute = getattr(policy, "reroute", None)
         self._rerouting: Rerouting | None = policy if callable(reroute) else None  # type: ignore[assignment]
-        self.stages: list[Stage] = stages_for(policy)
+        self.stages: list[Stage] = stages_for(policy, model_on)
 
     @property
     def reroutes(self) -> bool:

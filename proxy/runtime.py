@@ -70,7 +70,8 @@ class Runtime:
         self.metrics = Metrics(self.registry)
         if policy is None:
             policy = build_policy(settings.policy.name, settings.policy.params)
-        self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions)
+        self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions,
+                             model_on=self.registry.model_on)
         self._retired: set[asyncio.Task[None]] = set()  # routers of earlier policies
         self.least_inflight = LeastInflight()  # picks for proxy/passthrough.py
         self.responses = ResponseHomes(settings.responses.remember)  # stored responses' homes

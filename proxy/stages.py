@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from predictors.base import Prediction
-from proxy.types import ClusterView, RequestContext
+from proxy.types import Backend, ClusterView, RequestContext
 
 if TYPE_CHECKING:
     from predictors.buckets import BucketPrediction
@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("laneway")
 T = TypeVar("T")
 R = TypeVar("R")
+# The model a request for a name (a base model, LoRA adapter or group) names on a
+# backend: Registry.model_on.
+ModelOn = Callable[[Backend, str], str]
+
+
+def base_model(backend: Backend, requested: str) -> str:
+    """A `ModelOn` for a fleet without adapters or groups: the backend's model."""
+    return backend.model
 
 
 class BatchPredictor(Protocol):
@@ -50,14 +58,14 @@ class Stage(Protocol):
     async def close(self) -> None: ...
 
 
-def stages_for(policy: object) -> list[Stage]:
+def stages_for(policy: object, model_on: ModelOn = base_model) -> list[Stage]:
     from policies.eldr import Eldr
     from policies.qos_drl import QosDrl
 
     if isinstance(policy, Eldr) and policy.pd:
         from proxy.eldr_stage import PrefillStage
 
-        return [PrefillStage(policy)]
+        return [PrefillStage(policy, model_on=model_on)]
     if isinstance(policy, QosDrl) and policy.predictor is not None:
         return [BucketStage(policy.predictor, policy.params.predict_max_batch,
                             policy.params.predict_timeout_s)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import logging
@@ -23,6 +24,7 @@ from predictors.eldr_fit import EldrModel
 from predictors.experts import SignatureSpec, normalize
 from proxy.eldr_stage import PrefillStage
 from proxy.kv_transfer import handle_of
+from proxy.registry import Registry
 from proxy.stages import stages_for
 from proxy.types import Backend, ClusterView
 from tests.policies.helpers import ctx
@@ -97,6 +99,22 @@ async def test_prefill_leg_yields_the_signature_and_decode_avoids_the_prefill_po
     assert np.allclose(pred.expert_signature, normalize(np.array([1.0, 9.0])))
     assert policy.pick(context, pred, view).backend.name == "d1"
     assert policy.pick(context, NO_PREDICTION, view).backend.name in {"d0", "d1"}
+
+
+async def test_the_prefill_leg_names_what_the_request_names_on_that_backend(
+        side: SideEndpoint) -> None:
+    """A LoRA adapter's request prefills with the adapter (its KV and experts are the
+    adapter's, as its decode's will be); a group's with the member the backend serves."""
+    seen: list[httpx.Request] = []
+    view = side.view()
+    registry = Registry(view.candidates, {"fleet": ["other", "m"]})
+    registry.set_served("p0", ["m", "m-sql"])
+    stage = PrefillStage(eldr(), transport=transport(seen), model_on=registry.model_on)
+    for requested in ("m-sql", "fleet", "m"):
+        await stage.predict(dataclasses.replace(ctx(), model=requested),
+                            {"model": requested, "prompt": "hi"}, NO_PREDICTION, view)
+    await stage.close()
+    assert [json.loads(leg.content)["model"] for leg in seen] == ["m-sql", "m", "m"]
 
 
 async def test_a_failed_lookup_leaves_the_prediction_without_a_signature(
