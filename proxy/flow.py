@@ -138,6 +138,19 @@ class FlowControl:
                     "%d waiting", model, place.priority, reason, message, self._queued)
         return Overloaded(message, retry_after_s=self._settings().server.retry_after_s)
 
+    def for_move(self, view: ClusterView, *, required: bool) -> ClusterView:
+        """Where a running stream may move (it was admitted: it never waits in line):
+        the backends of `view` with room. A move that must happen (the source failed or
+        drains, a forced move) takes any backend when none has room, one request over
+        the limit beside losing the stream; an optional one (a policy's) gets an empty
+        view and stays where it is."""
+        if self._settings().flow_control.max_inflight_per_backend == 0:
+            return view
+        room = self._room(view)
+        if len(room) == len(view.candidates) or (required and not room):
+            return view
+        return dataclasses.replace(view, candidates=room)
+
     def _room(self, view: ClusterView) -> tuple[Backend, ...]:
         limit = self._settings().flow_control.max_inflight_per_backend
         if limit == 0:  # turned off by a reload: no backend is full

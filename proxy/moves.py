@@ -122,8 +122,11 @@ class Moves:
             return reason, None
         if self.rt.router.reroutes and generated >= self._next_check:
             self._next_check = generated + self.cfg.check_every_tokens
+            view = self.rt.flow.for_move(self._view(), required=False)
+            if not view.candidates:
+                return None, None  # every other backend is full: stay until the next check
             pred = self.rt.predict_window(self.ctx, self.gen.text, generated)
-            decision = self.rt.router.reroute(self.ctx, pred, self._progress(), self._view())
+            decision = self.rt.router.reroute(self.ctx, pred, self._progress(), view)
             if decision is not None:
                 return "policy", decision.backend
         return None, None
@@ -142,7 +145,7 @@ class Moves:
             self.ctx.model, time.monotonic(), exclude=(self.leg.backend.name, *exclude))
 
     def _pick_target(self, reason: str) -> Backend | None:
-        view = self._view()
+        view = self.rt.flow.for_move(self._view(), required=True)
         if not view.candidates:
             log.info("request %s: no backend to move to (%s)", self.ctx.request_id, reason)
             return None
@@ -220,7 +223,7 @@ class Moves:
         started = time.monotonic()
         tried: list[str] = []
         for _ in range(self.rt.settings.upstream.max_attempts):
-            view = self._view(tuple(tried))
+            view = self.rt.flow.for_move(self._view(tuple(tried)), required=True)
             if not view.candidates:
                 break
             target = self.rt.router.pick(self.ctx, self.pred, view).backend

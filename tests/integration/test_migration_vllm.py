@@ -6,6 +6,7 @@ and text of the same request left alone, in every endpoint and mode.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -341,3 +342,43 @@ def test_move_to_a_backend_with_another_tokenizer(
     assert moved.text != reference.text  # other weights, other vocabulary after the move
     assert moved.finish_reason == "length"
     assert moved.usage is not None and moved.usage["completion_tokens"] == LENGTH
+
+
+def test_a_drain_under_flow_control_moves_the_stream_onto_a_full_backend(
+        vllm_fleet: list[Running]) -> None:
+    """With room for one request per backend and both backends busy, draining one moves
+    its stream anyway (a move that must happen takes a full backend rather than lose the
+    stream; tests/proxy/test_flow_control.py has the cases with room), and the answer is
+    the unmoved one."""
+    pair = two_same(vllm_fleet)
+    reference = ask(pair[0].url, True, body(True, True, ignore_eos=True, max_tokens=300))
+    # frozen, not paced: a paced target beside another request may not catch up before
+    # the source ends, and the stream then stays where it is
+    proxy_config = config(pair, pace_slowdown=0) | {
+        "flow_control": {"max_inflight_per_backend": 1}}
+    other: list[Answer] = []
+    with running_proxy(proxy_config) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=120) as http, \
+            http.stream("POST", "/v1/chat/completions", headers={"x-laneway-events": "1"},
+                        json=body(True, True, ignore_eos=True, max_tokens=300)) as response:
+        backend = response.headers["x-laneway-backend"]
+        busy = threading.Thread(target=lambda: other.append(ask(
+            proxy.url, True, body(True, False, ignore_eos=True, max_tokens=300))))
+        busy.start()  # to the other backend: the first holds the stream
+        [target] = {b.name for b in pair} - {backend}
+        deadline = time.monotonic() + 30
+        while not any(b["name"] == target and b["inflight"]
+                      for b in http.get("/admin/backends").json()["backends"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert http.post(f"/admin/backends/{backend}/drain").json()["moving"] == 1
+        lines = list(response.iter_lines())
+        busy.join(120)
+    moved = Answer(backend=backend)
+    read_stream(moved, lines, chat=True)
+    assert [(m["reason"], m["to"]) for m in moved.moves] == [("drain", target)]
+    # The target decodes it in a batch with the other request, whose other kernel paths
+    # part from the solo reference on near ties within tens of tokens (seen at +30..+50):
+    # exact through two tokens past the splice, where a lost or repeated token would show.
+    assert_spliced_exactly(moved, reference, past=2)
+    assert other and other[0].backend == target and len(other[0].token_ids) == 300

@@ -19,6 +19,12 @@ from proxy.reconfigure import apply_settings
 from proxy.registry import Registry
 from proxy.types import Backend, BackendStats
 from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.test_migration import (
+    MoveToOther,
+    continuation_bodies,
+    expected_text,
+    stream_text,
+)
 
 SLOW = FakeConfig(tpot_s=0.02)  # 16 tokens: ~0.3 s a request
 KEYS = {"keys": [{"name": "a", "sha256": hash_key("sk-a")},
@@ -211,3 +217,62 @@ async def test_the_access_log_says_how_long_a_request_queued(
               if r.name == "laneway.access"]
     assert len(queued) == 2 and queued.count(None) == 1
     assert min(q for q in queued if q is not None) > 100  # "busy" runs ~0.3 s
+
+
+# -- a running stream's moves (it was admitted: it never waits in line) ------------
+LONG = FakeConfig(tpot_s=0.01)
+NO_CHECKS = {"check_every_tokens": 10_000}
+
+
+async def _stream(proxy: Any, text: str, tokens: int) -> asyncio.Task[httpx.Response]:
+    """A stream, once its first bytes came (it is running on its backend)."""
+    running = asyncio.Event()
+
+    async def read() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http, http.stream(
+                "POST", "/v1/chat/completions",
+                json=_chat(text, stream=True, max_tokens=tokens)) as response:
+            running.set()
+            await response.aread()
+            return response
+
+    task = asyncio.create_task(read())
+    await asyncio.wait_for(running.wait(), 5)
+    return task
+
+
+async def test_a_policy_move_waits_for_room_instead_of_overfilling_the_target() -> None:
+    async with fleet(LONG, LONG, policy={"name": MoveToOther.name}, flow_control=_limit(1),
+                     migration={"check_every_tokens": 10}) as (proxy, fakes):
+        moving = await _stream(proxy, "a", 30)  # on f0; its checks find f1 full
+        other = await _stream(proxy, "b", 60)  # on f1 until after `a` ends
+        peak = await _peak(fakes, moving)
+        answers = [await moving, await other]
+    assert [stream_text(a) for a in answers] == [expected_text(30), expected_text(60)]
+    assert [a.headers["x-laneway-backend"] for a in answers] == ["f0", "f1"]
+    assert continuation_bodies(fakes[1]) == []
+    assert peak == 1
+
+
+async def test_a_drain_moves_to_a_backend_with_room_when_there_is_one() -> None:
+    async with fleet(LONG, LONG, LONG, policy={"name": MoveToOther.name},
+                     flow_control=_limit(1), migration=NO_CHECKS) as (proxy, fakes):
+        moving = await _stream(proxy, "a", 40)  # f0
+        other = await _stream(proxy, "b", 40)  # f1 (the first with room)
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            assert (await http.post("/admin/backends/f0/drain")).json()["moving"] == 1
+        answers = [await moving, await other]
+    assert [stream_text(a) for a in answers] == [expected_text(40)] * 2
+    assert continuation_bodies(fakes[1]) == [] and len(continuation_bodies(fakes[2])) == 1
+
+
+async def test_a_drain_moves_even_when_every_other_backend_is_full() -> None:
+    async with fleet(LONG, LONG, policy={"name": MoveToOther.name},
+                     flow_control=_limit(1), migration=NO_CHECKS) as (proxy, fakes):
+        moving = await _stream(proxy, "a", 40)
+        other = await _stream(proxy, "b", 40)
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            assert (await http.post("/admin/backends/f0/drain")).json()["moving"] == 1
+        answers = [await moving, await other]
+    assert [stream_text(a) for a in answers] == [expected_text(40)] * 2
+    assert len(continuation_bodies(fakes[1])) == 1  # one over the limit, nothing lost
