@@ -66,7 +66,7 @@ async def handle_admin(rt: Runtime, scope: Scope, receive: Receive, send: Send) 
         _authorize(rt, headers)
         parts = scope["path"][len(PREFIX):].strip("/").split("/")
         action = _route(parts, scope["method"], scope["path"])
-        body = await read_body(headers, receive, _MAX_BODY)
+        body = await read_body(headers, receive, _MAX_BODY, rt.settings.server.body_timeout_s)
         status, payload = await action(rt, parts, body)
         await send_json(send, status, payload)
     except ClientGone:

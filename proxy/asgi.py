@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import PayloadTooLarge, ProxyError, error_response
+from proxy.errors import PayloadTooLarge, ProxyError, RequestTimeout, error_response
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -26,23 +26,31 @@ def header_map(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-async def read_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
+async def read_body(headers: dict[str, str], receive: Receive, limit: int,
+                    timeout_s: float = 60.0) -> bytes:
+    """The whole body, at most `limit` bytes, arrived within `timeout_s` (a client that
+    trickles it, or stops sending, does not hold the request open)."""
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the {limit}-byte limit.")
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk: bytes = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+    except TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {timeout_s:g} s "
+                             f"({size} bytes came); send it faster.") from None
 
 
 async def send_bytes(

@@ -43,6 +43,8 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="larger bodies get 413")
+    body_timeout_s: float = Field(60.0, gt=0, description="a request body not received "
+                                  "whole within this gets 408 and its connection closes")
     max_tokens_limit: int = Field(131_072, gt=0, description="larger max_tokens get 400")
     session_header: str = Field("x-session-id", description="header naming a session")
     prefix_block_chars: int = Field(128, gt=0, description="block size of prompt hashing")

@@ -88,6 +88,17 @@ class PayloadTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class RequestTimeout(ProxyError):
+    """The client did not send its whole body in time; the connection is closed."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"connection", b"close")]
+
+
 class NoHealthyBackend(ProxyError):
     status = 503
     type = "service_unavailable"

@@ -58,7 +58,7 @@ async def handle_completion(
     headers = header_map(scope)
     server = rt.settings.server
     try:
-        body = await read_body(headers, receive, server.max_body_bytes)
+        body = await read_body(headers, receive, server.max_body_bytes, server.body_timeout_s)
         data = parse_body(body)
         ctx = build_context(
             data, endpoint, headers,

@@ -74,7 +74,8 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     path: str = scope["path"]
     headers = header_map(scope)
     try:
-        raw = await read_body(headers, receive, rt.settings.server.max_body_bytes)
+        server = rt.settings.server
+        raw = await read_body(headers, receive, server.max_body_bytes, server.body_timeout_s)
         body = _read(raw, headers, path)
         model = body.model
         # No output tokens: the body bounds the input the key is charged for (an audio

@@ -13,7 +13,7 @@ import pytest
 
 from bench.fake_vllm import FakeConfig, serve_fake
 from proxy.config import Settings
-from proxy.server import serve_in_loop
+from proxy.server import RunningProxy, serve_in_loop
 from tests.proxy.fakes import CHAT, events, fleet, post
 
 
@@ -162,6 +162,53 @@ async def test_proxy_errors(method: str, path: str, body: bytes, status: int,
     assert response.status_code == status
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert response.json()["error"]["code"] == code
+    assert fakes[0].app.stats.requests == 0
+
+
+async def _slow_body(proxy: RunningProxy, path: str, chunks: int) -> tuple[bytes, float]:
+    """Send `path` a 100-byte body 10 bytes every 0.1 s, `chunks` times; (what came back
+    until the proxy closed, b"" if it reset the connection; seconds that took)."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 "content-length: 100\r\n\r\n".encode())
+    started = asyncio.get_running_loop().time()
+
+    async def trickle() -> None:
+        with contextlib.suppress(ConnectionError):
+            for _ in range(chunks):
+                writer.write(b'{"model": ')
+                await writer.drain()
+                await asyncio.sleep(0.1)
+
+    trickling = asyncio.create_task(trickle())
+    try:
+        answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: the proxy closed it
+    except ConnectionResetError:  # closed with our bytes unread: the kernel resets
+        answer = b""
+    waited = asyncio.get_running_loop().time() - started
+    await trickling
+    writer.close()
+    return answer, waited
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings",
+                                  "/admin/backends"])
+async def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(path: str
+                                                                           ) -> None:
+    async with fleet(FakeConfig(), server={"body_timeout_s": 0.5}) as (proxy, fakes):
+        answer, waited = await _slow_body(proxy, path, chunks=2)  # 20 of 100 bytes
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert orjson.loads(body)["error"]["code"] == "request_timeout"
+    assert 0.5 <= waited < 2
+    assert fakes[0].app.stats.requests == 0
+
+
+async def test_a_trickled_body_does_not_hold_the_connection() -> None:
+    async with fleet(FakeConfig(), server={"body_timeout_s": 0.3}) as (proxy, fakes):
+        _, waited = await _slow_body(proxy, "/v1/chat/completions", chunks=9)
+    assert waited < 0.8  # closed mid-trickle, not after the 0.9 s it would take
     assert fakes[0].app.stats.requests == 0
 
 
