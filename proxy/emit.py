@@ -8,7 +8,7 @@ itself, shaped like vLLM 0.32's own (pydantic models serialised as vLLM does): t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -25,6 +25,16 @@ class ResponseHead:
     model: str
     chat: bool
     with_token_ids: bool  # the client asked for `return_token_ids`
+    # A plain token event's bytes around its JSON-encoded text (`token_event`'s fast
+    # path: most events of a stream differ only by their text).
+    _around_text: tuple[bytes, bytes] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        marker = orjson.dumps("\x00laneway-text\x00")
+        whole = _plain_event(self, orjson.loads(marker))
+        before, _, after = whole.partition(marker)
+        around = (before, after) if whole.count(marker) == 1 else None  # (an odd id)
+        object.__setattr__(self, "_around_text", around)
 
     @property
     def chunk_object(self) -> str:
@@ -46,6 +56,24 @@ def token_event(
     head: ResponseHead, text: str, token_ids: list[int], *,
     finish_reason: str | None = None, stop_reason: str | int | None = None,
     prompt_token_ids: list[int] | None = None, fingerprint: str | None = None,
+) -> bytes:
+    around = head._around_text
+    if around is not None and finish_reason is None and fingerprint is None \
+            and not head.with_token_ids:  # every other field is the same as the last
+        return around[0] + orjson.dumps(text) + around[1]
+    return _token_event(head, text, token_ids, finish_reason, stop_reason,
+                        prompt_token_ids, fingerprint)
+
+
+def _plain_event(head: ResponseHead, text: str) -> bytes:
+    """A token event without finish, fingerprint or token ids."""
+    return _token_event(head, text, [], None, None, None, None)
+
+
+def _token_event(
+    head: ResponseHead, text: str, token_ids: list[int], finish_reason: str | None,
+    stop_reason: str | int | None, prompt_token_ids: list[int] | None,
+    fingerprint: str | None,
 ) -> bytes:
     ids = token_ids if head.with_token_ids else None
     choice: dict[str, Any] = {"index": 0}

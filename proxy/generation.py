@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from proxy.pieces import Piece
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: once per token, as Piece
 class Release:
     """What one upstream piece lets the client see."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 DONE = b"[DONE]"
 _SEP = b"\n\n"
 _DATA = b"data:"
+_EVENT = b"data: "
 
 
 class EventSplitter:
@@ -19,6 +20,9 @@ class EventSplitter:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The payloads of the events completed by `chunk` (comments are skipped)."""
+        if not self._pending and chunk.startswith(_EVENT) and chunk.endswith(_SEP) \
+                and chunk.find(b"\n", 6, -2) < 0 and chunk[-3:-2] != b"\r":
+            return [chunk[6:-2]]  # the usual chunk: one event of one data line
         buf = self._pending + chunk if self._pending else chunk
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
@@ -28,7 +32,7 @@ class EventSplitter:
         *events, self._pending = buf.split(_SEP)
         payloads = []
         for event in events:
-            if event.startswith(b"data: ") and b"\n" not in event:
+            if event.startswith(_EVENT) and b"\n" not in event:
                 payloads.append(event[6:])  # the usual shape: one data line
                 continue
             data = [line[5:].lstrip(b" ") for line in event.split(b"\n")

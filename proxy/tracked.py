@@ -100,7 +100,7 @@ class TrackedRelay(Moves):
                     break
                 if self.handoff is not None and self.handoff.ready and self.gen.clean_boundary:
                     await self._continue_handoff()
-                else:
+                elif self._trigger_due():
                     await self._maybe_trigger()
             await self._finish()
         finally:
@@ -146,13 +146,13 @@ class TrackedRelay(Moves):
         out: list[bytes] = []
         first = self.first_token_at is None
         for at, piece in enumerate(pieces):
-            if self._forced_due() and at:
+            if at and self._forced_due():
                 self._stash = pieces[at:]  # splice exactly where the header asked
                 break
             if self.head is None:
                 self.head = self._response_head(piece)
             release = self.gen.add(piece)
-            if self._is_role_event(piece):
+            if not piece.token_ids and self._is_role_event(piece):
                 if not self.started and not out:
                     assert piece.event is not None
                     out.append(pass_event(piece.event, self.head))
@@ -172,10 +172,17 @@ class TrackedRelay(Moves):
             return
         if not out:
             return
-        await self._start_stream()
-        await self._send(b"".join(out))
+        if not self.started:
+            await self._start_stream()
+        await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         if self.gen.generated:
             self._token_sent(first)
+
+    def _trigger_due(self) -> bool:
+        """Whether a move may be due (`Moves._trigger` decides): checked every chunk,
+        so without awaiting anything."""
+        return (self.forced_after is not None or self.move_requested is not None
+                or (self.gen.generated >= self._next_check and self.rt.router.reroutes))
 
     def _forced_due(self) -> bool:
         return self.forced_after is not None and self.gen.generated >= self.forced_after \

@@ -6,9 +6,14 @@ Asserts the harness computes sane figures, not the proxy's timing targets.
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 from bench.fake_vllm import FakeConfig, serve_fake
 from bench.overhead import Legs, Plan, measure, table, verdict
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_harness_measures_direct_against_direct() -> None:
@@ -35,3 +40,15 @@ async def test_harness_measures_direct_against_direct() -> None:
     assert result["floor_relay_cpu_us_per_token"] is None  # no floor relay given
     assert set(verdict(result)) == {"added_p50_ms", "added_p99_ms", "throughput_ratio_256"}
     assert "4 streams" in table(result)
+
+
+def test_cpu_ab_runs_two_checkouts_in_turn(capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench.cpu_ab` with this repository as both sides, tiny: every stream relayed
+    by both proxies, a figure per round, and the difference."""
+    from bench.cpu_ab import main
+
+    assert main([str(REPO), str(REPO), "--rounds", "2", "--streams", "4",
+                 "--tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("µs/token; rounds ") == 2
+    assert "lower in " in out and " of 2 rounds" in out

@@ -82,6 +82,20 @@ def test_sse_splitter_joins_events_cut_anywhere() -> None:
         assert payloads == [b'{"a":1}', b'{"b":2}', b"[DONE]"]
 
 
+@pytest.mark.parametrize(("chunks", "payloads"), [
+    ([b'data: {"a":1}\n\n'], [b'{"a":1}']),  # the usual chunk (the fast path)
+    ([b"data: x\r\n\r\n"], [b"x"]),  # CRLF lines
+    ([b"data: x\r\n\n"], [b"x"]),
+    ([b"data: a\ndata: b\n\n"], [b"a\nb"]),  # one event of two data lines
+    ([b"data: a\n\ndata: b\n\n"], [b"a", b"b"]),  # two events in one chunk
+    ([b"data: a", b"b\n\n", b'data: {"c":3}\n\n'], [b"ab", b'{"c":3}']),
+    ([b": comment\n\n", b"data:x\n\n"], [b"x"]),
+])
+def test_sse_splitter_shapes(chunks: list[bytes], payloads: list[bytes]) -> None:
+    splitter = EventSplitter()
+    assert [p for chunk in chunks for p in splitter.feed(chunk)] == payloads
+
+
 def test_pieces_of_chat_and_completion_events() -> None:
     chat = parse_event(orjson.dumps({"id": "c", "choices": [
         {"index": 0, "delta": {"content": "hi"}, "token_ids": [5, 6],
