@@ -45,6 +45,9 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="larger bodies get 413")
     body_timeout_s: float = Field(60.0, gt=0, description="a request body not received "
                                   "whole within this gets 408 and its connection closes")
+    header_timeout_s: float = Field(30.0, gt=0, description="a request's headers not "
+                                    "received whole within this (from the connection's "
+                                    "start, or the request's first byte): 408, closed")
     max_tokens_limit: int = Field(131_072, gt=0, description="larger max_tokens get 400")
     session_header: str = Field("x-session-id", description="header naming a session")
     prefix_block_chars: int = Field(128, gt=0, description="block size of prompt hashing")

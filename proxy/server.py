@@ -1,5 +1,6 @@
-"""Run the proxy under uvicorn (uvloop + httptools): blocking for the CLI, or as a
-task in the current event loop for tests and benchmarks."""
+"""Run the proxy under uvicorn (uvloop + httptools, with a deadline on request headers:
+proxy/http_protocol.py): blocking for the CLI, or as a task in the current event loop
+for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import uvicorn
 from policies.base import Policy
 from proxy.app import LanewayApp
 from proxy.config import Settings
+from proxy.http_protocol import with_header_timeout
 
 
 def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
@@ -22,7 +24,7 @@ def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop",
-        http="httptools",
+        http=with_header_timeout(settings.server.header_timeout_s),
         lifespan="on",
         access_log=False,
         log_config=None,  # the CLI configures logging once

@@ -212,6 +212,59 @@ async def test_a_trickled_body_does_not_hold_the_connection() -> None:
     assert fakes[0].app.stats.requests == 0
 
 
+async def _connect(proxy: RunningProxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = proxy.url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+           b"\r\ncontent-length: " + str(len(orjson.dumps(CHAT))).encode() + b"\r\n\r\n"
+           + orjson.dumps(CHAT))
+
+
+async def _response(reader: asyncio.StreamReader) -> bytes:
+    """One whole HTTP/1.1 response with a content-length."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return head + await reader.readexactly(length)
+
+
+async def test_headers_that_do_not_finish_in_time_are_a_408_and_close() -> None:
+    """`server.header_timeout_s` (slowloris): a connection that never finishes its
+    headers gets a 408 and is closed; one that sends nothing is closed."""
+    async with fleet(FakeConfig(), server={"header_timeout_s": 0.3}) as (proxy, fakes):
+        reader, writer = await _connect(proxy)
+        writer.write(REQUEST[:40])  # headers begun, never finished
+        answer = await asyncio.wait_for(reader.read(), 3)  # to EOF: closed
+        writer.close()
+        silent_reader, silent = await _connect(proxy)
+        nothing = await asyncio.wait_for(silent_reader.read(), 3)
+        silent.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head
+    assert orjson.loads(body)["error"]["code"] == "request_timeout"
+    assert nothing == b""
+    assert fakes[0].app.stats.requests == 0
+
+
+async def test_the_header_deadline_spares_slow_headers_and_idle_keep_alive() -> None:
+    """Headers that finish in time are served, and a kept-alive connection's idle time
+    between requests does not count against the next request's headers."""
+    async with fleet(FakeConfig(), server={"header_timeout_s": 0.5}) as (proxy, fakes):
+        reader, writer = await _connect(proxy)
+        for at in range(0, len(REQUEST), 40):  # the first request trickled over 0.3 s
+            writer.write(REQUEST[at:at + 40])
+            await asyncio.sleep(0.3 * 40 / len(REQUEST))
+        first = await _response(reader)
+        await asyncio.sleep(0.8)  # idle, kept alive past the header deadline
+        writer.write(REQUEST)
+        second = await _response(reader)
+        writer.close()
+    assert first.startswith(b"HTTP/1.1 200 ") and second.startswith(b"HTTP/1.1 200 ")
+    assert fakes[0].app.stats.requests == 2
+
+
 async def test_models_and_no_healthy_backend() -> None:
     ghost = [{"name": "ghost", "url": "http://127.0.0.1:9", "model": "ghost-model"}]
     async with fleet(FakeConfig(), extra_backends=ghost) as (proxy, _):
