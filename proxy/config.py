@@ -59,6 +59,9 @@ class ServerConfig(_Section):
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
     shutdown_timeout_s: int = Field(30, ge=0, description="finish open streams on stop")
     keep_alive_s: int = Field(75, ge=1, description="idle client connection lifetime")
+    tls_certfile: str | None = Field(None, description="serve HTTPS with this "
+                                     "certificate (PEM, with its chain); null: HTTP")
+    tls_keyfile: str | None = Field(None, description="the certificate's private key (PEM)")
     cors_allow_origins: list[str] = Field(
         default_factory=list, description="browser origins allowed to call the API "
         "(CORS), e.g. [https://app.example.com], or [\"*\"] for any; empty: no CORS")
@@ -93,6 +96,9 @@ class UpstreamConfig(_Section):
         "instead of getting 503/502/504 at once: it rides out a backend restart or a "
         "drain of the only backend. 0: answer at once")
     pool_size: int = Field(0, ge=0, description="max open connections; 0 = unlimited")
+    tls_ca_file: str | None = Field(
+        None, description="CA bundle (PEM) that `https://` backends' certificates are "
+        "verified against (a private CA); null: the system's CAs")
     keepalive_s: float = Field(
         4.0, gt=0, description="idle upstream connections are dropped after this; keep it "
         "below the backends' own keep-alive (vLLM: 5 s) so a reused one is never stale")
@@ -334,6 +340,7 @@ def load_settings_and_policy(path: str | Path | None = None) -> tuple[Settings, 
         raise ConfigError(_describe(exc, path)) from None
     policy = _check_policy(settings)
     _check_predictors(settings)
+    _check_tls(settings)
     return settings, policy
 
 
@@ -375,6 +382,16 @@ def _check_policy(settings: Settings) -> Policy:
             for e in exc.errors()
         )
         raise ConfigError(f"config is invalid: {details}") from None
+
+
+def _check_tls(settings: Settings) -> None:
+    from proxy.tls import check_server_tls, upstream_context
+
+    try:
+        check_server_tls(settings.server)
+        upstream_context(settings.upstream)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_predictors(settings: Settings) -> None:

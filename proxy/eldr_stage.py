@@ -21,6 +21,7 @@ import base64
 import dataclasses
 import io
 import logging
+import ssl
 from typing import Any
 
 import aiohttp
@@ -43,13 +44,16 @@ _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 class PrefillStage:
     def __init__(self, policy: Eldr, timeout_s: float = 30.0,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 model_on: ModelOn = base_model) -> None:
+                 model_on: ModelOn = base_model, tls: ssl.SSLContext | None = None) -> None:
         """`model_on`: the name a request names on the prefill backend (a LoRA
-        adapter's request prefills with the adapter, as its decode will)."""
+        adapter's request prefills with the adapter, as its decode will); `tls`: the
+        https backends' CA (None: the system's)."""
         self._policy = policy
         self._model_on = model_on
+        self._tls = tls
         self._prefix = PrefixAware(PrefixAwareParams())
-        self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
+        self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport,
+                                         verify=tls or True)
         self._kv_transfer = policy.kv_transfer
         self._timeout_s = timeout_s
         self._lookups: aiohttp.ClientSession | None = None  # made on the running loop
@@ -113,6 +117,7 @@ class PrefillStage:
     async def _lookup(self, eldr_url: str, request_id: str) -> Any:
         if self._lookups is None:
             self._lookups = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=self._tls or True),
                 timeout=aiohttp.ClientTimeout(total=self._timeout_s))
         return await eldr_record(self._lookups, eldr_url, request_id)
 

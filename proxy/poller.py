@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import time
 from dataclasses import dataclass, field, replace
 
@@ -40,10 +41,12 @@ class _Health:
 
 
 class Poller:
-    def __init__(self, registry: Registry, cfg: PollerConfig) -> None:
+    def __init__(self, registry: Registry, cfg: PollerConfig,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: the https backends' CA (None: the system's)."""
         self._registry = registry
         self._cfg = cfg
-        self.scraper = Scraper(cfg.timeout_s, WANTED if cfg.filter_families else ())
+        self.scraper = Scraper(cfg.timeout_s, WANTED if cfg.filter_families else (), tls)
         self._health: dict[str, _Health] = {}
         self._scraping: set[str] = set()
         self._arrived: dict[str, BackendStats] = {}  # not yet published

@@ -36,7 +36,7 @@ def switch_policy(rt: Runtime, name: str, params: dict[str, Any], policy: Policy
     caller) from the next request on."""
     rt.replace_router(Router(policy, rt.metrics,
                              log_decisions=rt.settings.debug.log_decisions,
-                             model_on=rt.registry.model_on))
+                             model_on=rt.registry.model_on, tls=rt.tls))
     policy_cfg = rt.settings.policy.model_copy(update={"name": name, "params": params})
     rt.settings = rt.settings.model_copy(update={"policy": policy_cfg})
     log.info("policy switched to %s %s", name, params)

@@ -4,6 +4,7 @@ decision and explain it in the log."""
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,15 +20,16 @@ log = logging.getLogger("laneway.routing")
 
 class Router:
     def __init__(self, policy: Policy, metrics: Metrics, *, log_decisions: bool,
-                 model_on: ModelOn = base_model) -> None:
-        """`model_on`: Registry.model_on, for stages that send the request themselves."""
+                 model_on: ModelOn = base_model, tls: ssl.SSLContext | None = None) -> None:
+        """`model_on`: Registry.model_on, and `tls`: the https backends' CA (None: the
+        system's), for stages that send the request themselves."""
         self.policy = policy
         self.policy_name = policy.name
         self._timer = metrics.decision.labels(policy.name)
         self._log_level = logging.INFO if log_decisions else logging.DEBUG
         reroute = getattr(policy, "reroute", None)
         self._rerouting: Rerouting | None = policy if callable(reroute) else None  # type: ignore[assignment]
-        self.stages: list[Stage] = stages_for(policy, model_on)
+        self.stages: list[Stage] = stages_for(policy, model_on, tls)
 
     @property
     def reroutes(self) -> bool:

@@ -32,6 +32,7 @@ from proxy.responses import ResponseHomes
 from proxy.routing import Router
 from proxy.state import build_store, new_replica_id
 from proxy.state.replicator import Replicator
+from proxy.tls import upstream_context
 from proxy.types import Backend, Outcome, RequestContext
 
 log = logging.getLogger("laneway")
@@ -70,8 +71,9 @@ class Runtime:
         self.metrics = Metrics(self.registry)
         if policy is None:
             policy = build_policy(settings.policy.name, settings.policy.params)
+        self.tls = upstream_context(settings.upstream)  # https backends' CA (None: system's)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions,
-                             model_on=self.registry.model_on)
+                             model_on=self.registry.model_on, tls=self.tls)
         self._retired: set[asyncio.Task[None]] = set()  # routers of earlier policies
         self.least_inflight = LeastInflight()  # picks for proxy/passthrough.py
         self.responses = ResponseHomes(settings.responses.remember)  # stored responses' homes
@@ -80,14 +82,14 @@ class Runtime:
                                                length.fallback_key)
         self._relay_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
-                limit=settings.upstream.pool_size, ttl_dns_cache=300,
+                ssl=self.tls or True, limit=settings.upstream.pool_size, ttl_dns_cache=300,
                 keepalive_timeout=settings.upstream.keepalive_s),
             auto_decompress=False,  # relay bytes exactly as the backend sent them
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         self.upstream = Upstream(self._relay_session, settings.upstream)
         self.streams = ActiveStreams()
-        self.poller = Poller(self.registry, settings.poller)
+        self.poller = Poller(self.registry, settings.poller, self.tls)
         self.flow = FlowControl(lambda: self.settings, self.registry, self.metrics)
         self.discovery = ModelDiscovery(self.registry, self.upstream,
                                         settings.poller.models_interval_s,

@@ -110,14 +110,15 @@ class Scraper:
     connection per (backend name, URL): two backends configured at one URL are scraped
     side by side, not over one connection."""
 
-    def __init__(self, timeout_s: float, names: Iterable[str] = ()) -> None:
+    def __init__(self, timeout_s: float, names: Iterable[str] = (),
+                 tls: ssl.SSLContext | None = None) -> None:
         self._timeout_s = timeout_s
         query = "&".join(f"name%5B%5D={quote(name, safe='')}" for name in names)
         self._filtered_path = f"/metrics/?{query}" if query else ""
         self._connections: dict[Key, _Connection] = {}
         self._requests: dict[Key, tuple[bytes, ...]] = {}  # filtered (if any), plain
         self._connecting: set[asyncio.Task[None]] = set()
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls  # made on the first https backend when None
 
     def get(self, key: Key, answer: Answer) -> None:
         connection = self._connections.get(key)

@@ -30,6 +30,8 @@ def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
         log_config=None,  # the CLI configures logging once
         timeout_graceful_shutdown=settings.server.shutdown_timeout_s,
         timeout_keep_alive=settings.server.keep_alive_s,
+        ssl_certfile=settings.server.tls_certfile,
+        ssl_keyfile=settings.server.tls_keyfile,
     )
 
 
@@ -73,7 +75,7 @@ async def uvicorn_in_loop(config: uvicorn.Config, sockets: list[socket.socket] |
                 raise RuntimeError("server exited during startup")
             await asyncio.sleep(0.005)
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://{config.host}:{port}"
+        yield f"{'https' if config.is_ssl else 'http'}://{config.host}:{port}"
     finally:
         server.should_exit = True
         await task

@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import ssl
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -58,14 +59,15 @@ class Stage(Protocol):
     async def close(self) -> None: ...
 
 
-def stages_for(policy: object, model_on: ModelOn = base_model) -> list[Stage]:
+def stages_for(policy: object, model_on: ModelOn = base_model,
+               tls: ssl.SSLContext | None = None) -> list[Stage]:
     from policies.eldr import Eldr
     from policies.qos_drl import QosDrl
 
     if isinstance(policy, Eldr) and policy.pd:
         from proxy.eldr_stage import PrefillStage
 
-        return [PrefillStage(policy, model_on=model_on)]
+        return [PrefillStage(policy, model_on=model_on, tls=tls)]
     if isinstance(policy, QosDrl) and policy.predictor is not None:
         return [BucketStage(policy.predictor, policy.params.predict_max_batch,
                             policy.params.predict_timeout_s)]

@@ -757,3 +757,44 @@ def test_requests_wait_out_a_backend_restart() -> None:
     assert whole.parse().usage.completion_tokens == 4
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert re.search(r'laneway_retry_waits_total\{model="tiny-llama"\} [1-9]', metrics)
+
+
+def test_an_https_vllm_backend_is_verified_against_the_configured_ca(
+        vllm_fleet: Any, tmp_path: Path) -> None:
+    """A real vLLM serving HTTPS (`--ssl-certfile`, a certificate of a private CA made
+    by trustme) beside the plain servers: with `upstream.tls_ca_file` the proxy scrapes
+    it and relays to it, streamed and not; a proxy without the CA does not trust it."""
+    import trustme
+
+    from bench.backends import Spec, start, stop
+    from bench.ports import free_port
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca_file, cert_file, key_file = (tmp_path / n for n in ("ca.pem", "cert.pem", "key.pem"))
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    for blob in cert.cert_chain_pems:
+        blob.write_to_path(str(cert_file), append=True)
+    secure = start([Spec("secure", "large", LARGE, free_port(), extra_args=(
+        "--ssl-certfile", str(cert_file), "--ssl-keyfile", str(key_file)))], timeout_s=240)
+    try:
+        assert secure[0].url.startswith("https://")
+        backends = [{"name": "secure", "url": secure[0].url, "model": LARGE}]
+        ask = {"model": LARGE, "prompt": STORY, "max_tokens": 6}
+        with running_proxy({"backends": backends,
+                            "upstream": {"tls_ca_file": str(ca_file)}}) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=60) as http:
+            health = http.get("/health").json()["backends"]["secure"]
+            whole = http.post("/v1/completions", json=ask)
+            streamed = http.post("/v1/completions", json={**ask, "stream": True})
+        with running_proxy({"backends": backends}, ready_timeout_s=10) as untrusting, \
+                httpx.Client(base_url=untrusting.url, timeout=60) as http:
+            refused = http.post("/v1/completions", json=ask)
+    finally:
+        stop(secure)
+    assert health["healthy"]
+    assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 6
+    assert whole.headers["x-laneway-backend"] == "secure"
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert refused.status_code in (502, 503)
