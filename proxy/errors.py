@@ -89,7 +89,8 @@ class PayloadTooLarge(ProxyError):
 
 
 class RequestTimeout(ProxyError):
-    """The client did not send its whole body in time; the connection is closed."""
+    """The client did not send its request's headers or body in time; the connection
+    is closed."""
 
     status = 408
     type = "invalid_request_error"
