@@ -124,6 +124,12 @@ class LanewayApp:
         self.cors = Cors(origins) if origins else None
         self.runtime: Runtime | None = None
 
+    def header_timed_out(self) -> None:
+        """A connection got 408 for headers not received in time (proxy/http_protocol.py):
+        counted with the proxy's other error answers."""
+        if self.runtime is not None:
+            self.runtime.metrics.error_responses.labels("408", "request_timeout").inc()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             if self.settings.server.access_log:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -24,6 +25,7 @@ log = logging.getLogger("laneway")
 
 class _HeaderDeadline(HttpToolsProtocol):
     header_timeout_s = 30.0  # set by `with_header_timeout`
+    on_408: Callable[[], None] = staticmethod(lambda: None)  # set by `with_header_timeout`
     _header_timer: asyncio.TimerHandle | None = None
     _began = False  # bytes of the awaited request came
 
@@ -66,10 +68,13 @@ class _HeaderDeadline(HttpToolsProtocol):
                 f"The request headers did not arrive within {self.header_timeout_s:g} s."))
             head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\n" + head + b"\r\n" + body)
+            self.on_408()
         self.transport.close()
 
 
-def with_header_timeout(timeout_s: float) -> type[HttpToolsProtocol]:
-    """uvicorn's `http` protocol class, with `timeout_s` to complete a request's headers."""
+def with_header_timeout(timeout_s: float, on_408: Callable[[], None] = lambda: None
+                        ) -> type[HttpToolsProtocol]:
+    """uvicorn's `http` protocol class, with `timeout_s` to complete a request's headers;
+    `on_408` is called for each 408 it sends (to count it)."""
     return type("HttpToolsWithHeaderDeadline", (_HeaderDeadline,),
-                {"header_timeout_s": timeout_s})
+                {"header_timeout_s": timeout_s, "on_408": staticmethod(on_408)})

@@ -24,7 +24,7 @@ def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop",
-        http=with_header_timeout(settings.server.header_timeout_s),
+        http=with_header_timeout(settings.server.header_timeout_s, app.header_timed_out),
         lifespan="on",
         access_log=False,
         log_config=None,  # the CLI configures logging once

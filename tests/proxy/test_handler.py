@@ -241,7 +241,10 @@ async def test_headers_that_do_not_finish_in_time_are_a_408_and_close() -> None:
         silent_reader, silent = await _connect(proxy)
         nothing = await asyncio.wait_for(silent_reader.read(), 3)
         silent.close()
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            metrics = (await http.get("/metrics")).text
     head, _, body = answer.partition(b"\r\n\r\n")
+    assert 'laneway_error_responses_total{code="request_timeout",status="408"} 1.0' in metrics
     assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head
     assert orjson.loads(body)["error"]["code"] == "request_timeout"
     assert nothing == b""
