@@ -60,6 +60,11 @@ class _HeaderDeadline(HttpToolsProtocol):
         self._header_timer = None
         if self.transport.is_closing():
             return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # The client began its next request while this one's answer (a stream) is
+            # still going out: its deadline runs from the end of that answer.
+            self._arm()
+            return
         if self._began:
             log.info("%s: request headers not complete within %g s (server."
                      "header_timeout_s); answered 408 and closed", self.client,

@@ -251,6 +251,27 @@ async def test_headers_that_do_not_finish_in_time_are_a_408_and_close() -> None:
     assert fakes[0].app.stats.requests == 0
 
 
+async def test_the_header_deadline_waits_for_the_answer_going_out() -> None:
+    """A client that begins its next request while a stream is still coming does not
+    lose the stream: the next request's deadline runs from the stream's end."""
+    streamed = orjson.dumps({**CHAT, "stream": True, "max_tokens": 40})
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: "
+               + str(len(streamed)).encode() + b"\r\n\r\n" + streamed)
+    async with fleet(FakeConfig(tpot_s=0.02), server={"header_timeout_s": 0.3}) as (
+            proxy, fakes):
+        reader, writer = await _connect(proxy)
+        writer.write(request)
+        await reader.readuntil(b"data: ")  # streaming (40 tokens: ~0.8 s)
+        writer.write(REQUEST[:40])  # the next request, begun and never finished
+        answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: closed
+        writer.close()
+    stream, _, after = answer.partition(b"data: [DONE]\n\n")
+    assert after, "the stream was cut"
+    assert stream.count(b'"finish_reason":"length"') == 1
+    assert b"HTTP/1.1 408 " in after  # then the next request's deadline ran out
+    assert fakes[0].app.stats.requests == 1
+
+
 async def test_the_header_deadline_spares_slow_headers_and_idle_keep_alive() -> None:
     """Headers that finish in time are served, and a kept-alive connection's idle time
     between requests does not count against the next request's headers."""
