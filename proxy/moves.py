@@ -112,6 +112,12 @@ class Moves:
         if self.handoff is not None and self.handoff.ready and self.gen.clean_boundary:
             await self._continue_handoff()  # no warm-up: cut over right here
 
+    def _trigger_due(self) -> bool:
+        """Whether `_trigger` may find a move due (its conditions, loosely): checked on
+        every chunk, so without awaiting anything. A trigger added there goes here too."""
+        return (self.forced_after is not None or self.move_requested is not None
+                or (self.gen.generated >= self._next_check and self.rt.router.reroutes))
+
     def _trigger(self) -> tuple[str | None, Backend | None]:
         generated = self.gen.generated
         if self.forced_after is not None and generated >= self.forced_after:

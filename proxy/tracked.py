@@ -178,12 +178,6 @@ class TrackedRelay(Moves):
         if self.gen.generated:
             self._token_sent(first)
 
-    def _trigger_due(self) -> bool:
-        """Whether a move may be due (`Moves._trigger` decides): checked every chunk,
-        so without awaiting anything."""
-        return (self.forced_after is not None or self.move_requested is not None
-                or (self.gen.generated >= self._next_check and self.rt.router.reroutes))
-
     def _forced_due(self) -> bool:
         return self.forced_after is not None and self.gen.generated >= self.forced_after \
             and self.handoff is None and self.migrations < self.cfg.max_per_request
