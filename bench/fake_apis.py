@@ -92,9 +92,8 @@ async def _stream(fake: FakeVllm, done: dict[str, Any], tokens: int, send: Send)
     await _event(send, "response.created", {"response": created})
     await asyncio.sleep(cfg.ttft_s)
     for i in range(tokens):
-        if i == cfg.die_after_tokens:
-            fake.stats.dropped += 1
-            return  # uvicorn closes the connection mid-response
+        if await fake.cut_at(i, send):
+            return
         await _event(send, "response.output_text.delta", {"delta": f"tok{i} "})
         await asyncio.sleep(cfg.tpot_s)
     await _event(send, "response.completed", {"response": done})
@@ -141,9 +140,8 @@ async def _message_stream(fake: FakeVllm, message: dict[str, Any], tokens: int, 
                  {"index": 0, "content_block": {"type": "text", "text": ""}})
     await asyncio.sleep(cfg.ttft_s)
     for i in range(tokens):
-        if i == cfg.die_after_tokens:
-            fake.stats.dropped += 1
-            return  # uvicorn closes the connection mid-response
+        if await fake.cut_at(i, send):
+            return
         await _event(send, "content_block_delta",
                      {"index": 0, "delta": {"type": "text_delta", "text": f"tok{i} "}})
         await asyncio.sleep(cfg.tpot_s)

@@ -61,6 +61,8 @@ class FakeConfig:
     fail_status: int | None = None  # answer every completion request with this status
     fail_first: int | None = None  # ... or only the first N of them
     die_after_tokens: int | None = None  # cut the connection after N tokens
+    end_after_tokens: int | None = None  # end the stream cleanly after N tokens, but
+    # without its end event ([DONE], response.completed, message_stop): a broken answer
     hang: bool = False  # never answer a completion request
     api_key: str | None = None  # vLLM's --api-key: /v1/* without `Bearer <key>` is a 401
     lora_runtime: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's
@@ -154,13 +156,26 @@ class FakeVllm:
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        for word in text.split():  # vLLM's transcription chunks, one per word here
+        for offset, word in enumerate(text.split()):  # vLLM's chunks, one per word here
+            if await self.cut_at(offset, send):
+                return
             chunk = {"object": "transcription.chunk",
                      "choices": [{"delta": {"content": word + " "}}]}
             await send({"type": "http.response.body", "more_body": True,
                         "body": b"data: " + orjson.dumps(chunk) + b"\n\n"})
             await asyncio.sleep(self.config.tpot_s)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def cut_at(self, offset: int, send: Send) -> bool:
+        """Whether a stream ends before its `offset`-th token (`die_after_tokens`,
+        `end_after_tokens`); it has ended then."""
+        cfg = self.config
+        if offset not in (cfg.die_after_tokens, cfg.end_after_tokens):
+            return False
+        self.stats.dropped += 1
+        if offset == cfg.end_after_tokens:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True  # else, returning mid-response: uvicorn closes the connection
 
     async def _lora(self, load: bool, receive: Receive, send: Send) -> None:
         """vLLM's runtime LoRA routes, with its answers (OpenAIServingModels)."""
@@ -331,9 +346,8 @@ class FakeVllm:
         last, generated = started, 0
         try:
             for offset in range(job.tokens):
-                if offset == cfg.die_after_tokens:
-                    stats.dropped += 1
-                    return  # returning mid-response: uvicorn closes the connection
+                if await self.cut_at(offset, send):
+                    return
                 delay = due - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)
                 now = loop.time()

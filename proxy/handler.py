@@ -17,14 +17,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 
 from predictors.base import Prediction
 from proxy.access import note, wait_ms
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
 from proxy.auth import Grant
-from proxy.errors import ProxyError, RequestDropped, mid_stream_failure
+from proxy.errors import ProxyError, RequestDropped
 from proxy.flow import ANYONE, Place
 from proxy.kv_transfer import handle_of, without_handle
 from proxy.legs import Leg
@@ -36,7 +35,7 @@ from proxy.migration import (
     tracking_of,
     why_not_migratable,
 )
-from proxy.relay import Opened, StallWatch, UpstreamFailure, exhausted, forward_headers
+from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
 from proxy.requests import build_context, parse_body, request_id
 from proxy.responses import home_of, response_id_in
 from proxy.runtime import Runtime
@@ -317,43 +316,13 @@ class Exchange:
             completion_tokens=0))
 
     async def _respond(self, opened: Opened) -> None:
-        headers = opened.answer_headers(self.ctx.request_id)
-        self.tally = tally = StreamTally(
-            time.monotonic(), opened.head,
-            _ENDS.get(self.ctx.endpoint))
-        if opened.complete:
-            await self.send({"type": "http.response.start", "status": opened.status,
-                             "headers": headers})
-            self.finished = True
-            await self.send({"type": "http.response.body", "body": opened.head})
-            return
-        await self.send({"type": "http.response.start", "status": opened.status,
-                         "headers": headers})
-        await self.send({"type": "http.response.body", "body": opened.head, "more_body": True})
-        watch = StallWatch(opened, self.rt.settings.upstream.read_timeout_s, tally.last_seen)
-        try:
-            while chunk := await opened.next_chunk():
-                await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
-                tally.add(chunk, time.monotonic())
-            if not tally.saw_done:
-                raise aiohttp.ClientPayloadError("stream ended without its end event")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            await self._fail_mid_stream(opened, exc, "timeout" if watch.fired else None)
-        finally:
-            watch.cancel()
-        self.finished = True
-        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.tally = StreamTally(time.monotonic(), opened.head, _ENDS.get(self.ctx.endpoint))
+        await relay_answer(opened, self.send, self.ctx.request_id, self.tally,
+                           self.rt.settings.upstream.read_timeout_s,
+                           self.rt.count_upstream_error, self._finishing)
 
-    async def _fail_mid_stream(
-        self, opened: Opened, exc: BaseException, kind: str | None = None
-    ) -> None:
-        assert self.tally is not None
-        kind = kind or ("timeout" if isinstance(exc, TimeoutError) else "broken")
-        self.tally.failed = True
-        self.rt.metrics.upstream_errors.labels(opened.backend.name, kind).inc()
-        err = mid_stream_failure(opened.backend.name, kind, str(exc))
-        await self.send({"type": "http.response.body", "body": self.tally.error_event(err),
-                         "more_body": True})
+    def _finishing(self) -> None:
+        self.finished = True
 
     def _account(self, opened: Opened) -> None:
         ctx, tally = self.ctx, self.tally

@@ -40,7 +40,7 @@ from proxy.flow import Place
 from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
 from proxy.requests import parse_body, request_id
 from proxy.runtime import Runtime
-from proxy.stream import body_usage
+from proxy.stream import StreamTally, body_usage
 from proxy.types import Outcome
 
 _MAX_MODEL_CHARS = 1024
@@ -146,8 +146,13 @@ class _Call:
         outcome: Outcome | None = None
         try:
             opened = await self._open()
-            outcome = self._outcome(opened.backend.name, opened.status, opened.head)
-            await self._respond(opened)
+            tally = StreamTally(time.monotonic(), opened.head)
+            await relay_answer(opened, self.send, self.request_id, tally,
+                               self.rt.settings.upstream.read_timeout_s,
+                               self.rt.count_upstream_error)
+            # a stream that broke on the way is the backend's failure, not an answer
+            status = 502 if tally.failed else opened.status
+            outcome = self._outcome(opened.backend.name, status, opened.head)
         except ProxyError as err:
             await self.rt.refuse(self.send, err, anthropic=self.path.startswith("/v1/messages"))
         except asyncio.CancelledError:
@@ -205,11 +210,6 @@ class _Call:
                     failures.append(failure)
                     rt.upstream_failed(failure, target)
         return None
-
-    async def _respond(self, opened: Opened) -> None:
-        await relay_answer(opened, self.send, self.request_id,
-                           self.rt.settings.upstream.read_timeout_s,
-                           self.rt.count_upstream_error)
 
     def _outcome(self, backend: str, status: int, body: bytes) -> Outcome:
         prompt_tokens = None  # None: settled at the up-front estimate

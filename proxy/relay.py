@@ -27,7 +27,7 @@ from proxy.errors import (
     UpstreamTimeout,
     mid_stream_failure,
 )
-from proxy.stream import StreamEnd, StreamTally
+from proxy.stream import StreamTally
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.relay")
@@ -244,36 +244,46 @@ class StallWatch:
         self._handle.cancel()
 
 
-async def relay_answer(opened: Opened, send: Send, request_id: str, read_timeout_s: float,
-                       failed: Callable[[str, str], None], ends: StreamEnd | None = None
-                       ) -> None:
-    """The backend's answer to the client, whole or as it streams, then closed. A silence
-    longer than `read_timeout_s` or a broken stream ends it with an error event (`ends`'s,
-    or an OpenAI one and `[DONE]`), counted by `failed(backend, kind)`."""
+async def relay_answer(opened: Opened, send: Send, request_id: str, tally: StreamTally,
+                       read_timeout_s: float, failed: Callable[[str, str], None],
+                       finishing: Callable[[], None] | None = None) -> None:
+    """The backend's answer to the client, whole or as it streams (counted in `tally`),
+    then closed. A silence longer than `read_timeout_s`, a broken stream, or one that
+    ends without its end event (`[DONE]`, or `tally`'s `StreamEnd`) ends with an error
+    event; `tally.failed` is set and `failed(backend, kind)` counts it. `finishing` runs
+    just before the last send (from then on the client's leaving changes nothing)."""
     try:
         await send({"type": "http.response.start", "status": opened.status,
                     "headers": opened.answer_headers(request_id)})
-        await send({"type": "http.response.body", "body": opened.head,
-                    "more_body": not opened.complete})
-        if opened.complete:
-            return
-        tally = StreamTally(time.monotonic(), opened.head, ends)
-        watch = StallWatch(opened, read_timeout_s, tally.last_seen)
-        try:
-            while chunk := await opened.next_chunk():
-                tally.add(chunk, time.monotonic())
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            kind = "timeout" if watch.fired else "broken"
-            failed(opened.backend.name, kind)
-            err = mid_stream_failure(opened.backend.name, kind, str(exc))
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": tally.error_event(err)})
-        finally:
-            watch.cancel()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not opened.complete:
+            await send({"type": "http.response.body", "body": opened.head, "more_body": True})
+            await _relay_stream(opened, send, tally, read_timeout_s, failed)
+        if finishing is not None:
+            finishing()
+        await send({"type": "http.response.body",
+                    "body": opened.head if opened.complete else b"", "more_body": False})
     finally:
         opened.close()
+
+
+async def _relay_stream(opened: Opened, send: Send, tally: StreamTally, read_timeout_s: float,
+                        failed: Callable[[str, str], None]) -> None:
+    watch = StallWatch(opened, read_timeout_s, tally.last_seen)
+    try:
+        while chunk := await opened.next_chunk():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            tally.add(chunk, time.monotonic())
+        if not tally.saw_done:
+            raise aiohttp.ClientPayloadError("stream ended without its end event")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        kind = "timeout" if watch.fired or isinstance(exc, TimeoutError) else "broken"
+        tally.failed = True
+        failed(opened.backend.name, kind)
+        err = mid_stream_failure(opened.backend.name, kind, str(exc))
+        await send({"type": "http.response.body", "body": tally.error_event(err),
+                    "more_body": True})
+    finally:
+        watch.cancel()
 
 
 def exhausted(model: str, failures: list[UpstreamFailure], retry_after_s: int) -> ProxyError:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,9 +31,9 @@ from proxy.errors import (
     PermissionDenied,
     ProxyError,
 )
-from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
+from proxy.relay import UpstreamFailure, exhausted, forward_headers, relay_answer
 from proxy.requests import request_id
-from proxy.stream import RESPONSES_END
+from proxy.stream import RESPONSES_END, StreamTally
 from proxy.types import Backend
 
 if TYPE_CHECKING:
@@ -161,13 +162,10 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
     except ProxyError as err:
         await rt.refuse(send, err)
         return
-    await until_disconnect(receive, _relay(rt, opened, send, request_id(headers)),
-                           lambda: None)
-
-
-async def _relay(rt: Runtime, opened: Opened, send: Send, request_id: str) -> None:
-    await relay_answer(opened, send, request_id, rt.settings.upstream.read_timeout_s,
-                       rt.count_upstream_error, RESPONSES_END)
+    tally = StreamTally(time.monotonic(), opened.head, RESPONSES_END)
+    await until_disconnect(receive, relay_answer(
+        opened, send, request_id(headers), tally, rt.settings.upstream.read_timeout_s,
+        rt.count_upstream_error), lambda: None)
 
 
 def _with_query(scope: Scope) -> str:

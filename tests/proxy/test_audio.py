@@ -106,3 +106,21 @@ async def test_a_streamed_transcription_is_relayed_as_it_streams() -> None:
     assert "".join(words) == f"whisper heard {len(AUDIO)} bytes "
     assert body.endswith(b"data: [DONE]\n\n")
     assert arrivals[0] < 0.15 < arrivals[-1]  # the first word came before the last was said
+
+
+async def test_a_transcription_stream_that_ends_without_done_ends_with_an_error() -> None:
+    async with fleet(FakeConfig(model="whisper", end_after_tokens=2)) as (proxy, _), \
+            httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
+        answer = await http.post("/v1/audio/transcriptions",
+                                 data={"model": "whisper", "stream": "true"},
+                                 files={"file": ("a.wav", AUDIO, "audio/wav")})
+        rt = proxy.app.runtime
+        assert rt is not None
+        metrics = rt.metrics.render().decode()
+    events = [e for e in answer.text.split("\n\n") if e]
+    assert answer.status_code == 200
+    assert len(events) == 4  # two words, the error, [DONE]
+    assert orjson.loads(events[-2][6:])["error"]["code"] == "upstream_failed"
+    assert events[-1] == "data: [DONE]"
+    assert 'laneway_passthrough_requests_total{backend="f0",endpoint="/v1/audio/' \
+        'transcriptions",model="whisper",status="502"} 1.0' in metrics

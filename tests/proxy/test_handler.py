@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import orjson
@@ -101,6 +102,26 @@ async def test_mid_stream_death_ends_with_error_event() -> None:
     assert sum('"content":"tok' in e for e in data) == 3
     assert orjson.loads(data[-2])["error"]["type"] == "upstream_error"
     assert data[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize(("path", "body", "error"), [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10}, '"type":"upstream_error"'),
+    ("/v1/responses", {"model": "fake", "input": "hi", "max_output_tokens": 10},
+     "event: error"),
+    ("/v1/messages", {**CHAT, "max_tokens": 10}, "event: error"),
+])
+async def test_a_stream_that_ends_without_its_end_event_ends_with_an_error(
+        path: str, body: dict[str, Any], error: str) -> None:
+    async with fleet(FakeConfig(end_after_tokens=3)) as (proxy, _):
+        rt = proxy.app.runtime
+        assert rt is not None
+        response = await post(proxy, {**body, "stream": True}, path)
+        metrics = rt.metrics.render().decode()
+    assert response.status_code == 200
+    assert "tok2 " in response.text and "tok3" not in response.text
+    assert error in response.text
+    assert 'laneway_upstream_errors_total{backend="f0",kind="broken"} 1.0' in metrics
+    assert 'status="502"' in metrics  # accounted as failed, not as a finished answer
 
 
 async def test_stalled_stream_times_out_in_stream() -> None:

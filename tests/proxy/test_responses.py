@@ -191,6 +191,25 @@ async def test_a_streamed_retrieval_is_relayed_as_it_streams() -> None:
     assert broken.text.rstrip().split("\n\n")[-1].startswith("event: error\ndata: ")
 
 
+async def test_a_streamed_retrieval_that_ends_without_its_end_event_is_broken() -> None:
+    """A stream that ends cleanly before `response.completed` is not a finished answer:
+    the client gets an error event, and the backend's failure is counted."""
+    async with fleet(FakeConfig(end_after_tokens=2)) as (proxy, _):
+        rt = proxy.app.runtime
+        assert rt is not None
+        made = await post(proxy, ASK, "/v1/responses")
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            cut = await http.get(f"/v1/responses/{made.json()['id']}",
+                                 params={"stream": "true"})
+        metrics = rt.metrics.render().decode()
+    events = cut.text.strip().split("\n\n")
+    assert cut.status_code == 200
+    assert sum("response.output_text.delta" in e for e in events) == 2
+    assert events[-1].startswith("event: error\ndata: ")
+    assert "ended without its end event" in events[-1]
+    assert 'laneway_upstream_errors_total{backend="f0",kind="broken"} 1.0' in metrics
+
+
 def test_homes_learned_here_are_exported_once_and_merged_ones_not_again() -> None:
     homes = ResponseHomes(capacity=3)
     assert homes.export_updates() == []
