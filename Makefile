@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-peers bench-migration bench-flow-control bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-peers bench-migration bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -90,6 +90,9 @@ bench-migration: install
 bench-flow-control: install
 	$(PY) -m bench.flow_control --draws 2 --out docs/results/flow_control.json
 	$(PY) -m bench.flow_control --real --seconds 15 --draws 2 --out docs/results/flow_control_real.json
+
+bench-strict-flow: install services
+	$(PY) -m bench.strict_flow --seconds 15 --draws 2 --out docs/results/strict_flow.json
 
 bench-policy-latency: install
 	$(PY) -m bench.policy_latency --clock cpu

@@ -64,6 +64,7 @@ class FakeStats:
     requests: int = 0  # completion requests received (including failed ones)
     running: int = 0
     waiting: int = 0
+    peak: int = 0  # the most completion requests held at once (running + waiting)
     finished: int = 0
     cancelled: int = 0  # the client went away before the end
     dropped: int = 0  # connections cut on purpose (die_after_tokens)

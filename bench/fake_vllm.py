@@ -315,6 +315,7 @@ class FakeVllm:
         """Run `job` once a sequence slot is free, accounting like vLLM's scheduler."""
         stats = self.stats
         stats.waiting += 1
+        stats.peak = max(stats.peak, stats.running + stats.waiting)
         try:
             await self._slots.acquire()
         finally:

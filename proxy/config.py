@@ -171,6 +171,14 @@ class FlowControlConfig(_Section):
                                    "gets 503 `overloaded` with Retry-After")
     max_queued: int = Field(10_000, ge=1, description="requests waiting at most; one "
                             "more gets 503 `overloaded` at once (load shedding)")
+    strict: bool = Field(True, description="with `state.backend: redis`, hold the limit "
+                         "across the replicas at every moment: each replica opens requests "
+                         "on a backend only within the slots it leased in Redis (renewed "
+                         "every `state.sync_interval_s` and when a request finds none "
+                         "free; atomic; README, Flow control). false: each counts the "
+                         "others' open requests as of the last sync, so replicas that "
+                         "refill at once pass the limit together (up to replicas x limit). "
+                         "Nothing changes with one process (`state.backend: memory`)")
     priority_header: bool = Field(True, description="with `auth` off, a request's "
                                   "`x-laneway-priority: <int>` header (-10 to 10) sets "
                                   "its priority (higher leaves first); with `auth` on "

@@ -13,6 +13,13 @@ longer than `queue_timeout_s` is answered 503 `overloaded` with Retry-After, so 
 overload sheds load with a clear error instead of timing out.
 
 Moves of running streams (migration) are never held: their request was admitted.
+
+With several replicas (`state.backend: redis`), `strict` (the default) holds the limit
+across them: a replica opens requests on a backend only within the slots it leased in
+the shared store (`Store.lease_slots`, renewed at every sync with this replica's open
+and waiting requests as its need), and what the replicas hold never adds up to more
+than the limit. Without it each counts the others' open requests as of the last sync,
+and replicas whose requests end at once refill the same room together.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from proxy.config import FlowControlConfig, Settings
 from proxy.errors import Overloaded
@@ -71,6 +78,8 @@ class FlowControl:
         self._reserved: dict[str, int] = {}  # room given to woken requests not yet there
         self._seq = itertools.count()
         self._tick: asyncio.TimerHandle | None = None
+        self._leases: dict[str, int] = {}  # strict: this replica's slots per backend
+        self.on_short: Callable[[], None] | None = None  # strict: a request waits
         registry.on_release = self._released
 
     async def view(self, model: str, exclude: list[str], place: Place = ANYONE
@@ -110,6 +119,8 @@ class FlowControl:
                          asyncio.get_running_loop().create_future())
         self._enqueue(waiter)
         self._pump()  # there may be room that waiters ahead cannot use (their exclusions)
+        if self._strict(cfg) and not waiter.future.done() and self.on_short is not None:
+            self.on_short()  # lease more slots now rather than at the next sync
         taken = False
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
@@ -152,12 +163,56 @@ class FlowControl:
         return dataclasses.replace(view, candidates=room)
 
     def _room(self, view: ClusterView) -> tuple[Backend, ...]:
-        limit = self._settings().flow_control.max_inflight_per_backend
-        if limit == 0:  # turned off by a reload: no backend is full
+        cfg = self._settings().flow_control
+        if cfg.max_inflight_per_backend == 0:  # turned off by a reload: none is full
             return view.candidates
-        inflight, reserved = self._registry.inflight, self._reserved
+        reserved = self._reserved
+        if self._strict(cfg):  # within this replica's leased slots
+            local, leases = self._registry.local_inflight, self._leases
+            return tuple(b for b in view.candidates if local.get(b.name, 0)
+                         + reserved.get(b.name, 0) < leases.get(b.name, 0))
+        limit, inflight = cfg.max_inflight_per_backend, self._registry.inflight
         return tuple(b for b in view.candidates
                      if inflight.get(b.name, 0) + reserved.get(b.name, 0) < limit)
+
+    # -- strict: slot leases (the shared state's sync asks for them) ----------------
+    def _strict(self, cfg: FlowControlConfig) -> bool:
+        """Whether requests open only within leased slots: `strict`, and replicas that
+        share state (one process leases every slot: it needs no lease)."""
+        return cfg.strict and self._settings().state.backend == "redis"
+
+    def lease_needs(self) -> tuple[int, dict[str, tuple[int, int]]] | None:
+        """(the limit, backend -> (requests open or promised there, those plus the
+        waiting ones it could take)) to lease slots for; None when not strict."""
+        cfg = self._settings().flow_control
+        if not self._strict(cfg) or cfg.max_inflight_per_backend == 0:
+            return None
+        local, reserved = self._registry.local_inflight, self._reserved
+        opened = {b.name: local.get(b.name, 0) + reserved.get(b.name, 0)
+                  for b in self._registry.all()}
+        needs = dict(opened)
+        now = time.monotonic()
+        for model, lanes in self._lanes.items():
+            waiting = sum(len(fifo) for tenants in lanes.values() for fifo in tenants.values())
+            for backend in self._registry.view(model, now).candidates:
+                needs[backend.name] += waiting
+        return cfg.max_inflight_per_backend, {
+            name: (count, needs[name]) for name, count in opened.items()}
+
+    def leased(self, grants: Mapping[str, int]) -> None:
+        """This replica's slots now; waiting requests take the new ones at once."""
+        self._leases = dict(grants)
+        for name, slots in grants.items():
+            self._metrics.flow_leased.labels(name).set(slots)
+        if self._queued:
+            self._pump()
+
+    def lease_lost(self, replicas: int) -> None:
+        """The shared store is gone for longer than the others keep this replica's
+        leases: keep to an equal part of each backend's limit (at least one slot)."""
+        limit = self._settings().flow_control.max_inflight_per_backend
+        share = max(1, limit // max(1, replicas))
+        self.leased({b.name: share for b in self._registry.all()})
 
     def _enqueue(self, waiter: _Waiter) -> None:
         lanes = self._lanes.setdefault(waiter.model, {})

@@ -114,6 +114,9 @@ class Metrics:
             "laneway_flow_wait_seconds", "Time requests waited for a backend with room "
             "(flow_control), by priority", ["model", "priority"], buckets=_LATENCY_BUCKETS,
             registry=r)
+        self.flow_leased = Gauge(
+            "laneway_flow_leased_slots", "Slots this replica leased on each backend "
+            "(flow_control.strict with shared state)", ["backend"], registry=r)
         self.flow_rejected = Counter(
             "laneway_flow_rejected", "Requests flow control answered 503 overloaded",
             ["model", "reason"], registry=r)

@@ -104,7 +104,8 @@ class Runtime:
             build_store(settings.state, self.replica_id), settings.state, self.registry,
             counters, self.metrics, lambda: self.router.policy,
             on_keys=self.auth.set_store_keys if settings.auth.redis_keys else None,
-            tables={"responses": self.responses, "discovery": self.discovery})
+            tables={"responses": self.responses, "discovery": self.discovery},
+            leasing=self.flow)
         self._sync_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -6,10 +6,10 @@ import os
 import socket
 
 from proxy.config import StateConfig
-from proxy.state.base import Inbox, Outbox, Store, StoreUnavailable
+from proxy.state.base import Inbox, Leasing, Outbox, Store, StoreUnavailable
 from proxy.state.memory import MemoryStore
 
-__all__ = ["Inbox", "MemoryStore", "Outbox", "Store", "StoreUnavailable", "build_store",
+__all__ = ["Inbox", "Leasing", "MemoryStore", "Outbox", "Store", "StoreUnavailable", "build_store",
            "new_replica_id"]
 
 

@@ -11,12 +11,15 @@ Three kinds of state, three merge rules:
 * counters (rate-limit windows): sums; a replica adds its increments and reads back
   the cluster totals;
 * in-flight counts: each replica's own counts, which expire `inflight_ttl_s` after
-  the replica stopped refreshing them (so a crashed replica's counts vanish).
+  the replica stopped refreshing them (so a crashed replica's counts vanish);
+* slot leases (strict flow control): how many requests each replica may have open on
+  each backend, granted atomically so that the replicas' leases never add up to more
+  than the limit (`Store.lease_slots`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,4 +65,30 @@ class Store(Protocol):
         """Client keys kept in the store: sha256 hex -> key settings."""
         ...
 
+    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]]
+                          ) -> dict[str, int]:
+        """This replica's slots on each backend of `needs` (backend -> (requests open
+        there, those plus the ones waiting that it could take)), out of `limit` per
+        backend for all the replicas.
+
+        Granted atomically: what the live replicas hold on a backend (each its lease,
+        or its open requests while they are more) never adds up to more than `limit`.
+        While the replicas together need at most `limit`, each is granted its need and
+        an equal part of the rest; beyond it, a part of `limit` in proportion to its
+        need, as far as the others' holdings leave room (they shrink as their requests
+        end). Raises `StoreUnavailable`."""
+        ...
+
     async def close(self) -> None: ...
+
+
+class Leasing(Protocol):
+    """Who leases backend slots at each sync: strict flow control (proxy/flow.py)."""
+
+    on_short: Callable[[], None] | None  # set by the sync: call it to lease sooner
+
+    def lease_needs(self) -> tuple[int, dict[str, tuple[int, int]]] | None: ...
+
+    def leased(self, grants: Mapping[str, int]) -> None: ...
+
+    def lease_lost(self, replicas: int) -> None: ...

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from proxy.state.base import Inbox, Outbox
@@ -25,6 +25,10 @@ class MemoryStore:
 
     async def api_keys(self) -> dict[str, dict[str, Any]]:
         return {}
+
+    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]]
+                          ) -> dict[str, int]:
+        return dict.fromkeys(needs, limit)  # the only replica
 
     async def close(self) -> None:
         pass

@@ -9,12 +9,15 @@ Keys (all under `state.key_prefix`, `laneway` by default):
                          `inflight_ttl_s`, refreshed every tick
 * `<p>:replicas`         sorted set replica id -> last tick (wall clock)
 * `<p>:apikeys`          hash sha256 hex -> JSON key settings (`laneway keys add`)
+* `<p>:slots:<backend>`  hash replica id -> "held:need", the slot leases of strict flow
+                         control (`lease_slots`); a replica no longer in `<p>:replicas`
+                         is dropped from it by the next lease
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import orjson
@@ -24,6 +27,43 @@ from redis.exceptions import RedisError
 from proxy.config import StateConfig
 from proxy.state.base import Inbox, Outbox, StoreUnavailable
 
+# One replica's slot leases on every backend, in one atomic step. A replica's entry is
+# what it holds (its lease, or more while requests opened under an earlier, larger
+# lease are still open) and what it needs. A lease never takes a slot another live
+# replica holds, so the holdings add up to at most the limit (README, Flow control).
+_LEASE = """
+local me, limit, ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local live = math.max(1, redis.call('ZCARD', KEYS[1]))
+local grants = {}
+for i = 2, #KEYS do
+  local key, open, need = KEYS[i], tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  local held, needed = 0, need
+  local entries = redis.call('HGETALL', key)
+  for j = 1, #entries, 2 do
+    local who = entries[j]
+    if who ~= me then
+      if redis.call('ZSCORE', KEYS[1], who) then
+        local sep = string.find(entries[j + 1], ':', 1, true)
+        held = held + tonumber(string.sub(entries[j + 1], 1, sep - 1))
+        needed = needed + tonumber(string.sub(entries[j + 1], sep + 1))
+      else
+        redis.call('HDEL', key, who)
+      end
+    end
+  end
+  local target
+  if needed <= limit then
+    target = need + math.floor((limit - needed) / live)
+  else
+    target = math.ceil(limit * need / needed)
+  end
+  local grant = math.max(0, math.min(target, limit - held))
+  redis.call('HSET', key, me, math.max(grant, open) .. ':' .. need)
+  redis.call('PEXPIRE', key, ttl)
+  grants[#grants + 1] = grant
+end
+return grants
+"""
 COUNTER_TTL_S = 180  # counters are per-minute windows; two windows are read back
 _LOG_READ_BATCH = 2000
 
@@ -40,6 +80,7 @@ class RedisStore:
             socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
             health_check_interval=30)
         self._log_cursor: str | None = None  # last log entry id read; None: not started
+        self._lease = self._client.register_script(_LEASE)
 
     async def exchange(self, outbox: Outbox, counters: Collection[str]) -> Inbox:
         try:
@@ -122,12 +163,28 @@ class RedisStore:
                 keys[_text(digest)] = value
         return keys
 
+    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]]
+                          ) -> dict[str, int]:
+        names = list(needs)
+        keys = [f"{self._p}:replicas", *(f"{self._p}:slots:{name}" for name in names)]
+        args: list[str | int] = [self.replica_id, limit,
+                                 int(self._cfg.inflight_ttl_s * 10_000)]
+        for name in names:
+            args.extend(needs[name])
+        try:
+            grants = await self._lease(keys=keys, args=args)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return {name: int(grant) for name, grant in zip(names, grants, strict=True)}
+
     async def close(self) -> None:
         """Leave at once: drop this replica's in-flight counts instead of waiting out
         their TTL."""
         try:
             await self._client.delete(f"{self._p}:inflight:{self.replica_id}")
             await self._client.zrem(f"{self._p}:replicas", self.replica_id)
+            # its slot leases go with it: the next lease of each other replica drops
+            # an entry whose replica is no longer in `<p>:replicas`
         except (RedisError, OSError):
             pass
         await self._client.aclose()

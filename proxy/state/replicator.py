@@ -8,11 +8,16 @@ unreachable the proxy keeps serving on local state: writes and increments are ke
 (bounded) and sent once it is back, the others' in-flight counts are dropped after
 `inflight_ttl_s` (as the others drop ours), and the outage is logged once and counted
 in `laneway_state_sync_failures_total` / `laneway_state_connected`.
+
+With strict flow control the same tick renews this replica's slot leases; a request
+that finds none free asks for a sync at once (at most one per `_MIN_GAP` of the
+interval), so that it need not wait a whole interval for slots the others left free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -23,11 +28,13 @@ from proxy.config import StateConfig
 from proxy.metrics import Metrics
 from proxy.ratelimit import WindowCounters
 from proxy.registry import Registry
-from proxy.state.base import Outbox, Store, StoreUnavailable
+from proxy.state.base import Leasing, Outbox, Store, StoreUnavailable
 
 log = logging.getLogger("laneway.state")
 MAX_UNSENT = 20_000  # table writes kept across an outage (the oldest are dropped)
 KEYS_EVERY_S = 2.0  # API keys kept in the store are re-read this often
+_MIN_GAP = 0.2  # an early sync (strict flow control) comes this part of an interval
+# at the soonest after the last one
 
 
 class Replicator:
@@ -35,9 +42,11 @@ class Replicator:
                  counters: WindowCounters, metrics: Metrics,
                  policy: Callable[[], Policy],
                  on_keys: Callable[[dict[str, dict[str, Any]]], None] | None = None,
-                 tables: Mapping[str, Replicated] | None = None) -> None:
+                 tables: Mapping[str, Replicated] | None = None,
+                 leasing: Leasing | None = None) -> None:
         """`policy`: the current policy (its table is `policy:<name>` when it is
-        `Replicated`); `tables`: the other shared mirrors, by table name."""
+        `Replicated`); `tables`: the other shared mirrors, by table name; `leasing`:
+        strict flow control's slot leases, renewed at each sync."""
         self.store, self._cfg, self._registry = store, cfg, registry
         self._counters, self._metrics, self._policy = counters, metrics, policy
         self._on_keys = on_keys
@@ -47,13 +56,23 @@ class Replicator:
         self._keys_read_at = -KEYS_EVERY_S
         self.connected: bool | None = None  # None until the first exchange
         self.replicas = 1
+        self._leasing = leasing
+        self._soon = asyncio.Event()
+        if leasing is not None:
+            leasing.on_short = self._soon.set
 
     async def run(self) -> None:
         """Sync forever (cancel to stop); back off to 1 s while the store is down."""
+        interval = self._cfg.sync_interval_s
         while True:
-            ok = await self.sync_once()
-            await asyncio.sleep(self._cfg.sync_interval_s if ok
-                                else max(self._cfg.sync_interval_s, 1.0))
+            self._soon.clear()
+            if not await self.sync_once():
+                await asyncio.sleep(max(interval, 1.0))
+                continue
+            await asyncio.sleep(interval * _MIN_GAP)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval * (1 - _MIN_GAP)):
+                    await self._soon.wait()
 
     async def sync_once(self) -> bool:
         tables = self._current_tables()
@@ -65,6 +84,7 @@ class Replicator:
         try:
             inbox = await self.store.exchange(outbox, self._counters.wanted(time.time()))
             await self._read_keys(started)
+            await self._lease()
         except StoreUnavailable as exc:
             self._failed(exc)
             return False
@@ -87,6 +107,10 @@ class Replicator:
             return {f"policy:{policy.name}": policy, **self._tables}
         return self._tables
 
+    async def _lease(self) -> None:
+        if self._leasing is not None and (needs := self._leasing.lease_needs()) is not None:
+            self._leasing.leased(await self.store.lease_slots(*needs))
+
     async def _read_keys(self, now: float) -> None:
         if self._on_keys is not None and now - self._keys_read_at >= KEYS_EVERY_S:
             self._on_keys(await self.store.api_keys())
@@ -103,6 +127,8 @@ class Replicator:
         self._metrics.state_failures.inc()
         if time.monotonic() - self._last_ok > self._cfg.inflight_ttl_s:
             self._registry.set_remote_inflight({})  # as stale as ours are to them
+            if self._leasing is not None and self._leasing.lease_needs() is not None:
+                self._leasing.lease_lost(self.replicas)  # the others dropped our leases
         self._set_connected(False, str(exc))
 
     def _set_connected(self, up: bool, why: str) -> None:

@@ -22,6 +22,7 @@ import pytest
 from bench.backends import Running
 from bench.proxy_process import ProxyProcess, running_proxy
 from bench.services import MissingService, running_fakes, running_redis
+from proxy.vllm_metrics import parse_samples
 
 
 @pytest.fixture
@@ -227,3 +228,26 @@ def test_replicas_share_response_homes_on_real_vllm(redis_url: str,
             conversation_across_replicas(a, b, "tiny-llama", "store")
     finally:
         stop(store)
+
+
+@pytest.mark.vllm
+def test_strict_flow_control_holds_across_replicas_on_real_vllm(
+        redis_url: str, vllm_fleet: list[Running]) -> None:
+    """Two replicas, room for one request on the one vLLM: it never holds two (strict
+    flow control's slot leases; without them both replicas fill the room at once)."""
+    large = next(s for s in vllm_fleet if s.model == "tiny-llama-large")
+    fleet = [{"name": large.name, "url": large.url, "model": large.model}]
+    cfg = config(redis_url, fleet, "round_robin") | {
+        "flow_control": {"max_inflight_per_backend": 1}}  # strict: the default
+    peak = 0.0
+    with two_replicas(cfg) as (a, b), ThreadPoolExecutor(6) as pool:
+        asked = [pool.submit(chat, replica, f"story {i}", large.model, 12)
+                 for i in range(3) for replica in (a, b)]
+        while not all(f.done() for f in asked):
+            samples = parse_samples(HTTP.get(f"{large.url}/metrics").text)
+            peak = max(peak, samples.get("vllm:num_requests_running", 0.0)
+                       + samples.get("vllm:num_requests_waiting", 0.0))
+            time.sleep(0.01)
+        served = [f.result() for f in asked]
+    assert served == [large.name] * 6
+    assert peak == 1

@@ -150,6 +150,48 @@ async def test_a_request_whose_room_was_taken_keeps_its_place_in_line() -> None:
     second.cancel()
 
 
+def _two_backends(state: str = "redis", **flow: Any) -> tuple[Registry, FlowControl]:
+    registry = Registry([Backend("b1", "http://b1", "m"), Backend("b2", "http://b2", "m"),
+                         Backend("x", "http://x", "other")])
+    registry.publish({name: BackendStats(healthy=True) for name in ("b1", "b2", "x")})
+    settings = Settings.model_validate({"flow_control": flow, "state": {"backend": state}})
+    return registry, FlowControl(lambda: settings, registry, Metrics(registry))
+
+
+async def test_strict_opens_requests_only_within_the_leased_slots() -> None:
+    registry, flow = _two_backends(max_inflight_per_backend=4)
+    asked: list[int] = []
+    flow.on_short = lambda: asked.append(1)
+    flow.leased({"b1": 1, "b2": 0})
+    assert [b.name for b in (await flow.view("m", [])).candidates] == ["b1"]
+    with registry.guard("b1"):
+        waiting = [asyncio.create_task(flow.view("m", [])) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert not any(w.done() for w in waiting) and len(asked) == 2  # a sync, now
+        # Each backend's (open or promised, + the waiting ones it could take).
+        assert flow.lease_needs() == (4, {"b1": (1, 3), "b2": (0, 2), "x": (0, 0)})
+        flow.leased({"b1": 1, "b2": 1})  # the sync leased one more slot
+        await asyncio.sleep(0.01)
+        assert [w.done() for w in waiting] == [True, False]
+        assert [b.name for b in waiting[0].result().candidates] == ["b2"]
+        # (the test opens nothing on b2: it holds 0, and one request waits)
+        assert flow.lease_needs() == (4, {"b1": (1, 2), "b2": (0, 1), "x": (0, 0)})
+    view = await asyncio.wait_for(waiting[1], 1)  # the slot on b1 came back
+    assert [b.name for b in view.candidates] == ["b1", "b2"]
+
+
+async def test_without_strict_nothing_is_leased_and_a_lost_store_keeps_to_a_share() -> None:
+    for state, strict in (("redis", False), ("memory", True)):
+        _, loose = _two_backends(state, max_inflight_per_backend=4, strict=strict)
+        assert loose.lease_needs() is None
+        assert len((await loose.view("m", [])).candidates) == 2  # no lease needed
+    registry, flow = _two_backends(max_inflight_per_backend=5)
+    flow.lease_lost(replicas=2)
+    assert [b.name for b in (await flow.view("m", [])).candidates] == ["b1", "b2"]
+    with registry.guard("b1"), registry.guard("b1"):
+        assert [b.name for b in (await flow.view("m", [])).candidates] == ["b2"]  # 5 // 2
+
+
 async def test_a_client_leaving_the_queue_frees_its_place() -> None:
     async with fleet(SLOW, flow_control=_limit(1)) as (proxy, fakes):
         busy = asyncio.create_task(post(proxy, _chat("busy")))

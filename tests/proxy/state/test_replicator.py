@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -11,7 +12,8 @@ from bench.ports import free_port
 from bench.services import MissingService, binary, running_redis
 from policies.base import Policy, build_policy
 from predictors.base import NO_PREDICTION
-from proxy.config import StateConfig
+from proxy.config import FlowControlConfig, Settings, StateConfig
+from proxy.flow import FlowControl
 from proxy.metrics import Metrics
 from proxy.ratelimit import RateLimiter, WindowCounters, window_of
 from proxy.registry import Registry
@@ -31,6 +33,7 @@ class Replica:
     counters: WindowCounters
     metrics: Metrics
     sync: Replicator
+    flow: FlowControl
 
     def pick(self, prompt: str) -> str:
         view = self.registry.view("m", 0.0)
@@ -38,16 +41,32 @@ class Replica:
 
 
 def replica(url: str, name: str, policy: str = "prefix_aware",
-            homes: ResponseHomes | None = None) -> Replica:
-    cfg = StateConfig(backend="redis", redis_url=url, inflight_ttl_s=1.0, timeout_s=0.2)
+            homes: ResponseHomes | None = None, flow_limit: int = 0,
+            sync_interval_s: float = 0.05) -> Replica:
+    """One replica's shared mirrors; with `flow_limit`, strict flow control too."""
+    cfg = StateConfig(backend="redis", redis_url=url, inflight_ttl_s=1.0, timeout_s=0.2,
+                      sync_interval_s=sync_interval_s)
     registry = Registry(FLEET)
     registry.publish({b.name: BackendStats(healthy=True) for b in FLEET})
     built = build_policy(policy, {})
     counters, metrics = WindowCounters(), Metrics(registry)
+    settings = Settings(state=cfg, flow_control=FlowControlConfig(
+        max_inflight_per_backend=flow_limit))
+    flow = FlowControl(lambda: settings, registry, metrics)
     shared = {"responses": ResponseHomes() if homes is None else homes}
     sync = Replicator(build_store(cfg, name), cfg, registry, counters, metrics,
-                      lambda: built, tables=shared)
-    return Replica(registry, built, counters, metrics, sync)
+                      lambda: built, tables=shared, leasing=flow)
+    return Replica(registry, built, counters, metrics, sync, flow)
+
+
+def syncs(r: Replica) -> float:
+    samples = r.metrics.state_sync.collect()[0].samples
+    return next(s.value for s in samples if s.name.endswith("_count"))
+
+
+def leased(r: Replica) -> list[float]:
+    return [r.metrics.flow_leased.labels(b.name)._value.get()  # type: ignore[attr-defined]
+            for b in FLEET]
 
 
 async def test_prefix_index_and_inflight_are_shared(redis_url: str) -> None:
@@ -144,3 +163,41 @@ async def test_redis_outage_serves_locally_then_resyncs() -> None:
             finally:
                 await b.sync.store.close()
                 await a.sync.store.close()
+
+
+async def test_strict_flow_control_leases_slots_at_each_sync(redis_url: str) -> None:
+    a = replica(redis_url, "a", flow_limit=4, sync_interval_s=1.0)
+    b = replica(redis_url, "b", flow_limit=4, sync_interval_s=1.0)
+    try:
+        assert await a.sync.sync_once()  # alone: every slot
+        assert leased(a) == [4.0] * len(FLEET)
+        assert await b.sync.sync_once()  # a holds them all
+        assert leased(b) == [0.0] * len(FLEET)
+        for r in (a, b):
+            assert await r.sync.sync_once()  # a gives back half, b takes it
+        assert leased(a) == leased(b) == [2.0] * len(FLEET)
+        # A request that finds no slot asks for a sync at once (after a fifth of the
+        # interval since the last one), not at the next interval.
+        running = asyncio.create_task(a.sync.run())  # syncs now, next in 1 s
+        await asyncio.sleep(0.3)
+        before = syncs(a)
+        assert a.flow.on_short is not None
+        a.flow.on_short()
+        await asyncio.sleep(0.1)
+        after = syncs(a)
+        running.cancel()
+        assert after == before + 1
+    finally:
+        await a.sync.store.close()
+        await b.sync.store.close()
+
+
+async def test_strict_leases_fall_to_a_share_when_the_store_is_gone_too_long() -> None:
+    a = replica(f"redis://127.0.0.1:{free_port()}/0", "a", flow_limit=4)  # nothing there
+    a.sync.replicas = 2  # as last seen
+    assert await a.sync.sync_once() is False
+    assert leased(a) == [0.0] * len(FLEET)  # within inflight_ttl_s: the last leases (none)
+    await asyncio.sleep(1.1)
+    assert await a.sync.sync_once() is False
+    assert leased(a) == [2.0] * len(FLEET)  # 4 // 2
+    await a.sync.store.close()

@@ -72,3 +72,58 @@ async def test_memory_store_sums_counters_and_forgets_unwanted_ones() -> None:
     assert inbox.counters == {"k": 3.0}
     assert inbox.inflight == {} and inbox.entries == {}
     assert (await mem.exchange(Outbox(), ["old"])).counters == {"old": 0.0}
+
+
+async def test_slot_leases_share_the_limit_and_never_add_up_past_it(redis_url: str) -> None:
+    a, b = store(redis_url, "a"), store(redis_url, "b")
+    try:
+        for replica in (a, b):
+            await replica.exchange(Outbox(), [])  # both live
+        # Nobody needs anything: each holds half the limit, ready for a burst.
+        idle = [await a.lease_slots(8, {"g": (0, 0)}), await b.lease_slots(8, {"g": (0, 0)})]
+        # a needs 6: a's lease cannot take the slots b holds until b gives them back.
+        burst = await a.lease_slots(8, {"g": (0, 6)})
+        b_gives = await b.lease_slots(8, {"g": (0, 0)})  # b's part of the slack: 1
+        burst_then = await a.lease_slots(8, {"g": (0, 6)})
+        # Overload: b has 4 waiting, and a 12 open (more than the limit: opened under
+        # earlier leases, e.g. before a reload). Each is granted its part of the limit
+        # by need, as far as what the other holds leaves room.
+        short_b = await b.lease_slots(8, {"g": (0, 4)})
+        over_a = await a.lease_slots(8, {"g": (12, 12)})
+        over_b = await b.lease_slots(8, {"g": (0, 4)})
+        ending_a = await a.lease_slots(8, {"g": (4, 12)})  # 8 of a's 12 ended
+        ending_b = await b.lease_slots(8, {"g": (0, 4)})
+    finally:
+        await a.close()
+        await b.close()
+    assert idle == [{"g": 4}, {"g": 4}]
+    assert burst == {"g": 4}  # b holds 4
+    assert b_gives == {"g": 1}
+    assert burst_then == {"g": 7}  # 6 + its half of the slack (1 // 2), then capped at 8 - 1
+    assert short_b == {"g": 1}  # its part is ceil(8 * 4 / 10) = 4, but a holds 7
+    assert over_a == {"g": 6}  # ceil(8 * 12 / 16)
+    assert over_b == {"g": 0}  # a holds its 12 open requests
+    assert ending_a == {"g": 6}
+    assert ending_b == {"g": 2}  # a holds 6 (its lease); b's part, 2, fits
+
+
+async def test_a_gone_replicas_slot_leases_are_dropped(redis_url: str) -> None:
+    crashed, alive = store(redis_url, "crashed", inflight_ttl_s=0.3), store(
+        redis_url, "alive", inflight_ttl_s=0.3)
+    try:
+        await crashed.exchange(Outbox(), [])
+        held = await crashed.lease_slots(4, {"g": (4, 4)})
+        await alive.exchange(Outbox(), [])
+        before = await alive.lease_slots(4, {"g": (0, 4)})
+        await asyncio.sleep(0.5)  # "crashed" never syncs again
+        await alive.exchange(Outbox(), [])  # prunes the silent replica
+        after = await alive.lease_slots(4, {"g": (0, 4)})
+    finally:
+        await alive.close()
+    assert held == {"g": 4}
+    assert before == {"g": 0}
+    assert after == {"g": 4}
+
+
+async def test_memory_store_leases_every_slot_to_its_only_replica() -> None:
+    assert await MemoryStore().lease_slots(5, {"g": (0, 0), "h": (7, 9)}) == {"g": 5, "h": 5}
