@@ -15,6 +15,8 @@ import trustme
 import uvicorn
 
 from bench.fake_vllm import FakeConfig, FakeVllm
+from bench.proxy_process import running_proxy
+from bench.services import running_fakes
 from proxy.config import ConfigError, load_settings
 from proxy.server import uvicorn_in_loop
 from tests.proxy.fakes import CHAT, fleet
@@ -60,6 +62,23 @@ async def test_the_proxy_serves_https(pem: dict[str, str]) -> None:
             with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                 await untrusting.get("/health")
     assert answer.status_code == 200 and fakes[0].app.stats.requests == 1
+
+
+def test_laneway_serve_serves_https(pem: dict[str, str]) -> None:
+    """The same through `laneway serve` in a process of its own, as deployed."""
+    with running_fakes(1) as urls, running_proxy({
+            "backends": [{"name": "f0", "url": urls[0], "model": "fake"}],
+            "server": {"tls_certfile": pem["cert"], "tls_keyfile": pem["key"]},
+            "policy": {"name": "round_robin"}}) as proxy:
+        assert proxy.url.startswith("https://")
+        with httpx.Client(base_url=proxy.url, verify=ssl.create_default_context(
+                cafile=pem["ca"])) as http:
+            answer = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            health = http.get("/health")
+        with pytest.raises(httpx.RemoteProtocolError):  # plain HTTP to the TLS port
+            httpx.get(proxy.url.replace("https://", "http://") + "/health")
+    assert answer.status_code == 200 and answer.text.rstrip().endswith("data: [DONE]")
+    assert health.status_code == 200
 
 
 @pytest.mark.parametrize("stream", [False, True])
