@@ -55,6 +55,9 @@ VARIANTS = {v.name: v for v in (
     # The same shape trained as a language model on six domains: it continues a prompt
     # in the prompt's domain, so decode routing follows the prompt as in a real MoE.
     Variant("moe-lm", layers=4, arch="qwen3_moe", intermediate=64, train_steps=1500),
+    # Speech to text (bench/tiny_whisper.py): serve with --max-model-len 448 (`context`).
+    Variant("whisper", layers=2, arch="whisper", hidden=256, heads=4, intermediate=512,
+            vocab=2000, context=448),
 )}
 
 
@@ -87,10 +90,16 @@ def ensure_model(variant: str, shared: Path = DEFAULT_SHARED, root: Path | None 
 
 def build(spec: Variant, shared: Path, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
-    corpus = _corpus(spec, shared)
-    tokenizer = build_tokenizer(iter([*instructions(shared), *corpus]), spec.vocab)
-    tokenizer.save_pretrained(target)
-    training = _build_weights(spec, tokenizer, target, corpus)
+    training = None
+    if spec.arch == "whisper":  # its own tokenizer and processor
+        from bench.tiny_whisper import build as build_whisper
+
+        build_whisper(spec, target)
+    else:
+        corpus = _corpus(spec, shared)
+        tokenizer = build_tokenizer(iter([*instructions(shared), *corpus]), spec.vocab)
+        tokenizer.save_pretrained(target)
+        training = _build_weights(spec, tokenizer, target, corpus)
     (target / "laneway-build.json").write_text(json.dumps(
         {**asdict(spec), "build_version": BUILD_VERSION, "training": training}, indent=1))
 

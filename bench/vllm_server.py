@@ -8,6 +8,7 @@ exits during startup fails the start at once with its log tail.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -21,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from bench.tiny_models import DEFAULT_SHARED, ensure_model, laneway_home
+from bench.tiny_models import DEFAULT_SHARED, VARIANTS, ensure_model, laneway_home
+from bench.tiny_whisper import tone_wav
 
 # Several servers share this 2-core machine, so each must cost CPU only while it
 # decodes. vLLM's default multiprocess executor puts the model in a third process
@@ -119,6 +121,7 @@ def start(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
 def _spawn(spec: Spec, model_dir: Path, max_model_len: int) -> Running:
     pin = [] if spec.cpus is None else ["taskset", "-c", spec.cpus]
     nice = [] if spec.nice == 0 else ["nice", "-n", str(spec.nice)]
+    max_model_len = min(max_model_len, VARIANTS[spec.variant].context)  # whisper: 448
     command = [
         *nice, *pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", spec.model,
@@ -152,12 +155,18 @@ def _warm(spec: Spec, server: Running) -> None:
     headers = ({"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"}
                if "--api-key" in args else {})
     pooling = "--runner" in args and args[args.index("--runner") + 1] == "pooling"
-    path, body = (("/v1/embeddings", {"model": spec.model, "input": _WARM_PROMPT})
-                  if pooling else
-                  ("/v1/completions", {"model": spec.model, "prompt": _WARM_PROMPT,
-                                       "max_tokens": 1}))
-    response = httpx.post(server.url + path, json=body, headers=headers, timeout=120,
-                          verify=not server.tls)  # (our own local server: a probe)
+    post = functools.partial(httpx.post, headers=headers, timeout=120,
+                             verify=not server.tls)  # (our own local server: a probe)
+    if VARIANTS[spec.variant].arch == "whisper":  # speech to text: a short tone
+        response = post(server.url + "/v1/audio/transcriptions",
+                        data={"model": spec.model, "max_completion_tokens": "2"},
+                        files={"file": ("warm.wav", tone_wav(0.5), "audio/wav")})
+    elif pooling:
+        response = post(server.url + "/v1/embeddings",
+                        json={"model": spec.model, "input": _WARM_PROMPT})
+    else:
+        response = post(server.url + "/v1/completions",
+                        json={"model": spec.model, "prompt": _WARM_PROMPT, "max_tokens": 1})
     if response.status_code >= 500:
         raise RuntimeError(f"vLLM {server.name} failed its warm-up request "
                            f"({response.status_code}):\n{_log_tail(server.name)}")
