@@ -83,13 +83,10 @@ class Replicator:
         started = time.monotonic()
         try:
             inbox = await self.store.exchange(outbox, self._counters.wanted(time.time()))
-            await self._read_keys(started)
-            await self._lease()
         except StoreUnavailable as exc:
             self._failed(exc)
             return False
-        self._metrics.state_sync.observe(time.monotonic() - started)
-        self._unsent = {}
+        self._unsent = {}  # applied: a failure below must not send it twice
         self._last_ok = time.monotonic()
         self._counters.confirm(inbox.counters)
         self._registry.set_remote_inflight(inbox.inflight)
@@ -98,6 +95,13 @@ class Replicator:
                 mirror.merge_updates(inbox.entries[table])
         self.replicas = inbox.replicas
         self._metrics.state_replicas.set(inbox.replicas)
+        try:
+            await self._read_keys(started)
+            await self._lease()  # with the replicas' count and liveness just refreshed
+        except StoreUnavailable as exc:
+            self._failed(exc)
+            return False
+        self._metrics.state_sync.observe(time.monotonic() - started)
         self._set_connected(True, "")
         return True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +19,7 @@ from proxy.metrics import Metrics
 from proxy.ratelimit import RateLimiter, WindowCounters, window_of
 from proxy.registry import Registry
 from proxy.responses import ResponseHomes
-from proxy.state import build_store
+from proxy.state import MemoryStore, Outbox, StoreUnavailable, build_store
 from proxy.state.replicator import Replicator
 from proxy.types import BackendStats
 from tests.policies.helpers import backends, ctx
@@ -60,8 +61,8 @@ def replica(url: str, name: str, policy: str = "prefix_aware",
 
 
 def syncs(r: Replica) -> float:
-    samples = r.metrics.state_sync.collect()[0].samples
-    return next(s.value for s in samples if s.name.endswith("_count"))
+    samples = next(iter(r.metrics.state_sync.collect())).samples
+    return float(next(s.value for s in samples if s.name.endswith("_count")))
 
 
 def leased(r: Replica) -> list[float]:
@@ -201,3 +202,29 @@ async def test_strict_leases_fall_to_a_share_when_the_store_is_gone_too_long() -
     assert await a.sync.sync_once() is False
     assert leased(a) == [2.0] * len(FLEET)  # 4 // 2
     await a.sync.store.close()
+
+
+class _LeasesFail(MemoryStore):
+    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]]
+                          ) -> dict[str, int]:
+        raise StoreUnavailable("lease refused")
+
+
+async def test_a_failed_lease_after_an_exchange_does_not_send_the_exchange_twice() -> None:
+    cfg = StateConfig(backend="redis")  # strict flow control leases (on a stand-in store)
+    registry = Registry(FLEET)
+    counters, metrics = WindowCounters(), Metrics(registry)
+    settings = Settings(state=cfg, flow_control=FlowControlConfig(max_inflight_per_backend=2))
+    store = _LeasesFail()
+    sync = Replicator(store, cfg, registry, counters, metrics,
+                      lambda: build_policy("round_robin", {}),
+                      leasing=FlowControl(lambda: settings, registry, metrics))
+    limiter = RateLimiter(counters)
+    now = time.time()
+    limiter.charge("k:requests", 3, window_of(now))
+    assert await sync.sync_once() is False  # the exchange went through, the lease did not
+    assert await sync.sync_once() is False
+    totals = await store.exchange(Outbox(), counters.wanted(now))
+    assert sum(totals.counters.values()) == 3  # counted once, not once per attempt
+    assert limiter.used("k:requests", now) == 3
+    assert sync.connected is False
