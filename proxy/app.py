@@ -124,11 +124,11 @@ class LanewayApp:
         self.cors = Cors(origins) if origins else None
         self.runtime: Runtime | None = None
 
-    def header_timed_out(self) -> None:
-        """A connection got 408 for headers not received in time (proxy/http_protocol.py):
-        counted with the proxy's other error answers."""
+    def header_timed_out(self, err: ProxyError) -> None:
+        """A connection got `err` (a 408) for headers not received in time
+        (proxy/http_protocol.py): counted with the proxy's other error answers."""
         if self.runtime is not None:
-            self.runtime.metrics.error_responses.labels("408", "request_timeout").inc()
+            self.runtime.count_refused(err)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

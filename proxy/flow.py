@@ -119,7 +119,7 @@ class FlowControl:
                          asyncio.get_running_loop().create_future())
         self._enqueue(waiter)
         self._pump()  # there may be room that waiters ahead cannot use (their exclusions)
-        if self._strict(cfg) and not waiter.future.done() and self.on_short is not None:
+        if self._strict() and not waiter.future.done() and self.on_short is not None:
             self.on_short()  # lease more slots now rather than at the next sync
         taken = False
         try:
@@ -163,11 +163,12 @@ class FlowControl:
         return dataclasses.replace(view, candidates=room)
 
     def _room(self, view: ClusterView) -> tuple[Backend, ...]:
-        cfg = self._settings().flow_control
+        settings = self._settings()
+        cfg = settings.flow_control
         if cfg.max_inflight_per_backend == 0:  # turned off by a reload: none is full
             return view.candidates
         reserved = self._reserved
-        if self._strict(cfg):  # within this replica's leased slots
+        if self._strict(settings):  # within this replica's leased slots
             local, leases = self._registry.local_inflight, self._leases
             return tuple(b for b in view.candidates if local.get(b.name, 0)
                          + reserved.get(b.name, 0) < leases.get(b.name, 0))
@@ -176,16 +177,19 @@ class FlowControl:
                      if inflight.get(b.name, 0) + reserved.get(b.name, 0) < limit)
 
     # -- strict: slot leases (the shared state's sync asks for them) ----------------
-    def _strict(self, cfg: FlowControlConfig) -> bool:
-        """Whether requests open only within leased slots: `strict`, and replicas that
-        share state (one process leases every slot: it needs no lease)."""
-        return cfg.strict and self._settings().state.backend == "redis"
+    def _strict(self, settings: Settings | None = None) -> bool:
+        """Whether requests open only within leased slots: `strict` with a limit, and
+        replicas that share state (one process leases every slot: it needs no lease).
+        `settings`: the ones now, if the caller has them."""
+        settings = settings or self._settings()
+        cfg = settings.flow_control
+        return cfg.strict and cfg.max_inflight_per_backend > 0 \
+            and settings.state.backend == "redis"
 
     def lease_needs(self) -> tuple[int, dict[str, tuple[int, int]]] | None:
         """(the limit, backend -> (requests open or promised there, those plus the
         waiting ones it could take)) to lease slots for; None when not strict."""
-        cfg = self._settings().flow_control
-        if not self._strict(cfg) or cfg.max_inflight_per_backend == 0:
+        if not self._strict():
             return None
         local, reserved = self._registry.local_inflight, self._reserved
         opened = {b.name: local.get(b.name, 0) + reserved.get(b.name, 0)
@@ -196,7 +200,7 @@ class FlowControl:
             waiting = sum(len(fifo) for tenants in lanes.values() for fifo in tenants.values())
             for backend in self._registry.view(model, now).candidates:
                 needs[backend.name] += waiting
-        return cfg.max_inflight_per_backend, {
+        return self._settings().flow_control.max_inflight_per_backend, {
             name: (count, needs[name]) for name, count in opened.items()}
 
     def leased(self, grants: Mapping[str, int]) -> None:
@@ -209,7 +213,10 @@ class FlowControl:
 
     def lease_lost(self, replicas: int) -> None:
         """The shared store is gone for longer than the others keep this replica's
-        leases: keep to an equal part of each backend's limit (at least one slot)."""
+        leases: keep to an equal part of each backend's limit (at least one slot).
+        Nothing when not strict."""
+        if not self._strict():
+            return
         limit = self._settings().flow_control.max_inflight_per_backend
         share = max(1, limit // max(1, replicas))
         self.leased({b.name: share for b in self._registry.all()})

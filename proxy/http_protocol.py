@@ -18,14 +18,14 @@ from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.errors import RequestTimeout, error_response
+from proxy.errors import ProxyError, RequestTimeout, error_response
 
 log = logging.getLogger("laneway")
 
 
 class _HeaderDeadline(HttpToolsProtocol):
     header_timeout_s = 30.0  # set by `with_header_timeout`
-    on_408: Callable[[], None] = staticmethod(lambda: None)  # set by `with_header_timeout`
+    on_408: Callable[[ProxyError], None] = staticmethod(lambda _: None)  # ditto
     _header_timer: asyncio.TimerHandle | None = None
     _began = False  # bytes of the awaited request came
 
@@ -69,15 +69,17 @@ class _HeaderDeadline(HttpToolsProtocol):
             log.info("%s: request headers not complete within %g s (server."
                      "header_timeout_s); answered 408 and closed", self.client,
                      self.header_timeout_s)
-            _, headers, body = error_response(RequestTimeout(
-                f"The request headers did not arrive within {self.header_timeout_s:g} s."))
+            err = RequestTimeout(
+                f"The request headers did not arrive within {self.header_timeout_s:g} s.")
+            _, headers, body = error_response(err)
             head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\n" + head + b"\r\n" + body)
-            self.on_408()
+            self.on_408(err)
         self.transport.close()
 
 
-def with_header_timeout(timeout_s: float, on_408: Callable[[], None] = lambda: None
+def with_header_timeout(timeout_s: float,
+                        on_408: Callable[[ProxyError], None] = lambda _: None
                         ) -> type[HttpToolsProtocol]:
     """uvicorn's `http` protocol class, with `timeout_s` to complete a request's headers;
     `on_408` is called for each 408 it sends (to count it)."""

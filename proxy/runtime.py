@@ -252,8 +252,12 @@ class Runtime:
     async def refuse(self, send: Send, err: ProxyError, anthropic: bool = False) -> None:
         """Answer with the proxy's own error `err` (in the Anthropic API's shape for a
         `/v1/messages` client), counted by status and code."""
-        self.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
+        self.count_refused(err)
         await send_error(send, err, anthropic)
+
+    def count_refused(self, err: ProxyError) -> None:
+        """Count an error answer of the proxy's own (`laneway_error_responses_total`)."""
+        self.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
 
     def count_upstream_error(self, backend: str, kind: str) -> None:
         """A backend failed a request (`kind`: connect, timeout, status, broken)."""

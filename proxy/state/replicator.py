@@ -131,7 +131,7 @@ class Replicator:
         self._metrics.state_failures.inc()
         if time.monotonic() - self._last_ok > self._cfg.inflight_ttl_s:
             self._registry.set_remote_inflight({})  # as stale as ours are to them
-            if self._leasing is not None and self._leasing.lease_needs() is not None:
+            if self._leasing is not None:
                 self._leasing.lease_lost(self.replicas)  # the others dropped our leases
         self._set_connected(False, str(exc))
 
