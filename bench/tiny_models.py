@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -159,18 +159,24 @@ def instructions(shared: Path) -> Iterator[str]:
             yield json.loads(line)["instruction"]
 
 
-def build_tokenizer(texts: Iterator[str], vocab: int) -> Any:
+def train_bpe(texts: Iterable[str], vocab: int, special_tokens: Sequence[str] = ()) -> Any:
+    """A byte-level BPE (`tokenizers.Tokenizer`) of `vocab` tokens trained on `texts`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    transformers: Any = importlib.import_module("transformers")
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab, special_tokens=list(special_tokens), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(texts, trainer)
+    return core
+
+
+def build_tokenizer(texts: Iterator[str], vocab: int) -> Any:
+    transformers: Any = importlib.import_module("transformers")
+
+    core = train_bpe(texts, vocab, SPECIAL_TOKENS)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -125,16 +125,12 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
 
 
 def _tokenizer(vocab: int, seed: int) -> Any:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken
+
+    from bench.tiny_models import train_bpe
 
     transformers: Any = importlib.import_module("transformers")
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(_corpus(seed), trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=[], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    bpe = json.loads(core.to_str())["model"]
+    bpe = json.loads(train_bpe(_corpus(seed), vocab).to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in bpe["merges"]]
     # unk/bos/eos default to <|endoftext|>, the first id after the text BPE
     tokenizer = transformers.WhisperTokenizer(vocab=bpe["vocab"], merges=merges)
