@@ -91,14 +91,21 @@ def main(argv: list[str] | None = None) -> int:
             proxy_from(args.base, fast, paced, tracking) as a, \
             proxy_from(args.new, fast, paced, tracking) as b:
         base, new = asyncio.run(rounds(a, b, args.rounds, args.streams, args.tokens))
-    diffs = [n - o for o, n in zip(base, new, strict=True)]
     for name, values in (("A " + str(args.base), base), ("B " + str(args.new), new)):
         print(f"{name}: mean {statistics.mean(values):.1f} µs/token; rounds "
               + ", ".join(f"{v:.1f}" for v in values))
-    print(f"B - A: mean {statistics.mean(diffs):+.1f} µs/token "
-          f"({statistics.mean(diffs) / statistics.mean(base):+.1%}); lower in "
-          f"{sum(d < 0 for d in diffs)} of {len(diffs)} rounds")
+    print(difference(base, new))
     return 0
+
+
+def difference(base: list[float], new: list[float]) -> str:
+    """B - A per token, absolute and relative, and in how many rounds B was lower."""
+    diffs = [n - o for o, n in zip(base, new, strict=True)]
+    # (a tiny run may measure no CPU tick at all on A: no relative change then)
+    relative = (f"{statistics.mean(diffs) / statistics.mean(base):+.1%}"
+                if statistics.mean(base) else "A measured 0")
+    return (f"B - A: mean {statistics.mean(diffs):+.1f} µs/token ({relative}); lower in "
+            f"{sum(d < 0 for d in diffs)} of {len(diffs)} rounds")
 
 
 if __name__ == "__main__":

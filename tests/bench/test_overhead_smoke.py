@@ -52,3 +52,12 @@ def test_cpu_ab_runs_two_checkouts_in_turn(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     assert out.count("µs/token; rounds ") == 2
     assert "lower in " in out and " of 2 rounds" in out
+
+
+def test_cpu_ab_reports_a_round_with_no_cpu_tick_instead_of_dividing_by_it() -> None:
+    from bench.cpu_ab import difference
+
+    assert difference([0.0, 0.0], [10.0, 0.0]) == \
+        "B - A: mean +5.0 µs/token (A measured 0); lower in 0 of 2 rounds"
+    assert difference([20.0, 20.0], [10.0, 20.0]) == \
+        "B - A: mean -5.0 µs/token (-25.0%); lower in 1 of 2 rounds"
