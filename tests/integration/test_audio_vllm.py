@@ -71,8 +71,12 @@ def test_a_streamed_transcription_is_relayed_as_it_streams(
     whole = _ask(proxy.url)
     assert answer.status_code == 200
     assert answer.headers["content-type"].startswith("text/event-stream")
-    assert _deltas(answer.text) == _deltas(direct.text) and len(_deltas(answer.text)) >= 12
-    assert "".join(_deltas(answer.text)) == whole.json()["text"]
+    # The same text in as many pieces as it streams: vLLM joins the tokens of one
+    # output step into one delta when its output loop falls behind, so two streams of
+    # the same text may be cut differently (seen in CI), the proxy's as well as direct.
+    pieces = _deltas(answer.text)
+    assert "".join(pieces) == "".join(_deltas(direct.text)) == whole.json()["text"]
+    assert len(pieces) >= 6
     assert answer.text.rstrip().endswith("data: [DONE]")
 
 
