@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -32,6 +31,7 @@ from proxy.responses import ResponseHomes
 from proxy.routing import Router
 from proxy.state import build_store, new_replica_id
 from proxy.state.replicator import Replicator
+from proxy.tasks import stop_task
 from proxy.tls import upstream_context
 from proxy.types import Backend, Outcome, RequestContext
 
@@ -124,10 +124,7 @@ class Runtime:
 
     async def close(self) -> None:
         for task in (self._poll_task, self._sync_task, self._discover_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await stop_task(task)
         await self.replicator.store.close()
         await self._relay_session.close()
         await self.poller.scraper.close()
