@@ -58,7 +58,6 @@ import contextlib
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -67,7 +66,7 @@ from typing import Any
 
 from bench import compare
 from bench.compare import Fleet, Plan, SoloTier, Variant
-from bench.report import Summary
+from bench.report import Summary, git_commit
 from bench.tiny_models import DEFAULT_SHARED, REPO, laneway_home
 
 BASELINES = ("random", "round_robin", "least_request", "lowest_tpm", "prefix_aware")
@@ -547,8 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         with work_dir(args.keep, name) as work, \
                 open_fleet(fleet_spec, Path(args.shared), dilation) as f:
             fleets.append(evaluate(name, f, plan, work, args.repeats))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     command = "python -m bench.bench_goodput " + " ".join(sys.argv[1:] if argv is None else argv)
     for entry in fleets:
         entry.update(command=command.strip(), commit=commit)

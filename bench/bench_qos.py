@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import shutil
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -35,6 +34,7 @@ from bench.qos_live_report import GAIN_NOTE, agents_of, carried_over, repo_path
 from bench.qos_setup import comparison
 from bench.qos_sim import QosSim
 from bench.qos_train import add_agent_arguments
+from bench.report import git_commit
 from bench.results import write_json
 from policies.qos_sac import SacAgent, load_checkpoint
 from predictors.base import BUCKET_ESTIMATES
@@ -144,11 +144,6 @@ def qos_rms(simulated: Mapping[str, Mapping[str, float]],
     errors = [simulated[rate][name] - qos for rate, row in live.items()
               for name, qos in row.items()]
     return math.sqrt(sum(e * e for e in errors) / len(errors))
-
-
-def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=REPO).stdout.strip()
 
 
 BUCKET_KEYS = ("top1_score", "top3_score", "top1_length", "top3_length")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ import numpy as np
 
 from bench.eldr_fleet import FleetResult
 from bench.eldr_real import PolicyRun
+from bench.report import git_commit
 from bench.results import write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,11 +51,6 @@ def _vs_best_lb(rows: dict[str, dict[str, float]], key: str) -> float:
     return 1.0 - rows["eldr"][key] / best
 
 
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()
-
-
 def write(real: dict[str, PolicyRun], emulated: dict[str, dict[str, FleetResult]],
           rhos: dict[str, Any], premise: dict[str, Any], fits: dict[str, Any],
           options: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +84,7 @@ def write(real: dict[str, PolicyRun], emulated: dict[str, dict[str, FleetResult]
         "real_vllm_cpu": real_rows, "emulated": emulated_rows, "headline_rate": headline,
         "signatures": rhos, "premise": premise, "fits": fits, "options": options,
         "command": "make bench-eldr (" + " ".join(["python -m bench.bench_eldr", *sys.argv[1:]])
-        + ")", "commit": _commit(),
+        + ")", "commit": git_commit(),
     }
     write_json(RESULTS / "eldr.json", body)
     (RESULTS / "eldr.md").write_text(_markdown(real_rows, emulated_rows,

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import aiohttp
 
 from bench.ports import free_port
 from bench.proxy_process import running_proxy
+from bench.report import git_commit, pct
 from bench.services import running_fakes
 from proxy.auth import hash_key
 
@@ -98,19 +98,13 @@ async def _load(url: str, model: str, seconds: float, tokens: int) -> dict[str, 
     return tallies
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _summary(tallies: dict[str, Tally], seconds: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, t in tallies.items():
         out[name] = {
             "completed_per_s": round(len(t.ttfts) / seconds, 2),
-            "ttft_p50_s": _round(_pct(t.ttfts, 0.5)), "ttft_p99_s": _round(_pct(t.ttfts, 0.99)),
+            "ttft_p50_s": _round(pct(t.ttfts, 0.5) if t.ttfts else None),
+            "ttft_p99_s": _round(pct(t.ttfts, 0.99) if t.ttfts else None),
             "e2e_mean_s": _round(statistics.fmean(t.e2es) if t.e2es else None),
             "errors": t.errors}
     out["total_completed_per_s"] = round(
@@ -172,8 +166,7 @@ def run(real: bool, seconds: float, limits: list[int], draws: int) -> dict[str, 
                         "tokens_per_request": tokens, "seconds": seconds, "tenants": {
                             n: {"clients": c, "priority": p, "think_s": t}
                             for n, (c, p, t) in TENANTS.items()}}
-    results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                       capture_output=True, text=True).stdout.strip()
+    results["commit"] = git_commit(short=True)
     return results
 
 

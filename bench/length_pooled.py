@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.bench_qos import git_commit
+from bench.report import git_commit
 from bench.results import write_json
 from bench.tiny_models import REPO
 from predictors.cli import training_rows

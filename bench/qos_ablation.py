@@ -30,10 +30,10 @@ from typing import Any
 
 import orjson
 
-from bench.bench_qos import git_commit
 from bench.qos_live_report import repo_path
 from bench.qos_seeds import check_same_draws, draw_setup, score_difference
 from bench.qos_trace import gain, percent
+from bench.report import git_commit
 from bench.results import write_json
 from predictors.cli import REPO
 

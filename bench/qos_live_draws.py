@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import qos_headroom, qos_live
-from bench.bench_qos import git_commit
 from bench.qos_live_report import AGENT_KEYS, agents_of, repo_path, same_agents
 from bench.qos_train import add_agent_arguments, default_checkpoint
+from bench.report import git_commit
 from bench.results import write_json
 from predictors.cli import DEFAULT_DATA, REPO
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -18,6 +17,7 @@ import numpy as np
 
 from bench.qos_eval import EvalResult, beats_every_baseline
 from bench.qos_live_client import LiveRecord
+from bench.report import git_commit
 from predictors.cli import REPO
 
 # the policies of a live comparison; others in a run (`bench.qos_live --agent`) are
@@ -109,8 +109,7 @@ def report(args: argparse.Namespace, experts: Sequence[str], table: dict[str, An
     gain = row["qos_drl"]["avg_qos"] / row["baseline_rl"]["avg_qos"] - 1 \
         if "qos_drl" in row and "baseline_rl" in row and row["baseline_rl"]["avg_qos"] > 0 \
         else None
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
+    commit = git_commit()
     fleet = {"kind": args.fleet, "backends": dict(hardware)}
     return {"qos_gain_vs_baseline_rl_live": gain, "reference_lambda": float(ref),
             "experts": list(experts), "fleet": fleet, "limit_ms": args.limit_ms,

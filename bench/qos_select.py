@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.bench_qos import git_commit
 from bench.qos_eval import agent_router, evaluate
 from bench.qos_setup import comparison
 from bench.qos_sim import QosSim
+from bench.report import git_commit
 from bench.results import write_json
 from policies.qos_sac import SacAgent, load_checkpoint
 from predictors.buckets_cli import default_artifact

@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.bench_qos import add_simulator_arguments, git_commit, load_agents, routers
+from bench.bench_qos import add_simulator_arguments, load_agents, routers
 from bench.qos_eval import beats_every_baseline, evaluate
 from bench.qos_live_report import repo_path
 from bench.qos_setup import comparison
 from bench.qos_sim import QosSim, TraceArrivals, trace_times
+from bench.report import git_commit
 from bench.results import write_json
 from policies.qos_sac import load_checkpoint
 from predictors.cli import REPO

@@ -26,10 +26,10 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from bench.bench_qos import git_commit
 from bench.qos_han_dense import DenseHAN
 from bench.qos_setup import fleet, fleet_meta, load_pools, trained_fleet
 from bench.qos_sim import QosSim
+from bench.report import git_commit
 from bench.results import write_json
 from bench.tiny_models import laneway_home
 from policies.qos_sac import SacAgent, SacConfig, batch_states, load_checkpoint

@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -62,6 +64,13 @@ class Summary:
     slo: tuple[SloPoint, ...]
     qos: float | None
     qos_requests: int
+
+
+def git_commit(short: bool = False) -> str:
+    """The commit checked out here: the one a results file's figures come from."""
+    args = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
+    return subprocess.run(args, cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True).stdout.strip()
 
 
 def pct(values: Sequence[float], q: float) -> float:

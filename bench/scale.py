@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -45,6 +44,7 @@ from bench.emulator.capacity import emulator_fleet, offer
 from bench.overhead_procs import child
 from bench.ports import free_port_range
 from bench.proxy_process import running_proxy
+from bench.report import git_commit
 from bench.tiny_models import REPO
 from proxy.config import PollerConfig
 from proxy.poller import Poller
@@ -211,11 +211,6 @@ def results_json(decisions: Sequence[policy_latency.Row], staleness: dict[int, d
     }
 
 
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--backends", type=int, nargs="+", default=[8, 64, 512])
@@ -238,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decisions_only:
         out = Path(args.out)
         report = json.loads(out.read_text()) if out.exists() else {}
-        fresh = results_json(decisions, {}, [], command.strip(), _commit())
+        fresh = results_json(decisions, {}, [], command.strip(), git_commit())
         report.update({k: fresh[k] for k in DECISION_KEYS},
                       decisions_command=fresh["command"], decisions_commit=fresh["commit"])
         out.write_text(json.dumps(report, indent=1) + "\n")
@@ -250,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet_rows, staleness[n] = fleet_run(n, args.rates, args.seconds, args.sample_ms,
                                              args.staleness_s, args.intervals_ms)
         rows += fleet_rows
-    report = results_json(decisions, staleness, rows, command.strip(), _commit())
+    report = results_json(decisions, staleness, rows, command.strip(), git_commit())
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

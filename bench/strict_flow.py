@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ import aiohttp
 
 from bench.fake_vllm import FakeConfig, serve_fake
 from bench.proxy_process import running_proxy
+from bench.report import git_commit, pct
 from bench.services import running_redis
 
 LIMIT = 4
@@ -98,10 +98,9 @@ async def _run(mode: str, redis_url: str, seconds: float) -> dict[str, Any]:
             await asyncio.gather(*(_client(session, url, until, e2es, errors)
                                    for url, clients in zip(urls, split, strict=True)
                                    for _ in range(clients)))
-        ordered = sorted(e2es)
         return {"completed_per_s": len(e2es) / seconds, "errors": len(errors),
-                "e2e_p50_s": ordered[len(ordered) // 2] if ordered else None,
-                "e2e_p99_s": ordered[int(0.99 * (len(ordered) - 1))] if ordered else None,
+                "e2e_p50_s": pct(e2es, 0.5) if e2es else None,
+                "e2e_p99_s": pct(e2es, 0.99) if e2es else None,
                 "peak_per_backend": max(f.app.stats.peak for f in fakes)}
 
 
@@ -139,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     report = asyncio.run(_main(args.seconds, args.draws))
     report["command"] = "python -m bench.strict_flow " + " ".join(sys.argv[1:] if argv is None
                                                                  else argv)
-    report["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                      capture_output=True, text=True).stdout.strip()
+    report["commit"] = git_commit(short=True)
     print(f"{'mode':<24} {'req/s':>7} {'vs one':>7} {'p50 s':>6} {'p99 s':>6} {'peak':>5}")
     for mode, row in report["modes"].items():
         print(f"{mode:<24} {row['completed_per_s']:>7} {row['vs_one_replica']:>7} "

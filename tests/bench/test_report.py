@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import orjson
 import pytest
 
 from bench.plots import inflight_series
-from bench.report import QosConfig, pct, summarize
+from bench.report import QosConfig, git_commit, pct, summarize
 from bench.results import Migration, RequestResult, RunFile, read, writing
 from bench.solo import SoloLatencies
 from bench.tables import latency_table, slo_table
@@ -152,3 +153,10 @@ def test_pct_is_the_nearest_rank_an_observed_value() -> None:
     values = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert [pct(values, q) for q in (0.0, 0.5, 0.99, 1.0)] == [1.0, 3.0, 5.0, 5.0]
     assert pct([1.0, 2.0], 0.5) == 2.0  # no interpolation (1.5)
+
+
+def test_git_commit_is_the_checked_out_commit_whole_or_short() -> None:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert git_commit() == head and len(head) == 40
+    assert head.startswith(git_commit(short=True)) and 4 <= len(git_commit(short=True)) < 40
