@@ -205,6 +205,9 @@ class FlowControl:
 
     def leased(self, grants: Mapping[str, int]) -> None:
         """This replica's slots now; waiting requests take the new ones at once."""
+        if grants != self._leases:
+            log.debug("strict flow control: slots leased %s (were %s); %d waiting",
+                      _slots(grants), _slots(self._leases), self._queued)
         self._leases = dict(grants)
         for name, slots in grants.items():
             self._metrics.flow_leased.labels(name).set(slots)
@@ -219,7 +222,13 @@ class FlowControl:
             return
         limit = self._settings().flow_control.max_inflight_per_backend
         share = max(1, limit // max(1, replicas))
-        self.leased({b.name: share for b in self._registry.all()})
+        shares = {b.name: share for b in self._registry.all()}
+        if shares != self._leases:
+            log.warning("strict flow control: the shared store is gone for longer than "
+                        "state.inflight_ttl_s, the other replicas dropped this one's leases; "
+                        "keeping to %d of %d slots per backend (%d replicas last seen)",
+                        share, limit, replicas)
+        self.leased(shares)
 
     def _enqueue(self, waiter: _Waiter) -> None:
         lanes = self._lanes.setdefault(waiter.model, {})
@@ -291,3 +300,7 @@ class FlowControl:
             self._pump()
             if self._queued:
                 self._arm()
+
+
+def _slots(grants: Mapping[str, int]) -> str:
+    return ", ".join(f"{name} {slots}" for name, slots in sorted(grants.items())) or "none"

@@ -180,13 +180,18 @@ async def test_strict_opens_requests_only_within_the_leased_slots() -> None:
     assert [b.name for b in view.candidates] == ["b1", "b2"]
 
 
-async def test_without_strict_nothing_is_leased_and_a_lost_store_keeps_to_a_share() -> None:
+async def test_without_strict_nothing_is_leased_and_a_lost_store_keeps_to_a_share(
+        caplog: pytest.LogCaptureFixture) -> None:
     for state, strict in (("redis", False), ("memory", True)):
         _, loose = _two_backends(state, max_inflight_per_backend=4, strict=strict)
         assert loose.lease_needs() is None
         assert len((await loose.view("m", [])).candidates) == 2  # no lease needed
     registry, flow = _two_backends(max_inflight_per_backend=5)
-    flow.lease_lost(replicas=2)
+    with caplog.at_level(logging.DEBUG, "laneway"):
+        flow.lease_lost(replicas=2)
+        flow.lease_lost(replicas=2)  # the next failed sync: said once
+    assert caplog.text.count("keeping to 2 of 5 slots per backend (2 replicas") == 1
+    assert caplog.text.count("slots leased b1 2, b2 2, x 2 (were none)") == 1
     assert [b.name for b in (await flow.view("m", [])).candidates] == ["b1", "b2"]
     with registry.guard("b1"), registry.guard("b1"):
         assert [b.name for b in (await flow.view("m", [])).candidates] == ["b2"]  # 5 // 2
