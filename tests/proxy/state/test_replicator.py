@@ -188,7 +188,7 @@ async def test_strict_flow_control_leases_slots_at_each_sync(redis_url: str) -> 
         a.flow.on_short()
         await asyncio.sleep(0.1)
         after = syncs(a)
-        running.cancel()
+        await stop_task(running)
         assert after == before + 1
     finally:
         await a.sync.store.close()
