@@ -8,11 +8,13 @@ import time
 from typing import Any
 
 log = logging.getLogger("laneway")
-_RECANCEL_S = 0.05  # a task still running after a cancel is cancelled again this often
+_GRACE_S = 0.25  # a cancelled task's own cleanup (its `finally`) gets this long ...
+_RECANCEL_S = 0.05  # ... before it is cancelled again, this often while it runs
 
 
 async def stop_task(task: asyncio.Task[Any] | None, within_s: float = 5.0) -> None:
-    """Cancel `task` and wait until it ends, cancelling it again while it runs.
+    """Cancel `task` and wait until it ends, cancelling it again while it runs
+    (after a grace that lets the cleanup of a task that took the first cancel finish).
 
     One cancel is not always enough: redis-py's asyncio pipeline can swallow it (seen
     on Python 3.11 with redis 7.4 to 8.1: `pipe.execute()` cancelled at the wrong moment
@@ -22,10 +24,11 @@ async def stop_task(task: asyncio.Task[Any] | None, within_s: float = 5.0) -> No
     if task is None:
         return
     deadline = time.monotonic() + within_s
+    pause = _GRACE_S
     while not task.done():
         task.cancel()
-        await asyncio.wait({task}, timeout=min(_RECANCEL_S,
-                                               max(0.0, deadline - time.monotonic())))
+        await asyncio.wait({task}, timeout=min(pause, max(0.0, deadline - time.monotonic())))
+        pause = _RECANCEL_S
         if time.monotonic() >= deadline and not task.done():
             log.warning("background task %s did not stop within %.1f s; left running",
                         task.get_name(), within_s)

@@ -56,3 +56,19 @@ async def test_a_task_that_failed_is_logged_not_raised(
         await stop_task(task)
         await stop_task(None)
     assert "failing ended with RuntimeError: boom" in caplog.text
+
+
+async def test_the_cleanup_of_a_cancelled_task_is_not_cut_short() -> None:
+    cleaned: list[str] = []
+
+    async def tidy() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await asyncio.sleep(0.1)  # closing its connections, say
+            cleaned.append("done")
+
+    task = asyncio.create_task(tidy())
+    await asyncio.sleep(0.01)
+    await stop_task(task)
+    assert task.cancelled() and cleaned == ["done"]
