@@ -216,17 +216,17 @@ class FlowControl:
 
     def lease_lost(self, replicas: int) -> None:
         """The shared store is gone for longer than the others keep this replica's
-        leases: keep to an equal part of each backend's limit (at least one slot).
-        Nothing when not strict."""
+        leases, or was never reached (the others never saw this replica): keep to an
+        equal part of each backend's limit (at least one slot). Nothing when not strict."""
         if not self._strict():
             return
         limit = self._settings().flow_control.max_inflight_per_backend
         share = max(1, limit // max(1, replicas))
         shares = {b.name: share for b in self._registry.all()}
         if shares != self._leases:
-            log.warning("strict flow control: the shared store is gone for longer than "
-                        "state.inflight_ttl_s, the other replicas dropped this one's leases; "
-                        "keeping to %d of %d slots per backend (%d replicas last seen)",
+            log.warning("strict flow control: no leases from the shared store (unreachable "
+                        "since this replica started, or for longer than state.inflight_ttl_s);"
+                        " keeping to %d of %d slots per backend (%d replicas last seen)",
                         share, limit, replicas)
         self.leased(shares)
 

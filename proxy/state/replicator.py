@@ -12,6 +12,8 @@ in `laneway_state_sync_failures_total` / `laneway_state_connected`.
 With strict flow control the same tick renews this replica's slot leases; a request
 that finds none free asks for a sync at once (at most one per `_MIN_GAP` of the
 interval), so that it need not wait a whole interval for slots the others left free.
+Unreachable for longer than `inflight_ttl_s`, or since start, it keeps to an equal
+share of each limit (`lease_lost`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Replicator:
         self._on_keys = on_keys
         self._tables = dict(tables or {})
         self._unsent: dict[str, list[Any]] = {}
-        self._last_ok = time.monotonic()
+        self._last_ok: float | None = None  # the last exchange that went through
         self._keys_read_at = -KEYS_EVERY_S
         self.connected: bool | None = None  # None until the first exchange
         self.replicas = 1
@@ -129,10 +131,12 @@ class Replicator:
 
     def _failed(self, exc: StoreUnavailable) -> None:
         self._metrics.state_failures.inc()
-        if time.monotonic() - self._last_ok > self._cfg.inflight_ttl_s:
+        # The others dropped this replica's leases (or never saw it: nothing to wait for).
+        if self._last_ok is None \
+                or time.monotonic() - self._last_ok > self._cfg.inflight_ttl_s:
             self._registry.set_remote_inflight({})  # as stale as ours are to them
             if self._leasing is not None:
-                self._leasing.lease_lost(self.replicas)  # the others dropped our leases
+                self._leasing.lease_lost(self.replicas)
         self._set_connected(False, str(exc))
 
     def _set_connected(self, up: bool, why: str) -> None:

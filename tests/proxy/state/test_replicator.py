@@ -196,13 +196,34 @@ async def test_strict_flow_control_leases_slots_at_each_sync(redis_url: str) -> 
 
 
 async def test_strict_leases_fall_to_a_share_when_the_store_is_gone_too_long() -> None:
-    a = replica(f"redis://127.0.0.1:{free_port()}/0", "a", flow_limit=4)  # nothing there
-    a.sync.replicas = 2  # as last seen
-    assert await a.sync.sync_once() is False
-    assert leased(a) == [0.0] * len(FLEET)  # within inflight_ttl_s: the last leases (none)
+    try:
+        binary("redis-server")
+    except MissingService as exc:
+        pytest.skip(str(exc))
+    port = free_port()
+    with running_redis(port) as url:
+        a = replica(url, "a", flow_limit=4)
+        b = replica(url, "b", flow_limit=4)
+        try:
+            for r in (a, b, a):
+                assert await r.sync.sync_once()
+            assert leased(a) == [2.0] * len(FLEET) and a.sync.replicas == 2
+            a.flow.leased({x.name: 3 for x in FLEET})  # say a held more before the outage
+        finally:
+            await b.sync.store.close()
+    assert await a.sync.sync_once() is False  # Redis gone
+    assert leased(a) == [3.0] * len(FLEET)  # within inflight_ttl_s: its last leases
     await asyncio.sleep(1.1)
     assert await a.sync.sync_once() is False
-    assert leased(a) == [2.0] * len(FLEET)  # 4 // 2
+    assert leased(a) == [2.0] * len(FLEET)  # the others dropped them: 4 // 2 replicas
+    await a.sync.store.close()
+
+
+async def test_a_replica_starting_without_the_store_takes_its_share_at_once() -> None:
+    """It was never seen by the others: no lease of its to wait out."""
+    a = replica(f"redis://127.0.0.1:{free_port()}/0", "a", flow_limit=4)  # nothing there
+    assert await a.sync.sync_once() is False
+    assert leased(a) == [4.0] * len(FLEET)  # no other replica seen: 4 // 1
     await a.sync.store.close()
 
 

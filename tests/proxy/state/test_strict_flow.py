@@ -8,6 +8,7 @@ import contextlib
 from typing import Any
 
 from bench.fake_vllm import FakeConfig, serve_fake
+from bench.ports import free_port
 from proxy.config import Settings
 from proxy.server import serve_in_loop
 from tests.proxy.fakes import CHAT, post
@@ -49,3 +50,20 @@ async def test_strict_replicas_never_hold_more_than_the_limit_together(
     assert statuses == [200] * 48
     assert peak == LIMIT  # reached, never passed (without strict: 2 x LIMIT, checked)
     assert 'laneway_flow_leased_slots{backend="f0"}' in metrics
+
+
+async def test_a_replica_started_without_redis_serves_within_the_limit() -> None:
+    """Nothing listens at `redis_url`: the replica never leased, so it has nothing to
+    wait out (inflight_ttl_s) and takes the whole limit at once, as a lone replica."""
+    async with contextlib.AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(serve_fake(FakeConfig(tpot_s=0.01)))
+        settings = Settings.model_validate({
+            "server": {"port": 0}, "policy": {"name": "round_robin"},
+            "backends": [{"name": "f0", "url": fake.url, "model": "fake"}],
+            "flow_control": {"max_inflight_per_backend": LIMIT, "queue_timeout_s": 2.0},
+            "state": {"backend": "redis", "inflight_ttl_s": 600.0, "timeout_s": 0.2,
+                      "redis_url": f"redis://127.0.0.1:{free_port()}/0"}})
+        proxy = await stack.enter_async_context(serve_in_loop(settings))
+        answers = await asyncio.gather(*(post(proxy, _chat(f"{i}")) for i in range(8)))
+    assert [a.status_code for a in answers] == [200] * 8  # before: 503 after 2 s
+    assert fake.app.stats.peak == LIMIT
