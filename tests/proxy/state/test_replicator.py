@@ -255,7 +255,7 @@ async def test_a_failed_lease_after_an_exchange_does_not_send_the_exchange_twice
 
 async def test_the_sync_loop_stops_whenever_it_is_stopped(redis_url: str) -> None:
     """Cancelled at any moment of its exchanges with a real Redis, the sync loop ends:
-    redis-py's pipeline loses about one cancel in two here (a single cancel-and-wait
+    redis-py's pipeline loses about one cancel in three here (a single cancel-and-wait
     hung a shutdown in CI), so `stop_task` cancels until it ends."""
     one = replica(redis_url, "one", flow_limit=4, sync_interval_s=0.0005)
     rng = random.Random(7)
