@@ -22,11 +22,7 @@ async def _peak_through_two_replicas(redis_url: str, strict: bool
     metrics) under bursts sent through both replicas at once."""
     async with contextlib.AsyncExitStack() as stack:
         fake = await stack.enter_async_context(serve_fake(FakeConfig(tpot_s=0.01)))
-        settings = Settings.model_validate({
-            "server": {"port": 0}, "policy": {"name": "round_robin"},
-            "backends": [{"name": "f0", "url": fake.url, "model": "fake"}],
-            "flow_control": {"max_inflight_per_backend": LIMIT, "strict": strict},
-            "state": {"backend": "redis", "redis_url": redis_url}})
+        settings = _settings(fake.url, {"strict": strict}, {"redis_url": redis_url})
         replicas = [await stack.enter_async_context(serve_in_loop(settings))
                     for _ in range(2)]
         statuses: list[int] = []
@@ -38,6 +34,16 @@ async def _peak_through_two_replicas(redis_url: str, strict: bool
         runtime = replicas[0].app.runtime
         assert runtime is not None
         return fake.app.stats.peak, statuses, runtime.metrics.render().decode()
+
+
+def _settings(fake_url: str, flow_control: dict[str, Any], state: dict[str, Any]
+              ) -> Settings:
+    """One replica in front of the fake `f0`, at LIMIT open requests, on Redis state."""
+    return Settings.model_validate({
+        "server": {"port": 0}, "policy": {"name": "round_robin"},
+        "backends": [{"name": "f0", "url": fake_url, "model": "fake"}],
+        "flow_control": {"max_inflight_per_backend": LIMIT, **flow_control},
+        "state": {"backend": "redis", **state}})
 
 
 def _chat(text: str) -> dict[str, Any]:
@@ -57,12 +63,9 @@ async def test_a_replica_started_without_redis_serves_within_the_limit() -> None
     wait out (inflight_ttl_s) and takes the whole limit at once, as a lone replica."""
     async with contextlib.AsyncExitStack() as stack:
         fake = await stack.enter_async_context(serve_fake(FakeConfig(tpot_s=0.01)))
-        settings = Settings.model_validate({
-            "server": {"port": 0}, "policy": {"name": "round_robin"},
-            "backends": [{"name": "f0", "url": fake.url, "model": "fake"}],
-            "flow_control": {"max_inflight_per_backend": LIMIT, "queue_timeout_s": 2.0},
-            "state": {"backend": "redis", "inflight_ttl_s": 600.0, "timeout_s": 0.2,
-                      "redis_url": f"redis://127.0.0.1:{free_port()}/0"}})
+        settings = _settings(fake.url, {"queue_timeout_s": 2.0}, {
+            "inflight_ttl_s": 600.0, "timeout_s": 0.2,
+            "redis_url": f"redis://127.0.0.1:{free_port()}/0"})
         proxy = await stack.enter_async_context(serve_in_loop(settings))
         answers = await asyncio.gather(*(post(proxy, _chat(f"{i}")) for i in range(8)))
     assert [a.status_code for a in answers] == [200] * 8  # before: 503 after 2 s
