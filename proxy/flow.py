@@ -230,6 +230,16 @@ class FlowControl:
                         share, limit, replicas)
         self.leased(shares)
 
+    def flow_mode(self) -> str:
+        """How this replica holds the limit, for the shared state to compare with the
+        other replicas' (strict leases hold it only if every replica leases, each for
+        the same limit)."""
+        cfg = self._settings().flow_control
+        if cfg.max_inflight_per_backend == 0:
+            return "off"
+        return f"{'strict' if cfg.strict else 'loose'}, " \
+               f"{cfg.max_inflight_per_backend} per backend"
+
     def _enqueue(self, waiter: _Waiter) -> None:
         lanes = self._lanes.setdefault(waiter.model, {})
         fifo = lanes.setdefault(waiter.place.priority, OrderedDict()).setdefault(

@@ -136,6 +136,10 @@ class Metrics:
             "(the proxy keeps serving on local state)", registry=r)
         self.state_replicas = Gauge(
             "laneway_state_replicas", "Live proxy replicas seen in the shared state", registry=r)
+        self.state_flow_modes = Gauge(
+            "laneway_state_flow_modes", "Different flow-control modes (strict or not, and "
+            "the limit) among the live replicas, as this one last saw them: above 1, the "
+            "replicas do not hold one limit together", registry=r)
         self.state_sync = Histogram(
             "laneway_state_sync_seconds", "Duration of one exchange with the shared state",
             buckets=_LATENCY_BUCKETS, registry=r)

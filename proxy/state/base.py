@@ -14,7 +14,10 @@ Three kinds of state, three merge rules:
   the replica stopped refreshing them (so a crashed replica's counts vanish);
 * slot leases (strict flow control): how many requests each replica may have open on
   each backend, granted atomically so that the replicas' leases never add up to more
-  than the limit (`Store.lease_slots`).
+  than the limit (`Store.lease_slots`);
+* flow-control modes: each replica's (strict or not, and its limit), so that replicas
+  that do not hold the same limit the same way are told (the leases hold the limit only
+  when every replica leases, and for the limit each asks for).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Outbox:
     entries: dict[str, list[Any]] = field(default_factory=dict)  # table -> new writes
     counters: dict[str, float] = field(default_factory=dict)  # counter -> amount added
     inflight: dict[str, int] = field(default_factory=dict)  # backend -> open here
+    flow: str = ""  # this replica's flow-control mode (`Leasing.flow_mode`); "": none
 
 
 @dataclass(slots=True)
@@ -45,6 +49,7 @@ class Inbox:
     counters: dict[str, float] = field(default_factory=dict)  # counter -> cluster total
     inflight: dict[str, int] = field(default_factory=dict)  # backend -> open elsewhere
     replicas: int = 1  # live replicas, this one included
+    flows: dict[str, int] = field(default_factory=dict)  # flow mode -> live replicas in it
 
 
 class Store(Protocol):
@@ -92,3 +97,8 @@ class Leasing(Protocol):
     def leased(self, grants: Mapping[str, int]) -> None: ...
 
     def lease_lost(self, replicas: int) -> None: ...
+
+    def flow_mode(self) -> str:
+        """This replica's flow control as the others must share it, e.g. "strict, 4
+        per backend", "loose, 4 per backend" or "off"."""
+        ...

@@ -12,6 +12,9 @@ Keys (all under `state.key_prefix`, `laneway` by default):
 * `<p>:slots:<backend>`  hash replica id -> "held:need", the slot leases of strict flow
                          control (`lease_slots`); a replica no longer in `<p>:replicas`
                          is dropped from it by the next lease
+* `<p>:flow`             hash replica id -> its flow-control mode ("strict, 4 per
+                         backend"), written every tick; a replica no longer in
+                         `<p>:replicas` is dropped from it by the next tick's reader
 """
 
 from __future__ import annotations
@@ -111,22 +114,31 @@ class RedisStore:
         if outbox.inflight:
             pipe.hset(mine, mapping=dict(outbox.inflight.items()))
             pipe.pexpire(mine, int(ttl_s * 1000))
+        if outbox.flow:
+            pipe.hset(f"{p}:flow", me, outbox.flow)
+            pipe.pexpire(f"{p}:flow", int(ttl_s * 1000))
         pipe.zadd(f"{p}:replicas", {me: now})
         pipe.zremrangebyscore(f"{p}:replicas", "-inf", now - ttl_s)
+        at_replicas = len(pipe)
         pipe.zrange(f"{p}:replicas", 0, -1)
+        pipe.hgetall(f"{p}:flow")
         if counters:
             pipe.mget([f"{p}:c:{key}" for key in counters])
         cursor: str = self._log_cursor or "0-0"
         pipe.xread({f"{p}:log": cursor}, count=_LOG_READ_BATCH)
         results = await pipe.execute()
-        log_read = results[-1]
-        totals = results[-2] if counters else []
-        replicas = [r.decode() for r in (results[-3] if counters else results[-2])]
+        replicas = [r.decode() for r in results[at_replicas]]
+        flows = {_text(who): _text(mode) for who, mode in results[at_replicas + 1].items()}
         inbox = Inbox(replicas=len(replicas))
+        for who in replicas:
+            if who in flows:
+                inbox.flows[flows[who]] = inbox.flows.get(flows[who], 0) + 1
+        totals = results[at_replicas + 2] if counters else []
         inbox.counters = {key: float(v) if v is not None else 0.0
                           for key, v in zip(counters, totals, strict=True)}
-        self._read_log(log_read, inbox)
-        inbox.inflight = await self._others_inflight([r for r in replicas if r != me])
+        self._read_log(results[-1], inbox)
+        inbox.inflight = await self._others_inflight(
+            [r for r in replicas if r != me], gone=set(flows).difference(replicas))
         return inbox
 
     def _read_log(self, log_read: Any, inbox: Inbox) -> None:
@@ -138,14 +150,18 @@ class RedisStore:
                 inbox.entries.setdefault(fields[b"t"].decode(), []).extend(
                     orjson.loads(fields[b"d"]))
 
-    async def _others_inflight(self, replicas: list[str]) -> dict[str, int]:
-        if not replicas:
+    async def _others_inflight(self, replicas: list[str], gone: set[str]) -> dict[str, int]:
+        """The open requests of the other live `replicas`, summed per backend; drops
+        the flow modes of replicas `gone`."""
+        if not replicas and not gone:
             return {}
         pipe = self._client.pipeline(transaction=False)
         for replica in replicas:
             pipe.hgetall(f"{self._p}:inflight:{replica}")
+        if gone:
+            pipe.hdel(f"{self._p}:flow", *gone)
         total: dict[str, int] = {}
-        for counts in await pipe.execute():
+        for counts in (await pipe.execute())[:len(replicas)]:
             for backend, count in counts.items():
                 name = backend.decode()
                 total[name] = total.get(name, 0) + int(count)
@@ -183,6 +199,7 @@ class RedisStore:
         try:
             await self._client.delete(f"{self._p}:inflight:{self.replica_id}")
             await self._client.zrem(f"{self._p}:replicas", self.replica_id)
+            await self._client.hdel(f"{self._p}:flow", self.replica_id)
             # its slot leases go with it: the next lease of each other replica drops
             # an entry whose replica is no longer in `<p>:replicas`
         except (RedisError, OSError):

@@ -13,7 +13,9 @@ With strict flow control the same tick renews this replica's slot leases; a requ
 that finds none free asks for a sync at once (at most one per `_MIN_GAP` of the
 interval), so that it need not wait a whole interval for slots the others left free.
 Unreachable for longer than `inflight_ttl_s`, or since start, it keeps to an equal
-share of each limit (`lease_lost`).
+share of each limit (`lease_lost`). Replicas whose flow control differs (strict or
+not, or the limit) are told at once: a warning naming each mode and how many replicas
+run it, and `laneway_state_flow_modes` above 1; no lease holds the limit then.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Replicator:
         self.connected: bool | None = None  # None until the first exchange
         self.replicas = 1
         self._leasing = leasing
+        self._flows: dict[str, int] = {}  # flow mode -> live replicas, as last seen
         self._soon = asyncio.Event()
         if leasing is not None:
             leasing.on_short = self._soon.set
@@ -81,7 +84,8 @@ class Replicator:
         for table, mirror in tables.items():
             self._queue(table, mirror.export_updates())
         outbox = Outbox(entries=self._unsent, counters=self._counters.outgoing(),
-                        inflight={k: v for k, v in self._registry.local_inflight.items() if v})
+                        inflight={k: v for k, v in self._registry.local_inflight.items() if v},
+                        flow=self._leasing.flow_mode() if self._leasing is not None else "")
         started = time.monotonic()
         try:
             inbox = await self.store.exchange(outbox, self._counters.wanted(time.time()))
@@ -97,6 +101,7 @@ class Replicator:
                 mirror.merge_updates(inbox.entries[table])
         self.replicas = inbox.replicas
         self._metrics.state_replicas.set(inbox.replicas)
+        self._compare_flows(inbox.flows)
         try:
             await self._read_keys(started)
             await self._lease()  # with the replicas' count and liveness just refreshed
@@ -106,6 +111,22 @@ class Replicator:
         self._metrics.state_sync.observe(time.monotonic() - started)
         self._set_connected(True, "")
         return True
+
+    def _compare_flows(self, flows: dict[str, int]) -> None:
+        """Warn when the live replicas' flow control differs (once per change), and say
+        when it agrees again."""
+        self._metrics.state_flow_modes.set(len(flows))
+        if flows == self._flows:
+            return
+        if len(flows) > 1:
+            log.warning("replicas differ in flow control, so no replica holds the limit "
+                        "for all: %s (set flow_control.strict and max_inflight_per_backend "
+                        "alike on every replica)",
+                        "; ".join(f"{mode} ({n} replica{'s' if n > 1 else ''})"
+                                  for mode, n in sorted(flows.items())))
+        elif len(self._flows) > 1:
+            log.info("replicas agree on flow control again: %s", ", ".join(flows) or "none")
+        self._flows = dict(flows)
 
     def _current_tables(self) -> dict[str, Replicated]:
         policy = self._policy()

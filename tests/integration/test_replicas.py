@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -175,6 +176,28 @@ def test_inflight_counts_add_up_and_a_crashed_replicas_vanish(redis_url: str) ->
             for future in on_a:
                 with pytest.raises(httpx.TransportError):
                     future.result()
+
+
+def test_replicas_whose_flow_control_differs_show_it(redis_url: str) -> None:
+    """A replica started without strict flow control beside a strict one: both count
+    two flow-control modes (the alert LanewayFlowControlMismatch reads it)."""
+    def modes(proxy: ProxyProcess) -> float:
+        page = HTTP.get(f"{proxy.url}/metrics").text
+        return float(re.search(r"^laneway_state_flow_modes (\S+)$", page, re.M)[1])  # type: ignore[index]
+
+    with running_fakes(1) as urls:
+        fleet = [{"name": "f0", "url": urls[0], "model": "fake"}]
+        strict = config(redis_url, fleet, "round_robin") | {
+            "flow_control": {"max_inflight_per_backend": 4}}
+        loose = strict | {"flow_control": {"max_inflight_per_backend": 4, "strict": False}}
+        with running_proxy(strict) as a:
+            time.sleep(0.3)  # a few syncs (50 ms) alone
+            assert modes(a) == 1
+            with running_proxy(loose) as b:
+                time.sleep(0.3)
+                assert modes(a) == modes(b) == 2
+            time.sleep(1.3)  # > state.inflight_ttl_s after b left
+            assert modes(a) == 1
 
 
 def test_an_adapter_loaded_through_one_replica_is_routable_through_the_other(

@@ -45,8 +45,8 @@ class Replica:
 
 def replica(url: str, name: str, policy: str = "prefix_aware",
             homes: ResponseHomes | None = None, flow_limit: int = 0,
-            sync_interval_s: float = 0.05) -> Replica:
-    """One replica's shared mirrors; with `flow_limit`, strict flow control too."""
+            sync_interval_s: float = 0.05, strict: bool = True) -> Replica:
+    """One replica's shared mirrors; with `flow_limit`, (`strict`) flow control too."""
     cfg = StateConfig(backend="redis", redis_url=url, inflight_ttl_s=1.0, timeout_s=0.2,
                       sync_interval_s=sync_interval_s)
     registry = Registry(FLEET)
@@ -54,7 +54,7 @@ def replica(url: str, name: str, policy: str = "prefix_aware",
     built = build_policy(policy, {})
     counters, metrics = WindowCounters(), Metrics(registry)
     settings = Settings(state=cfg, flow_control=FlowControlConfig(
-        max_inflight_per_backend=flow_limit))
+        max_inflight_per_backend=flow_limit, strict=strict))
     flow = FlowControl(lambda: settings, registry, metrics)
     shared = {"responses": ResponseHomes() if homes is None else homes}
     sync = Replicator(build_store(cfg, name), cfg, registry, counters, metrics,
@@ -225,6 +225,54 @@ async def test_a_replica_starting_without_the_store_takes_its_share_at_once() ->
     assert await a.sync.sync_once() is False
     assert leased(a) == [4.0] * len(FLEET)  # no other replica seen: 4 // 1
     await a.sync.store.close()
+
+
+async def test_replicas_whose_flow_control_differs_are_told(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A loose replica (or one with another limit) beside strict ones breaks the limit
+    the leases hold: every replica warns once per change and shows it in
+    laneway_state_flow_modes, and says when they agree again. A crashed replica's mode
+    leaves the store with it."""
+    def modes(r: Replica) -> float:
+        return float(r.metrics.state_flow_modes._value.get())  # type: ignore[attr-defined]
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if "differ in flow control" in r.getMessage()]
+
+    caplog.set_level("INFO", logger="laneway.state")
+    a, b = replica(redis_url, "a", flow_limit=4), replica(redis_url, "b", flow_limit=4)
+    loose = replica(redis_url, "c", flow_limit=4, strict=False)
+    crashed = replica(redis_url, "d", flow_limit=8)
+    try:
+        for r in (a, b, a):
+            assert await r.sync.sync_once()
+        assert modes(a) == modes(b) == 1 and warnings() == []
+        assert await loose.sync.sync_once()
+        for _ in range(2):
+            assert await a.sync.sync_once()
+        assert modes(loose) == modes(a) == 2
+        assert warnings() == [
+            "replicas differ in flow control, so no replica holds the limit for all: loose,"
+            " 4 per backend (1 replica); strict, 4 per backend (2 replicas) (set "
+            "flow_control.strict and max_inflight_per_backend alike on every replica)"] * 2
+        await loose.sync.store.close()  # leaves
+        assert await a.sync.sync_once()
+        assert modes(a) == 1
+        assert "replicas agree on flow control again: strict, 4 per backend" \
+            in caplog.text
+        assert await crashed.sync.sync_once()  # another limit, then gone for good
+        assert await a.sync.sync_once()
+        assert modes(a) == 2 and "strict, 8 per backend (1 replica)" in warnings()[-1]
+        await asyncio.sleep(1.1)  # inflight_ttl_s: the others drop it
+        for r in (b, a):
+            assert await r.sync.sync_once()
+        assert modes(a) == 1
+        client = crashed.sync.store._client  # type: ignore[attr-defined]
+        assert sorted(await client.hkeys("laneway:flow")) == [b"a", b"b"]
+    finally:
+        for r in (a, b, crashed):
+            await r.sync.store.close()
 
 
 class _LeasesFail(MemoryStore):
