@@ -17,6 +17,10 @@ from proxy.relay import Opened, StallWatch
 from proxy.sse import DONE, EventSplitter
 
 _FAILED_FINISH = ("abort", "error")
+# Events decoded per read. A proxy that falls behind gets a whole buffer of events in
+# one chunk (hundreds); decoded at once, they and their re-encoded copies would stay
+# alive while the client's socket drains, for every stream (README, Memory).
+MAX_PIECES = 32
 
 
 class LegFailed(Exception):
@@ -51,8 +55,11 @@ class Leg:
         """The next pieces (never empty); [] once the stream ended with [DONE]."""
         while True:
             if self._payloads:
-                pieces = self._parse(self._payloads)
-                self._payloads = []
+                batch = self._payloads[:MAX_PIECES]
+                del self._payloads[:MAX_PIECES]
+                pieces = self._parse(batch)
+                if self._done:
+                    self._payloads = []
                 if pieces:
                     return pieces
             if self._done:

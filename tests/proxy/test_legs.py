@@ -1,0 +1,42 @@
+"""A leg decodes a backlog of upstream events a bounded batch at a time."""
+
+from __future__ import annotations
+
+import contextlib
+
+import orjson
+
+from proxy.legs import MAX_PIECES, Leg
+from proxy.relay import Opened
+from proxy.types import Backend
+
+
+class _Response:
+    """An aiohttp response whose whole body already came with the head."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _event(token: int) -> bytes:
+    choice = {"index": 0, "delta": {"content": f" t{token}"}, "token_ids": [token],
+              "finish_reason": "length" if token == 79 else None}
+    return b"data: " + orjson.dumps({"id": "c", "choices": [choice]}) + b"\n\n"
+
+
+async def test_a_backlog_is_decoded_a_batch_at_a_time_in_order_up_to_done() -> None:
+    # 80 events in one chunk (a proxy that fell behind), then [DONE] and a stray event
+    head = b"".join(_event(i) for i in range(80)) + b"data: [DONE]\n\n" + _event(999)
+    opened = Opened(Backend("b", "http://b", "m"), _Response(), head,  # type: ignore[arg-type]
+                    complete=False)
+    leg = Leg(opened, chat=True, guard=contextlib.ExitStack(), read_timeout_s=5)
+    batches = []
+    while pieces := await leg.read():
+        batches.append([p.token_ids[0] for p in pieces])
+    leg.close()
+    assert [len(b) for b in batches] == [MAX_PIECES, MAX_PIECES, 80 - 2 * MAX_PIECES]
+    assert sum(batches, []) == list(range(80))
+    assert leg.tokens == 80
+    assert await leg.read() == []  # nothing after [DONE]
