@@ -28,7 +28,7 @@ import aiohttp
 
 from bench.overhead_load import cpu_seconds, latency_legs, stream_legs, throughput
 from bench.overhead_procs import fake_process, minimal_relay, proxy_for
-from bench.results import write_json
+from bench.results import publish
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 3.0, "throughput_ratio_256": 0.95}
@@ -189,10 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                "tracking": args.target_url is None and not args.no_tracking,
                "command": "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None
                                                                  else argv)}
-    print(table(result))
-    print("meets targets:", result["meets_targets"])
-    write_json(args.json, result)
-    print(f"\nwritten to {args.json}")
+    publish(args.json, result, table(result))
     return 0
 
 

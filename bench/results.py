@@ -127,3 +127,11 @@ def write_json(path: Path, data: Any) -> None:
     """A benchmark's summary JSON (indented, one trailing newline), its folder made."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def publish(path: Path, result: dict[str, Any], table: str) -> None:
+    """Print a benchmark's table and whether it met its targets; write its JSON."""
+    print(table)
+    print("meets targets:", result["meets_targets"])
+    write_json(path, result)
+    print(f"\nwritten to {path}")
