@@ -37,6 +37,6 @@ async def test_a_backlog_is_decoded_a_batch_at_a_time_in_order_up_to_done() -> N
         batches.append([p.token_ids[0] for p in pieces])
     leg.close()
     assert [len(b) for b in batches] == [MAX_PIECES, MAX_PIECES, 80 - 2 * MAX_PIECES]
-    assert sum(batches, []) == list(range(80))
+    assert [token for batch in batches for token in batch] == list(range(80))
     assert leg.tokens == 80
     assert await leg.read() == []  # nothing after [DONE]
