@@ -42,6 +42,20 @@ _HOP_HEADERS = frozenset(
 )
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 _ERROR_BODY_LIMIT = 64 * 1024
+# Fresh tries on the same backend after a pooled connection turned out closed. Several
+# can be stale at once: a proxy that fell behind returns a stream's connection to its
+# pool only when it has read the stream, seconds after the backend sent its end and
+# started its own keep-alive clock; each failed try drops one.
+STALE_RETRIES = 4
+
+
+def stale_connection(exc: BaseException) -> bool:
+    """Whether `exc` is a kept-alive connection the backend had closed, found while
+    sending the request: nothing reached vLLM, so the same backend may be tried again.
+    (A refused connection is not: that backend is down.)"""
+    return isinstance(exc, aiohttp.ServerDisconnectedError) or (
+        isinstance(exc, aiohttp.ClientOSError)
+        and not isinstance(exc, aiohttp.ClientConnectorError))
 
 
 class UpstreamFailure(Exception):
@@ -134,12 +148,7 @@ class Upstream:
     ) -> Opened:
         """Send the request; return once its first body bytes are here (or raise)."""
         try:
-            try:
-                response = await self._send(method, backend, path, body, headers)
-            except aiohttp.ServerDisconnectedError:
-                # A pooled keep-alive connection the backend closed while we reused it:
-                # nothing reached vLLM, so the same backend gets one fresh try.
-                response = await self._send(method, backend, path, body, headers)
+            response = await self._send_fresh(method, backend, path, body, headers)
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamFailure(backend, "connect", str(exc)) from None
         except TimeoutError:
@@ -172,7 +181,7 @@ class Upstream:
         UpstreamFailure when no answer came (in `timeout_s`, default the first-byte one)."""
         try:
             async with asyncio.timeout(timeout_s or self._cfg.first_byte_timeout_s):
-                response = await self._send(method, backend, path, body, headers)
+                response = await self._send_fresh(method, backend, path, body, headers)
                 async with response:
                     payload = await response.read()
         except aiohttp.ClientConnectorError as exc:
@@ -183,6 +192,22 @@ class Upstream:
             raise UpstreamFailure(backend, "broken", repr(exc)) from None
         content_type = response.headers.get("content-type", "application/json").encode()
         return response.status, payload, content_type
+
+    async def _send_fresh(
+        self, method: str, backend: Backend, path: str, body: bytes | None,
+        headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """`_send`, tried again (at most `STALE_RETRIES` times) while the pooled
+        connection it took turns out closed by the backend."""
+        for retries in range(STALE_RETRIES + 1):
+            try:
+                return await self._send(method, backend, path, body, headers)
+            except aiohttp.ClientError as exc:
+                if retries == STALE_RETRIES or not stale_connection(exc):
+                    raise
+                log.debug("%s %s on %s: stale pooled connection (%r); trying again",
+                          method, path, backend.name, exc)
+        raise AssertionError("unreachable")
 
     async def _send(
         self, method: str, backend: Backend, path: str, body: bytes | None,

@@ -376,6 +376,34 @@ async def test_connection_closed_before_response_is_retried_on_same_backend() ->
     assert response.status_code == 200 and fake.app.stats.requests == 1
 
 
+async def test_several_stale_connections_in_a_row_are_each_tried_again() -> None:
+    """As after a proxy fell behind: many pooled connections the backend closed at once.
+    Each failed try drops one; the request still reaches the backend, once."""
+    from proxy.relay import STALE_RETRIES
+
+    async with serve_fake(FakeConfig()) as fake, \
+            dropping_hop(fake.url, STALE_RETRIES) as hop:
+        settings = Settings(server={"port": 0},  # type: ignore[arg-type]
+                            backends=[{"name": "only", "url": hop, "model": "fake"}],  # type: ignore[list-item]
+                            poller=NO_DISCOVERY)  # type: ignore[arg-type]
+        async with serve_in_loop(settings) as proxy:
+            response = await post(proxy, CHAT)
+    assert response.status_code == 200 and fake.app.stats.requests == 1
+
+
+def test_a_stale_connection_is_told_from_a_down_backend() -> None:
+    import aiohttp
+
+    from proxy.relay import stale_connection
+
+    key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)
+    assert stale_connection(aiohttp.ServerDisconnectedError())
+    assert stale_connection(aiohttp.ClientOSError(None, "Can not write request body"))
+    assert not stale_connection(aiohttp.ClientConnectorError(key, OSError(111, "refused")))
+    assert not stale_connection(aiohttp.ClientPayloadError("broken body"))
+    assert not stale_connection(TimeoutError())
+
+
 async def test_backend_that_always_drops_gives_502() -> None:
     async with serve_fake(FakeConfig()) as fake, dropping_hop(fake.url, 99) as hop:
         settings = Settings(server={"port": 0},  # type: ignore[arg-type]
