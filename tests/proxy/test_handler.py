@@ -366,12 +366,16 @@ async def dropping_hop(upstream: str, drop_first: int) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
+def behind_hop(hop: str) -> Settings:
+    """The proxy's settings with one backend, `only`, behind a dropping hop."""
+    return Settings(server={"port": 0},  # type: ignore[arg-type]
+                    backends=[{"name": "only", "url": hop, "model": "fake"}],  # type: ignore[list-item]
+                    poller=NO_DISCOVERY)  # type: ignore[arg-type]
+
+
 async def test_connection_closed_before_response_is_retried_on_same_backend() -> None:
     async with serve_fake(FakeConfig()) as fake, dropping_hop(fake.url, 1) as hop:
-        settings = Settings(server={"port": 0},  # type: ignore[arg-type]
-                            backends=[{"name": "only", "url": hop, "model": "fake"}],  # type: ignore[list-item]
-                            poller=NO_DISCOVERY)  # type: ignore[arg-type]
-        async with serve_in_loop(settings) as proxy:
+        async with serve_in_loop(behind_hop(hop)) as proxy:
             response = await post(proxy, CHAT)
     assert response.status_code == 200 and fake.app.stats.requests == 1
 
@@ -383,10 +387,7 @@ async def test_several_stale_connections_in_a_row_are_each_tried_again() -> None
 
     async with serve_fake(FakeConfig()) as fake, \
             dropping_hop(fake.url, STALE_RETRIES) as hop:
-        settings = Settings(server={"port": 0},  # type: ignore[arg-type]
-                            backends=[{"name": "only", "url": hop, "model": "fake"}],  # type: ignore[list-item]
-                            poller=NO_DISCOVERY)  # type: ignore[arg-type]
-        async with serve_in_loop(settings) as proxy:
+        async with serve_in_loop(behind_hop(hop)) as proxy:
             response = await post(proxy, CHAT)
     assert response.status_code == 200 and fake.app.stats.requests == 1
 
@@ -406,10 +407,7 @@ def test_a_stale_connection_is_told_from_a_down_backend() -> None:
 
 async def test_backend_that_always_drops_gives_502() -> None:
     async with serve_fake(FakeConfig()) as fake, dropping_hop(fake.url, 99) as hop:
-        settings = Settings(server={"port": 0},  # type: ignore[arg-type]
-                            backends=[{"name": "only", "url": hop, "model": "fake"}],  # type: ignore[list-item]
-                            poller=NO_DISCOVERY)  # type: ignore[arg-type]
-        async with serve_in_loop(settings) as proxy:
+        async with serve_in_loop(behind_hop(hop)) as proxy:
             response = await post(proxy, CHAT)
     assert response.status_code == 502
     assert "only: broken" in response.json()["error"]["message"]
