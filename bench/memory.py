@@ -36,6 +36,7 @@ import signal
 import sys
 import time
 import tracemalloc
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.overhead_load import chat_body
 from bench.overhead_procs import fake_process, minimal_relay, wait_ok
 from bench.proxy_process import running_proxy
 from bench.report import git_commit
@@ -111,21 +113,23 @@ def _prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 40)))
 
 
-def _chat(model: str, prompt: str, tokens: int, stream: bool) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": tokens, "ignore_eos": True, "stream": stream}
+def client() -> aiohttp.ClientSession:
+    """A load generator's client: no cap on its connections."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
 
 async def _stream(http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
-                  headers: dict[str, str] | None = None, leave_after: int | None = None
-                  ) -> str | None:
+                  headers: dict[str, str] | None = None, leave_after: int | None = None,
+                  on_first: Callable[[], None] | None = None) -> str | None:
     """None if the stream came whole (ends with [DONE]), or after `leave_after` events
-    (the client leaves); else what went wrong."""
+    (the client leaves); else what went wrong. `on_first`: called at its first chunk."""
     tail, events = b"", 0
     async with http.post(url + path, json=body, headers=headers) as resp:
         if resp.status != 200:
             return f"HTTP {resp.status}: {(await resp.text())[:300]}"
         async for chunk in resp.content.iter_any():
+            if on_first is not None and not tail:
+                on_first()
             events += chunk.count(b"data: ")
             tail = (tail + chunk)[-64:]
             if leave_after is not None and events >= leave_after:
@@ -149,9 +153,9 @@ def mixed_request(rng: random.Random) -> tuple[str, Request]:
     """One request of the laneway waves: (its kind, how to send it and check it)."""
     prompt, roll = _prompt(rng), rng.random()
     if roll < 0.40:
-        return "chat_stream", lambda h, u: _stream(h, u, CHAT, _chat("fast", prompt, 16, True))
+        return _chat_stream(prompt)
     if roll < 0.60:
-        return "chat", lambda h, u: _status(h, u, CHAT, None, _chat("fast", prompt, 16, False),
+        return "chat", lambda h, u: _status(h, u, CHAT, None, chat_body("fast", 16, False, prompt),
                                             200)
     if roll < 0.70:
         body = {"model": "fast", "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
@@ -159,28 +163,31 @@ def mixed_request(rng: random.Random) -> tuple[str, Request]:
         return "completion_stream", lambda h, u: _stream(h, u, COMPLETIONS, body)
     if roll < 0.80:
         # paced: the move completes while the stream runs (an unpaced one ends first)
-        return "migration", lambda h, u: _stream(h, u, CHAT, _chat("paced", prompt, 24, True),
+        return "migration", lambda h, u: _stream(h, u, CHAT, chat_body("paced", 24, True, prompt),
                                                  {"x-laneway-migrate-after": "4"})
     if roll < 0.90:
         return "client_leaves", lambda h, u: _stream(
-            h, u, CHAT, _chat("paced", prompt, 50, True), leave_after=3)
+            h, u, CHAT, chat_body("paced", 50, True, prompt), leave_after=3)
     if roll < 0.95:
         return "malformed", lambda h, u: _status(h, u, CHAT, b'{"model": "fast", ', None, 400)
     return "unknown_model", lambda h, u: _status(h, u, CHAT, None,
-                                                 _chat("nope", prompt, 4, False), 404)
+                                                 chat_body("nope", 4, False, prompt), 404)
 
 
 def plain_stream(rng: random.Random) -> tuple[str, Request]:
     """One request of the floor relay's waves (it relays to one fake, nothing else)."""
-    prompt = _prompt(rng)
-    return "chat_stream", lambda h, u: _stream(h, u, CHAT, _chat("fast", prompt, 16, True))
+    return _chat_stream(_prompt(rng))
+
+
+def _chat_stream(prompt: str) -> tuple[str, Request]:
+    return "chat_stream", lambda h, u: _stream(h, u, CHAT, chat_body("fast", 16, True, prompt))
 
 
 async def wave(http: aiohttp.ClientSession, url: str, requests: list[tuple[str, Request]],
                concurrency: int, timeout_s: float) -> dict[str, int]:
     """Send `requests` at `concurrency`; failures by kind and what went wrong."""
     slots = asyncio.Semaphore(concurrency)
-    failures: dict[str, int] = {}
+    failures: Counter[str] = Counter()
 
     async def one(kind: str, send: Request) -> None:
         async with slots:
@@ -190,11 +197,10 @@ async def wave(http: aiohttp.ClientSession, url: str, requests: list[tuple[str, 
             except (aiohttp.ClientError, TimeoutError) as exc:
                 wrong = type(exc).__name__
             if wrong is not None:
-                key = f"{kind}: {wrong}"
-                failures[key] = failures.get(key, 0) + 1
+                failures[f"{kind}: {wrong}"] += 1
 
     await asyncio.gather(*(one(kind, send) for kind, send in requests))
-    return failures
+    return dict(failures)
 
 
 async def growth(url: str, plan: Plan, make: Callable[[random.Random], tuple[str, Request]],
@@ -205,13 +211,11 @@ async def growth(url: str, plan: Plan, make: Callable[[random.Random], tuple[str
     rng = random.Random(plan.seed)
     sent: list[int] = []
     after: list[int] = []
-    failures: dict[str, int] = {}
+    failures: Counter[str] = Counter()
     for n in range(plan.waves):
         batch = [make(rng) for _ in range(plan.wave_requests)]
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            for key, count in (await wave(http, url, batch, plan.concurrency,
-                                          plan.timeout_s)).items():
-                failures[key] = failures.get(key, 0) + count
+        async with client() as http:
+            failures.update(await wave(http, url, batch, plan.concurrency, plan.timeout_s))
         await asyncio.sleep(1.0)  # the last streams' cleanup (a left client's upstream)
         sent.append((n + 1) * plan.wave_requests)
         after.append(measure())
@@ -220,7 +224,7 @@ async def growth(url: str, plan: Plan, make: Callable[[random.Random], tuple[str
             "growth_kb_per_1k_requests": slope_per_1k(sent[kept], after[kept]),
             "growth_kb_after_warmup": after[-1] - after[plan.warmup_waves - 1]
             if plan.warmup_waves else after[-1] - after[0],
-            "failures": failures}
+            "failures": dict(failures)}
 
 
 async def held_streams(http: aiohttp.ClientSession, url: str, pid: int, model: str,
@@ -230,21 +234,15 @@ async def held_streams(http: aiohttp.ClientSession, url: str, pid: int, model: s
     started = asyncio.Event()
     opened = 0
 
-    async def one(n: int) -> str | None:
+    def opened_one() -> None:
         nonlocal opened
-        body = _chat(model, f"held stream {n}", tokens, True)
-        async with http.post(url + CHAT, json=body) as resp:
-            if resp.status != 200:
-                return f"HTTP {resp.status}"
-            first = True
-            tail = b""
-            async for chunk in resp.content.iter_any():
-                if first:
-                    first, opened = False, opened + 1
-                    if opened == count:
-                        started.set()
-                tail = (tail + chunk)[-64:]
-        return None if tail.rstrip().endswith(b"data: [DONE]") else "stream cut short"
+        opened += 1
+        if opened == count:
+            started.set()
+
+    async def one(n: int) -> str | None:
+        body = chat_body(model, tokens, True, f"held stream {n}")
+        return await _stream(http, url, CHAT, body, on_first=opened_one)
 
     tasks = [asyncio.ensure_future(one(n)) for n in range(count)]
     try:
@@ -275,9 +273,6 @@ async def measure_system(waves: Target, streams: Mapping[str, Target], plan: Pla
     stream (on `streams[model]` for each held model, from that server's memory before
     its first held streams). `metrics`: read the server's /metrics at the end. Each
     phase has its own client: none reuses a connection the server closed while idle."""
-    def client() -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-
     async with client() as http:
         warm = [make(random.Random(plan.seed + 1)) for _ in range(200)]
         warm_failures = await wave(http, waves[0], warm, plan.concurrency, plan.timeout_s)
@@ -344,7 +339,7 @@ async def traced_growth(config: dict[str, Any], plan: Plan) -> dict[str, Any]:
     settings = Settings.model_validate({**config, "server": {
         **config["server"], "host": "127.0.0.1", "port": 0}})
     async with serve_in_loop(settings) as proxy:
-        async with aiohttp.ClientSession() as http:
+        async with client() as http:
             warm = [mixed_request(random.Random(plan.seed + 1)) for _ in range(200)]
             await wave(http, proxy.url, warm, plan.concurrency, plan.timeout_s)
 

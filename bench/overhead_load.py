@@ -26,15 +26,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _chat(model: str, tokens: int, stream: bool) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}],
+def chat_body(model: str, tokens: int, stream: bool, prompt: str = "hi") -> dict[str, Any]:
+    """A chat completion of exactly `tokens` tokens (`ignore_eos`)."""
+    return {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": tokens, "ignore_eos": True, "stream": stream}
 
 
 async def latencies(http: aiohttp.ClientSession, url: str, model: str, n: int,
                     stream: bool) -> list[float]:
     """Sequential requests; seconds to the whole body, or to the first token if `stream`."""
-    body = _chat(model, 4 if stream else 1, stream)
+    body = chat_body(model, 4 if stream else 1, stream)
     out = []
     for _ in range(n):
         started = time.perf_counter()
@@ -73,7 +74,7 @@ async def stream_tokens(http: aiohttp.ClientSession, url: str, model: str, token
     error that ended it: a failure is a result of the benchmark, not a crash."""
     events = 0
     try:
-        async with http.post(url + CHAT_PATH, json=_chat(model, tokens, True)) as resp:
+        async with http.post(url + CHAT_PATH, json=chat_body(model, tokens, True)) as resp:
             if resp.status != 200:
                 return f"HTTP {resp.status}: {(await resp.text())[:200]}"
             async for chunk in resp.content.iter_any():
