@@ -102,9 +102,22 @@ class TrackedRelay(Moves):
                     await self._continue_handoff()
                 elif self._trigger_due():
                     await self._maybe_trigger()
+            if self.handoff is not None:
+                self._drop_outrun_handoff()
             await self._finish()
         finally:
             self.rt.streams.untrack(self.leg.backend.name, self)
+
+    def _drop_outrun_handoff(self) -> None:
+        """The source finished before the target was ready: the move is dropped, and its
+        slot and warm-up on the target are released before the client's last write."""
+        handoff, leg = self.handoff, self.leg
+        assert handoff is not None and leg is not None
+        log.info("request %s: finished on %s before %s was ready; move dropped (%s, %.1f ms)",
+                 self.ctx.request_id, leg.backend.name, handoff.target.name, handoff.reason,
+                 (time.monotonic() - handoff.started_at) * 1000)
+        handoff.close()
+        self.handoff = None
 
     async def _next_pieces(self) -> list[Piece]:
         if self._failure is not None:

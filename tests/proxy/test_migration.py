@@ -341,3 +341,28 @@ async def test_a_stream_moves_between_the_models_of_a_group() -> None:
     assert cont["model"] == "b" and cont["max_tokens"] == 12 - moved["at_token"]
     data = [orjson.loads(e) for e in events(response.text)[:-1]]
     assert {d["model"] for d in data} == {"a"}  # one response, as the first backend named it
+
+
+async def test_a_move_the_source_outruns_is_dropped_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The source finishes while the target is still warming up: the stream ends whole
+    on the source, the move is logged as dropped, and the target's warm-up is cancelled."""
+    caplog.set_level(logging.INFO, logger="laneway")
+    source, slow_start = FakeConfig(tpot_s=0.01), FakeConfig(ttft_s=2.0)
+    async with fleet(source, slow_start, **FORCED) as (proxy, fakes):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 12},
+                              headers={"x-laneway-migrate-after": "3",
+                                       "x-laneway-events": "1"})
+        for _ in range(100):  # the cancel reaches the target just after the last write
+            if fakes[1].app.stats.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert fakes[1].app.stats.cancelled == 1
+    assert stream_text(response) == expected_text(12)
+    assert migrated_comments(response) == []
+    assert response.headers["x-laneway-backend"] == "f0"
+    (line,) = [r.getMessage() for r in caplog.records if "move dropped" in r.getMessage()]
+    assert re.search(r": finished on f0 before f1 was ready; move dropped \(forced, [\d.]+ ms\)",
+                     line), line
+    (warm,) = continuation_bodies(fakes[1], warm=True)
+    assert warm["max_tokens"] == 1 and continuation_bodies(fakes[1]) == []
