@@ -137,7 +137,7 @@ class RedisStore:
         inbox.counters = {key: float(v) if v is not None else 0.0
                           for key, v in zip(counters, totals, strict=True)}
         self._read_log(results[-1], inbox)
-        inbox.inflight = await self._others_inflight(
+        inbox.inflight = await self._sum_inflight_and_forget(
             [r for r in replicas if r != me], gone=set(flows).difference(replicas))
         return inbox
 
@@ -150,9 +150,11 @@ class RedisStore:
                 inbox.entries.setdefault(fields[b"t"].decode(), []).extend(
                     orjson.loads(fields[b"d"]))
 
-    async def _others_inflight(self, replicas: list[str], gone: set[str]) -> dict[str, int]:
-        """The open requests of the other live `replicas`, summed per backend; drops
-        the flow modes of replicas `gone`."""
+    async def _sum_inflight_and_forget(self, replicas: list[str], gone: set[str]
+                                       ) -> dict[str, int]:
+        """The sync's second round trip: the open requests of the other live
+        `replicas`, summed per backend, and the flow modes of replicas `gone` (crashed
+        ones, whose entries outlived them) deleted."""
         if not replicas and not gone:
             return {}
         pipe = self._client.pipeline(transaction=False)
