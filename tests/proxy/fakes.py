@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import orjson
 
 from bench.fake_vllm import FakeConfig, RunningFake, serve_fake
 from proxy.config import Settings
+from proxy.ratelimit import WINDOW_S, RateLimiter, window_of
 from proxy.server import RunningProxy, serve_in_loop
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
@@ -47,3 +49,10 @@ async def post(proxy: RunningProxy, body: Any, path: str = "/v1/chat/completions
 
 def events(text: str) -> list[str]:
     return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def charged(limiter: RateLimiter, subject: str) -> float:
+    """What `subject` was charged in this minute window and the last: the sliding
+    estimate at the window's start, where the last one still counts whole (read now,
+    a test that crossed a window boundary would see part of its charges aged out)."""
+    return limiter.used(subject, window_of(time.time()) * WINDOW_S)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -13,7 +11,7 @@ from proxy.config import AuthConfig
 from proxy.errors import RateLimited
 from proxy.ratelimit import RateLimiter, WindowCounters
 from proxy.types import Outcome, RequestContext
-from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.fakes import CHAT, charged, fleet, post
 
 
 def keys(**limits: object) -> dict[str, object]:
@@ -78,7 +76,7 @@ async def test_tokens_charged_up_front_then_reconciled_with_usage() -> None:
         rt = proxy.app.runtime
         assert rt is not None
         first = await post(proxy, {**CHAT, "max_tokens": 100}, headers=bearer("sk-alice"))
-        used = rt.auth.limiter.used("alice:tokens", time.time())
+        used = charged(rt.auth.limiter, "alice:tokens")
         usage = first.json()["usage"]
         second = await post(proxy, {**CHAT, "max_tokens": 100}, headers=bearer("sk-alice"))
         too_big = await post(proxy, {**CHAT, "max_tokens": 119}, headers=bearer("sk-alice"))

@@ -4,13 +4,11 @@ errors in Anthropic's shape, `x-api-key` accepted as the key."""
 
 from __future__ import annotations
 
-import time
-
 import anthropic
 import pytest
 
 from bench.fake_vllm import FakeConfig
-from tests.proxy.fakes import fleet, post
+from tests.proxy.fakes import charged, fleet, post
 from tests.proxy.test_auth import keys
 
 ASK = {"model": "fake", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
@@ -36,7 +34,7 @@ async def test_the_sdk_gets_whole_and_streamed_messages() -> None:
         ) as stream:
             texts = [text async for text in stream.text_stream]
             final = await stream.get_final_message()
-        used = rt.auth.limiter.used("alice:tokens", time.time())
+        used = charged(rt.auth.limiter, "alice:tokens")
         metrics = rt.metrics.render().decode()
     assert whole.content[0].text == "tok0 tok1 tok2 tok3 tok4 "  # type: ignore[union-attr]
     assert raw.headers["x-laneway-backend"] in ("f0", "f1")

@@ -4,14 +4,13 @@ relayed to their own end event, stored responses found on the backend that holds
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import pytest
 
 from bench.fake_vllm import FakeConfig
 from proxy.responses import ResponseHomes
-from tests.proxy.fakes import fleet, post
+from tests.proxy.fakes import charged, fleet, post
 from tests.proxy.test_auth import bearer, keys
 
 ASK = {"model": "fake", "input": "hello there", "max_output_tokens": 4}
@@ -24,7 +23,7 @@ async def test_a_response_is_routed_relayed_and_counted() -> None:
         assert rt is not None
         answers = [await post(proxy, ASK, "/v1/responses", headers=bearer("sk-alice"))
                    for _ in range(2)]
-        used = rt.auth.limiter.used("alice:tokens", time.time())
+        used = charged(rt.auth.limiter, "alice:tokens")
         metrics = rt.metrics.render().decode()
     assert [a.status_code for a in answers] == [200, 200]
     assert {a.headers["x-laneway-backend"] for a in answers} == {"f0", "f1"}  # round robin
