@@ -40,6 +40,8 @@ from bench.fake_wire import (
 from proxy.asgi import ClientGone, Receive, Scope, Send, read_body, send_bytes, send_json
 from proxy.server import uvicorn_in_loop
 
+_COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens on /v1/completions
+
 _JSON = [(b"content-type", b"application/json")]
 _MAX_BODY = 1 << 30
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # what vLLM's --api-key guards
@@ -53,7 +55,7 @@ class FakeConfig:
     aliases: tuple[str, ...] = ()  # more served model names (vLLM's --served-model-name)
     ttft_s: float = 0.0
     tpot_s: float = 0.0  # 0: unpaced (still yields to the loop between tokens)
-    default_tokens: int = 16  # output length when the request has no max_tokens
+    default_tokens: int = 16  # a chat answer's length without max_tokens (EOS)
     eos_after: int | None = None  # the "model" ends by itself after this many tokens
     max_num_seqs: int = 1024  # more concurrent requests wait (num_requests_waiting)
     kv_capacity_tokens: int = 65_536  # kv_cache_usage_perc = tokens held / this
@@ -295,7 +297,13 @@ class FakeVllm:
 
     def _plan(self, chat: bool, scope: Scope, body: dict[str, Any], model: str) -> Completion:
         cfg = self.config
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        # As vLLM reads them: chat takes max_completion_tokens over max_tokens;
+        # completions ignore max_completion_tokens and default max_tokens to 16.
+        limit = body.get("max_tokens")
+        if chat and body.get("max_completion_tokens") is not None:
+            limit = body["max_completion_tokens"]
+        elif not chat and limit is None:
+            limit = _COMPLETIONS_MAX_TOKENS
         # Where the "model" would emit EOS: after eos_after tokens if configured, else
         # never when max_tokens bounds the request, else after default_tokens.
         natural = None if body.get("ignore_eos") else (
@@ -436,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alias", action="append", default=[], help="another served name")
     parser.add_argument("--ttft-ms", type=float, default=0.0)
     parser.add_argument("--tpot-ms", type=float, default=0.0)
-    parser.add_argument("--tokens", type=int, default=16, help="length without max_tokens")
+    parser.add_argument("--tokens", type=int, default=16,
+                        help="a chat answer's length without max_tokens")
     parser.add_argument("--eos-after", type=int)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--fail-status", type=int)

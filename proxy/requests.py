@@ -171,29 +171,35 @@ def _messages_prompt(data: dict[str, Any]) -> str:
 _PROMPTS: dict[Endpoint, Callable[[dict[str, Any]], str]] = {
     "chat": _chat_prompt, "completions": _completion_prompt, "responses": _responses_prompt,
     "messages": _messages_prompt}
+# The fields that bound the generation, as vLLM reads them: the first one set wins
+# (chat: `max_completion_tokens` over the deprecated `max_tokens`); vLLM's completions
+# ignore `max_completion_tokens`, so the proxy does too.
 _LENGTH_KEYS: dict[Endpoint, tuple[str, ...]] = {
-    "chat": ("max_tokens", "max_completion_tokens"),
-    "completions": ("max_tokens", "max_completion_tokens"),
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
     "responses": ("max_output_tokens",),
     "messages": ("max_tokens",)}
+# vLLM's `/v1/completions` generates 16 tokens when `max_tokens` is absent or null.
+_COMPLETIONS_MAX_TOKENS = 16
 
 
 def _max_tokens(data: dict[str, Any], endpoint: Endpoint, limit: int) -> int | None:
-    for key in _LENGTH_KEYS[endpoint]:
-        value = data.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise InvalidRequest(f"`{key}` must be an integer.", param=key)
-        # 0 is legal on /v1/completions (echo + prompt logprobs); never elsewhere.
-        lowest = 0 if endpoint == "completions" else 1
-        if value < lowest:
-            raise InvalidRequest(f"`{key}` must be at least {lowest}, got {value}.", param=key)
-        if value > limit:
-            raise InvalidRequest(
-                f"`{key}` is {value}, above this server's limit of {limit}.", param=key)
-        return value
-    return None
+    """The generation's length bound as the backend will apply it, checked (None: up
+    to the model's context). A field the backend ignores is left to the backend."""
+    key = next((k for k in _LENGTH_KEYS[endpoint] if data.get(k) is not None), None)
+    if key is None:
+        return _COMPLETIONS_MAX_TOKENS if endpoint == "completions" else None
+    value = data[key]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(f"`{key}` must be an integer.", param=key)
+    # 0 is legal on /v1/completions (echo + prompt logprobs); never elsewhere.
+    lowest = 0 if endpoint == "completions" else 1
+    if value < lowest:
+        raise InvalidRequest(f"`{key}` must be at least {lowest}, got {value}.", param=key)
+    if value > limit:
+        raise InvalidRequest(
+            f"`{key}` is {value}, above this server's limit of {limit}.", param=key)
+    return value
 
 
 def _optional_str(data: dict[str, Any], key: str) -> str | None:

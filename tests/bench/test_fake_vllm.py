@@ -61,6 +61,16 @@ async def test_usage_event_and_stop_without_max_tokens() -> None:
                                    "total_tokens": 10}
 
 
+async def test_length_bounds_are_read_as_vllm_reads_them() -> None:
+    async with serve_fake(FakeConfig(default_tokens=7)) as fake:
+        completion = await post(fake, {"model": CHAT["model"], "prompt": "a b",
+                                       "max_completion_tokens": 4}, "/v1/completions")
+        chat = await post(fake, {**CHAT, "max_tokens": 3, "max_completion_tokens": 5})
+    assert completion.json()["usage"]["completion_tokens"] == 16  # vLLM's default
+    assert completion.json()["choices"][0]["finish_reason"] == "length"
+    assert chat.json()["usage"]["completion_tokens"] == 5
+
+
 async def test_ignore_eos_reaches_max_tokens() -> None:
     async with serve_fake(FakeConfig(eos_after=3)) as fake:
         natural = await post(fake, {**CHAT, "max_tokens": 10})

@@ -173,6 +173,30 @@ def test_moved_answer_equals_unmoved_one(
         assert after in spliced, f"never spliced at {after}: {spliced}"
 
 
+@pytest.mark.parametrize(("chat", "lengths", "expected"), [
+    (False, {}, 16),  # vLLM's default max_tokens on /v1/completions
+    (True, {"max_tokens": 5, "max_completion_tokens": 24}, 24),  # chat's precedence
+], ids=["completions-default", "chat-max-completion-tokens"])
+def test_a_move_keeps_the_length_bound_vllm_applies(
+    cold_proxy: str, vllm_fleet: list[Running], chat: bool, lengths: dict[str, int],
+    expected: int,
+) -> None:
+    """The continuation asks for what is left of the bound vLLM applied at the source
+    (before, 19 tokens came back for the first case and 5 for the second)."""
+    payload = {k: v for k, v in body(chat, True, ignore_eos=True).items()
+               if k != "max_tokens"} | lengths
+    reference = ask(two_same(vllm_fleet)[0].url, chat, payload)
+    assert len(reference.token_ids) == expected
+    for _ in range(ATTEMPTS):
+        moved = ask(cold_proxy, chat, payload, {"x-laneway-migrate-after": "3",
+                                                "x-laneway-events": "1"})
+        assert moved.token_ids == reference.token_ids and moved.text == reference.text
+        assert moved.finish_reason == "length"
+        if moved.moves:
+            break
+    assert [m["continued_from"] for m in moved.moves] == [3]
+
+
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples called `name` whose labels include `labels`."""
     text = httpx.get(f"{url}/metrics").text

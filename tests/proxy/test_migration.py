@@ -366,3 +366,23 @@ async def test_a_move_the_source_outruns_is_dropped_and_logged(
                      line), line
     (warm,) = continuation_bodies(fakes[1], warm=True)
     assert warm["max_tokens"] == 1 and continuation_bodies(fakes[1]) == []
+
+
+@pytest.mark.parametrize(("path", "fields", "tokens"), [
+    ("/v1/completions", {}, 16),  # vLLM's default max_tokens
+    ("/v1/chat/completions", {"max_tokens": 5, "max_completion_tokens": 12}, 12),
+], ids=["completions-default", "chat-max-completion-tokens"])
+async def test_a_move_keeps_the_length_bound_the_backend_applies(
+        path: str, fields: dict[str, int], tokens: int) -> None:
+    """The continuation asks for what is left of the bound the source was applying."""
+    chat = path.endswith("chat/completions")
+    body = {**(CHAT if chat else COMPLETION), **fields, "stream": True}
+    paced = FakeConfig(tpot_s=0.02)  # the target's warm-up ends before the source does
+    async with fleet(paced, paced, **FORCED) as (proxy, fakes):
+        response = await post(proxy, body, path, headers={"x-laneway-migrate-after": "3",
+                                                          "x-laneway-events": "1"})
+    assert stream_text(response, chat=chat) == expected_text(tokens)
+    (moved,) = migrated_comments(response)
+    target = fakes[1] if moved["to"] == "f1" else fakes[0]
+    (cont,) = continuation_bodies(target)
+    assert cont["max_tokens"] == tokens - moved["at_token"]

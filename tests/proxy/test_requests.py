@@ -62,6 +62,21 @@ def test_zero_max_tokens_only_on_completions() -> None:
         ctx_of({**CHAT, "max_tokens": 0})
 
 
+@pytest.mark.parametrize(("endpoint", "fields", "bound"), [
+    ("chat", {"max_tokens": 5, "max_completion_tokens": 9}, 9),  # vLLM's precedence
+    ("chat", {"max_tokens": 5, "max_completion_tokens": None}, 5),
+    ("chat", {"max_tokens": -1, "max_completion_tokens": 9}, 9),  # ignored: vLLM's to judge
+    ("chat", {}, None),  # up to the model's context
+    ("completions", {"max_tokens": 5, "max_completion_tokens": 9}, 5),  # vLLM ignores it
+    ("completions", {"max_completion_tokens": 2**63}, 16),  # vLLM's default max_tokens
+    ("completions", {"max_tokens": None}, 16),
+])
+def test_length_bound_is_the_one_vllm_applies(endpoint: Endpoint, fields: dict[str, object],
+                                              bound: int | None) -> None:
+    body = {**CHAT, **fields} if endpoint == "chat" else {"model": "m", "prompt": "x", **fields}
+    assert ctx_of(body, endpoint).max_tokens == bound
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -76,6 +91,7 @@ def test_zero_max_tokens_only_on_completions() -> None:
         ({**CHAT, "max_tokens": "10"}, "max_tokens"),
         ({**CHAT, "max_tokens": True}, "max_tokens"),
         ({**CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
+        ({**CHAT, "max_tokens": 5, "max_completion_tokens": LIMIT + 1}, "max_completion_tokens"),
         ({**CHAT, "stream": "yes"}, "stream"),
         ({**CHAT, "user": 7}, "user"),
     ],
