@@ -69,6 +69,8 @@ class FakeConfig:
     api_key: str | None = None  # vLLM's --api-key: /v1/* without `Bearer <key>` is a 401
     lora_runtime: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): adapters are served names, no weights change
+    reasoning_tokens: int = 0  # a reasoning parser's split (chat): generated tokens
+    # 0..N-1 are reasoning deltas, the rest content
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -317,7 +319,8 @@ class FakeVllm:
         request_id = dict(scope["headers"]).get(b"x-request-id", b"fake").decode()
         return Completion(chat, ("chatcmpl-" if chat else "cmpl-") + request_id, model,
                           self.created, prompt_ids, first_index(prompt_ids), tokens, reason,
-                          bool(body.get("return_token_ids")))
+                          bool(body.get("return_token_ids")),
+                          cfg.reasoning_tokens if chat else 0)
 
     async def _admitted(self, job: Completion, body: dict[str, Any], send: Send) -> None:
         """Run `job` once a sequence slot is free, accounting like vLLM's scheduler."""

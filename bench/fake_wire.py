@@ -73,12 +73,14 @@ class Completion:
     tokens: int
     finish_reason: str  # "length" or "stop"
     token_ids: bool  # the client asked for return_token_ids
+    reasoning: int = 0  # chat: generated tokens 0..reasoning-1 are reasoning (a parser's)
 
 
 class StreamWire:
     """Pre-encoded SSE events of one streamed completion."""
 
-    __slots__ = ("_finish", "_prompt_ids", "_template", "done", "job", "opening")
+    __slots__ = ("_finish", "_prompt_ids", "_reasoning", "_template", "done", "job",
+                 "opening")
 
     def __init__(self, job: Completion) -> None:
         self.job = job
@@ -93,12 +95,14 @@ class StreamWire:
                             b'"prompt_token_ids":' + prompt_ids + b',"prompt_text":null}\n\n')
             self._template = head + (b'"delta":{"content":"tok%d "},"logprobs":null,'
                                      b'"finish_reason":%b,"token_ids":%b}]}\n\n')
+            self._reasoning = self._template.replace(b'"content"', b'"reasoning"', 1)
             self._prompt_ids = b""
         else:
             self.opening = b""
             self._template = head + (b'"text":"tok%d ","logprobs":null,"finish_reason":%b,'
                                      b'"stop_reason":null,"prompt_token_ids":%b,'
                                      b'"token_ids":%b}]}\n\n')
+            self._reasoning = self._template
             self._prompt_ids = prompt_ids
         self._finish = b'"%s","stop_reason":null' % job.finish_reason.encode() if job.chat \
             else b'"%s"' % job.finish_reason.encode()
@@ -111,7 +115,8 @@ class StreamWire:
         finish = self._finish if offset == job.tokens - 1 else b"null"
         ids = b"[%d]" % (GEN_BASE + index) if job.token_ids else b"null"
         if job.chat:
-            return self._template % (index, finish, ids)
+            template = self._reasoning if index < job.reasoning else self._template
+            return template % (index, finish, ids)
         prompt = (self._prompt_ids if offset == 0 else b"null")
         return self._template % (index, finish, prompt, ids)
 
@@ -127,15 +132,18 @@ def _usage(job: Completion) -> bytes:
 
 def full_body(job: Completion) -> bytes:
     """The non-streamed response body."""
-    text = "".join(f"tok{i} " for i in range(job.start, job.start + job.tokens))
+    split = min(max(job.reasoning, job.start), job.start + job.tokens)
+    reasoning = "".join(f"tok{i} " for i in range(job.start, split))
+    text = "".join(f"tok{i} " for i in range(split, job.start + job.tokens))
     token_ids = list(range(GEN_BASE + job.start, GEN_BASE + job.start + job.tokens)) \
         if job.token_ids else None
     prompt_ids = job.prompt_ids if job.token_ids else None
     choice: dict[str, Any] = {"index": 0}
     if job.chat:
-        choice["message"] = {"role": "assistant", "content": text, "refusal": None,
-                             "annotations": None, "audio": None, "function_call": None,
-                             "tool_calls": [], "reasoning": None}
+        choice["message"] = {"role": "assistant", "content": text if text or not reasoning
+                             else None, "refusal": None, "annotations": None, "audio": None,
+                             "function_call": None, "tool_calls": [],
+                             "reasoning": reasoning or None}
     else:
         choice["text"] = text
     choice |= {"logprobs": None, "finish_reason": job.finish_reason, "stop_reason": None,

@@ -29,6 +29,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# A thinking variant's extra tokens: vLLM's reasoning parsers (`--reasoning-parser
+# deepseek_r1`) need them in the vocabulary. Never generated (see _build_weights), so
+# that parser reads a whole answer as reasoning.
+THINK_TOKENS = ["<think>", "</think>"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,11 @@ class Variant:
     context: int = 2048
     seed: int = 0
     train_steps: int = 0  # > 0: trained on bench/moe_corpus.py's text (bench/tiny_train.py)
+    thinking: bool = False  # THINK_TOKENS in its vocabulary
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return SPECIAL_TOKENS + THINK_TOKENS if self.thinking else SPECIAL_TOKENS
 
 
 VARIANTS = {v.name: v for v in (
@@ -50,6 +59,8 @@ VARIANTS = {v.name: v for v in (
     Variant("large", layers=12),
     # Another tokenizer (a smaller BPE vocabulary): migration must re-tokenize.
     Variant("small-alt", layers=2, vocab=3072, seed=1),
+    # With <think> tokens, for a server with a reasoning parser (reasoning deltas).
+    Variant("small-think", layers=2, thinking=True),
     # A tiny Qwen3-MoE (16 experts, top-2) for expert-locality routing (ELDR).
     Variant("moe", layers=4, arch="qwen3_moe", intermediate=64),
     # The same shape trained as a language model on six domains: it continues a prompt
@@ -97,7 +108,8 @@ def build(spec: Variant, shared: Path, target: Path) -> None:
         build_whisper(spec, target)
     else:
         corpus = _corpus(spec, shared)
-        tokenizer = build_tokenizer(iter([*instructions(shared), *corpus]), spec.vocab)
+        tokenizer = build_tokenizer(iter([*instructions(shared), *corpus]), spec.vocab,
+                                    spec.special_tokens)
         tokenizer.save_pretrained(target)
         training = _build_weights(spec, tokenizer, target, corpus)
     (target / "laneway-build.json").write_text(json.dumps(
@@ -173,10 +185,11 @@ def train_bpe(texts: Iterable[str], vocab: int, special_tokens: Sequence[str] = 
     return core
 
 
-def build_tokenizer(texts: Iterator[str], vocab: int) -> Any:
+def build_tokenizer(texts: Iterator[str], vocab: int,
+                    special_tokens: Sequence[str] = tuple(SPECIAL_TOKENS)) -> Any:
     transformers: Any = importlib.import_module("transformers")
 
-    core = train_bpe(texts, vocab, SPECIAL_TOKENS)
+    core = train_bpe(texts, vocab, special_tokens)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -233,7 +246,7 @@ def _build_weights(spec: Variant, tokenizer: Any, target: Path, corpus: list[str
     # varied, visible text (and never EOS, so lengths are exactly max_tokens). A
     # trained model never saw a special token, so zeroing them changes nothing else.
     with torch.no_grad():
-        model.lm_head.weight[: len(SPECIAL_TOKENS)] = 0
+        model.lm_head.weight[: len(spec.special_tokens)] = 0
     model = model.to(torch.bfloat16)
     model.save_pretrained(target, safe_serialization=True)
     return training

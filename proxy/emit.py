@@ -56,30 +56,34 @@ def token_event(
     head: ResponseHead, text: str, token_ids: list[int], *,
     finish_reason: str | None = None, stop_reason: str | int | None = None,
     prompt_token_ids: list[int] | None = None, fingerprint: str | None = None,
+    reasoning: str = "",
 ) -> bytes:
     around = head._around_text
     if around is not None and finish_reason is None and fingerprint is None \
-            and not head.with_token_ids:  # every other field is the same as the last
+            and not head.with_token_ids and not reasoning:  # the rest is as the last's
         return around[0] + orjson.dumps(text) + around[1]
     return _token_event(head, text, token_ids, finish_reason, stop_reason,
-                        prompt_token_ids, fingerprint)
+                        prompt_token_ids, fingerprint, reasoning)
 
 
 def _plain_event(head: ResponseHead, text: str) -> bytes:
     """A token event without finish, fingerprint or token ids."""
-    return _token_event(head, text, [], None, None, None, None)
+    return _token_event(head, text, [], None, None, None, None, "")
 
 
 def _token_event(
     head: ResponseHead, text: str, token_ids: list[int], finish_reason: str | None,
     stop_reason: str | int | None, prompt_token_ids: list[int] | None,
-    fingerprint: str | None,
+    fingerprint: str | None, reasoning: str,
 ) -> bytes:
     ids = token_ids if head.with_token_ids else None
     choice: dict[str, Any] = {"index": 0}
     if head.chat:
-        choice |= {"delta": {"content": text}, "logprobs": None,
-                   "finish_reason": finish_reason}
+        # as vLLM's delta: a reasoning-only one has no content
+        delta: dict[str, str] = {"content": text} if text or not reasoning else {}
+        if reasoning:
+            delta["reasoning"] = reasoning
+        choice |= {"delta": delta, "logprobs": None, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         choice["token_ids"] = ids
@@ -120,14 +124,17 @@ def comment_event(data: dict[str, Any]) -> bytes:
 def completion_body(
     head: ResponseHead, text: str, token_ids: list[int], prompt_token_ids: list[int] | None,
     finish_reason: str | None, stop_reason: str | int | None, fingerprint: str | None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
-    """A whole non-streamed response, as vLLM 0.32 shapes it."""
+    """A whole non-streamed response, as vLLM 0.32 shapes it (with a reasoning parser,
+    `content` is null when all of the answer was reasoning)."""
     prompt_ids = prompt_token_ids if head.with_token_ids else None
     choice: dict[str, Any] = {"index": 0}
     if head.chat:
-        choice["message"] = {"role": "assistant", "content": text, "refusal": None,
-                             "annotations": None, "audio": None, "function_call": None,
-                             "reasoning": None}
+        choice["message"] = {"role": "assistant",
+                             "content": text if text or reasoning is None else None,
+                             "refusal": None, "annotations": None, "audio": None,
+                             "function_call": None, "reasoning": reasoning}
     else:
         choice["text"] = text
     choice |= {"logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason,

@@ -176,10 +176,13 @@ class Movable(Protocol):
 
 
 class ActiveStreams:
-    """Tracked streams by the backend they run on, so a drain can move them."""
+    """Tracked streams by the backend they run on, so a drain can move them; and the
+    backends seen streaming reasoning deltas (a server with a reasoning parser), whose
+    streams stay put even before their first delta."""
 
     def __init__(self) -> None:
         self._by_backend: dict[str, set[Movable]] = {}
+        self.reasoning: set[str] = set()
 
     def track(self, backend: str, stream: Movable) -> None:
         self._by_backend.setdefault(backend, set()).add(stream)

@@ -55,6 +55,7 @@ class Moves:
     _read: asyncio.Future[list[Piece]] | None
     _stash: list[Piece]
     _failure: LegFailed | None
+    reasoning_parts: list[str]
 
     async def _emit(self, pieces: list[Piece]) -> None:
         raise NotImplementedError
@@ -91,7 +92,8 @@ class Moves:
         self.move_requested = reason
 
     async def _maybe_trigger(self) -> None:
-        if self.handoff is not None or self.migrations >= self.cfg.max_per_request:
+        if self.handoff is not None or self.migrations >= self.cfg.max_per_request \
+                or self.reasoning_parts or self._reasoning_backend():
             return
         if self.tracking.max_tokens is not None and \
                 self.gen.generated >= self.tracking.max_tokens:
@@ -108,9 +110,14 @@ class Moves:
                  self.gen.generated, reason)
         if self._can_race(target) and await self._race(target, reason):
             return
+        if self.reasoning_parts:
+            return  # the race ended at the source's first reasoning delta
         self._start_handoff(reason, target)
         if self.handoff is not None and self.handoff.ready and self.gen.clean_boundary:
             await self._continue_handoff()  # no warm-up: cut over right here
+
+    def _reasoning_backend(self) -> bool:
+        return self.leg is not None and self.leg.backend.name in self.rt.streams.reasoning
 
     def _trigger_due(self) -> bool:
         """Whether `_trigger` may find a move due (its conditions, loosely): checked on
@@ -196,8 +203,9 @@ class Moves:
             log.info("request %s: finished on %s before %s caught up", self.ctx.request_id,
                      self.leg.backend.name, target.name)
         if end.kind == "abandoned":
-            log.info("request %s: paced handoff to %s abandoned (%s); freezing instead",
-                     self.ctx.request_id, target.name, end.detail)
+            log.info("request %s: paced handoff to %s abandoned (%s)%s", self.ctx.request_id,
+                     target.name, end.detail, "" if self.reasoning_parts else
+                     "; freezing instead")
             return self.gen.finished
         return True
 
@@ -225,6 +233,11 @@ class Moves:
             self._read = None
         if not self.cfg.on_failure or self.migrations >= self.cfg.max_per_request \
                 or self.gen.prompt_token_ids is None:
+            return False
+        if self.reasoning_parts:
+            log.warning("request %s: %s failed mid-reasoning; a continuation elsewhere "
+                        "would lose the reasoning split, so the stream ends here",
+                        self.ctx.request_id, leg.backend.name)
             return False
         started = time.monotonic()
         tried: list[str] = []

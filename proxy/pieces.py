@@ -27,6 +27,7 @@ class Piece:
     usage: dict[str, Any] | None = None
     event: dict[str, Any] | None = None  # the decoded event itself
     fingerprint: str | None = None
+    reasoning: str = ""  # a chat delta's reasoning text (a server with a reasoning parser)
 
 
 def parse_event(payload: bytes, chat: bool) -> Piece:
@@ -39,8 +40,12 @@ def parse_event(payload: bytes, chat: bool) -> Piece:
         raise UpstreamEventError(f"stream error event: {payload[:300]!r}")
     choices = event.get("choices") or []
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+    reasoning = ""
     if chat:
-        text = (choice.get("delta") or {}).get("content") or ""
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or ""
+        # vLLM 0.32 names it `reasoning`; earlier versions `reasoning_content`
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
         prompt_ids = event.get("prompt_token_ids")
     else:
         text = choice.get("text") or ""
@@ -54,4 +59,5 @@ def parse_event(payload: bytes, chat: bool) -> Piece:
         usage=event.get("usage"),
         event=event,
         fingerprint=event.get("system_fingerprint"),
+        reasoning=reasoning,
     )

@@ -109,6 +109,8 @@ class Race:
         for piece in pieces:
             self.source_ids += piece.token_ids
         self.pending.extend(pieces)
+        if any(piece.reasoning for piece in pieces):  # the continuation would be unparsed
+            return RaceEnd("abandoned", detail="the source streams reasoning")
         return None
 
     def _take_target(self, pieces: list[Piece]) -> bool:

@@ -68,6 +68,10 @@ class TrackedRelay(Moves):
         self._stash: list[Piece] = []  # source pieces past a forced splice point
         self._tokens_opened = False  # the first token event (it carries prompt ids) is out
         self._failure: LegFailed | None = None  # the source failed during a paced handoff
+        # The backend's reasoning deltas (a server with a reasoning parser). Once there
+        # are any, the stream stays where it is: a continuation is a raw completion,
+        # which would come back without the parser's split into reasoning and content.
+        self.reasoning_parts: list[str] = []
 
     # -- the loop ----------------------------------------------------------------
     async def run(self, leg: Leg) -> None:
@@ -165,18 +169,21 @@ class TrackedRelay(Moves):
             if self.head is None:
                 self.head = self._response_head(piece)
             release = self.gen.add(piece)
+            if piece.reasoning:
+                self._reasoned(piece.reasoning)
             if not piece.token_ids and self._is_role_event(piece):
                 if not self.started and not out:
                     assert piece.event is not None
                     out.append(pass_event(piece.event, self.head))
                 continue
-            if release.text or release.token_ids or release.finish_reason:
+            if release.text or release.token_ids or release.finish_reason or piece.reasoning:
                 opening, self._tokens_opened = not self._tokens_opened, True
                 out.append(token_event(
                     self.head, release.text, release.token_ids,
                     finish_reason=release.finish_reason, stop_reason=release.stop_reason,
                     prompt_token_ids=self.gen.prompt_token_ids if opening else None,
-                    fingerprint=self.gen.fingerprint if release.finish_reason else None))
+                    fingerprint=self.gen.fingerprint if release.finish_reason else None,
+                    reasoning=piece.reasoning))
             if self.gen.finished:
                 break
         if not self.tracking.client_streams:
@@ -191,9 +198,21 @@ class TrackedRelay(Moves):
         if self.gen.generated:
             self._token_sent(first)
 
+    def _reasoned(self, text: str) -> None:
+        if not self.reasoning_parts:
+            assert self.leg is not None
+            log.info("request %s: %s streams reasoning; the stream stays there",
+                     self.ctx.request_id, self.leg.backend.name)
+            self.rt.streams.reasoning.add(self.leg.backend.name)
+            if self.handoff is not None:  # a frozen handoff started before: dropped
+                self.handoff.close()
+                self.handoff = None
+        self.reasoning_parts.append(text)
+
     def _forced_due(self) -> bool:
         return self.forced_after is not None and self.gen.generated >= self.forced_after \
-            and self.handoff is None and self.migrations < self.cfg.max_per_request
+            and self.handoff is None and self.migrations < self.cfg.max_per_request \
+            and not self.reasoning_parts
 
     def _token_sent(self, first: bool) -> None:
         now = time.monotonic()
@@ -245,7 +264,8 @@ class TrackedRelay(Moves):
             return
         body = orjson.dumps(completion_body(
             head, "".join(gen.text_parts), gen.token_ids, gen.prompt_token_ids,
-            gen.finish_reason, gen.stop_reason, gen.fingerprint))
+            gen.finish_reason, gen.stop_reason, gen.fingerprint,
+            "".join(self.reasoning_parts) if self.reasoning_parts else None))
         await self.send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

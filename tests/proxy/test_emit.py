@@ -16,7 +16,7 @@ TEXTS = ["hi", "", ' "quoted" \\ back', "line\nbreak\ttab", "ü😀\u2028", "\x0
 def test_the_plain_event_is_the_general_one(chat: bool, text: str) -> None:
     head = ResponseHead('cmpl-"1"', 1700000000, "org/model\u00e9", chat, False)
     fast = token_event(head, text, [7, 8])
-    assert fast == _token_event(head, text, [7, 8], None, None, None, None)
+    assert fast == _token_event(head, text, [7, 8], None, None, None, None, "")
     assert fast.startswith(b"data: ") and fast.endswith(b"\n\n")
     event = orjson.loads(fast[6:])
     assert (event["choices"][0]["delta"]["content"] if chat
@@ -36,4 +36,12 @@ def test_events_off_the_fast_path_keep_their_fields() -> None:
 
 def test_an_id_holding_the_marker_takes_the_general_path() -> None:
     odd = ResponseHead("\x00laneway-text\x00", 1, "m", True, False)
-    assert token_event(odd, "z", []) == _token_event(odd, "z", [], None, None, None, None)
+    assert token_event(odd, "z", []) == _token_event(odd, "z", [], None, None, None, None, "")
+
+
+def test_reasoning_deltas_are_shaped_as_vllm_shapes_them() -> None:
+    head = ResponseHead("c", 1, "m", True, False)
+    only = orjson.loads(token_event(head, "", [5], reasoning="think")[6:])
+    both = orjson.loads(token_event(head, "say", [6], reasoning="end")[6:])
+    assert only["choices"][0]["delta"] == {"reasoning": "think"}  # no content key
+    assert both["choices"][0]["delta"] == {"content": "say", "reasoning": "end"}
