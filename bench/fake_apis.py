@@ -58,6 +58,11 @@ async def _create(fake: FakeVllm, receive: Receive, send: Send) -> None:
         return
     body, model = taken
     previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):  # vLLM's pydantic check
+        await send_json(send, 400, {"error": {
+            "message": "previous_response_id: Input should be a valid string",
+            "type": "BadRequestError", "param": None, "code": 400}})
+        return
     if previous is not None and previous not in fake.responses:
         await _not_found(send, str(previous))
         return

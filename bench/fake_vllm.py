@@ -63,6 +63,7 @@ class FakeConfig:
     fail_status: int | None = None  # answer every completion request with this status
     fail_first: int | None = None  # ... or only the first N of them
     die_after_tokens: int | None = None  # cut the connection after N tokens
+    garble_after_tokens: int | None = None  # ... after a malformed event, after N tokens
     end_after_tokens: int | None = None  # end the stream cleanly after N tokens, but
     # without its end event ([DONE], response.completed, message_stop): a broken answer
     hang: bool = False  # never answer a completion request
@@ -174,9 +175,12 @@ class FakeVllm:
         """Whether a stream ends before its `offset`-th token (`die_after_tokens`,
         `end_after_tokens`); it has ended then."""
         cfg = self.config
-        if offset not in (cfg.die_after_tokens, cfg.end_after_tokens):
+        if offset not in (cfg.die_after_tokens, cfg.end_after_tokens, cfg.garble_after_tokens):
             return False
         self.stats.dropped += 1
+        if offset == cfg.garble_after_tokens:  # a token event whose content is a number
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b'data: {"choices":[{"index":0,"delta":{"content":5}}]}\n\n'})
         if offset == cfg.end_after_tokens:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True  # else, returning mid-response: uvicorn closes the connection

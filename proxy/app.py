@@ -9,6 +9,7 @@ framework.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,7 +21,7 @@ from proxy.admin import handle_admin
 from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error, send_json
 from proxy.config import Settings
 from proxy.cors import Cors
-from proxy.errors import MethodNotAllowed, NotFound, ProxyError
+from proxy.errors import InternalError, MethodNotAllowed, NotFound, ProxyError
 from proxy.handler import handle_completion
 from proxy.passthrough import PATHS as PASSTHROUGH_PATHS
 from proxy.passthrough import handle_passthrough
@@ -132,12 +133,26 @@ class LanewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if self.settings.server.access_log:
-                await logged(self._http, scope, receive, send)
-            else:
-                await self._http(scope, receive, send)
+            try:
+                if self.settings.server.access_log:
+                    await logged(self._http, scope, receive, send)
+                else:
+                    await self._http(scope, receive, send)
+            except Exception:
+                await self._internal_error(scope, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _internal_error(self, scope: Scope, send: Send) -> None:
+        """The last resort for a bug: logged with its traceback, and answered with an
+        OpenAI-shaped 500 instead of uvicorn's plain text. A response already under way
+        is cut off instead (a stream without its end), which its client sees."""
+        log.exception("internal error answering %s %s", scope["method"], scope["path"])
+        err = InternalError("laneway failed on this request (an internal error, logged).")
+        if self.runtime is not None:
+            self.runtime.count_refused(err)
+        with contextlib.suppress(Exception):  # the response had started
+            await send_error(send, err, anthropic=scope["path"].startswith("/v1/messages"))
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.cors is not None and (origin := self.cors.allowed_origin(scope)) is not None:

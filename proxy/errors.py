@@ -23,6 +23,12 @@ class ProxyError(Exception):
         return []
 
 
+class InternalError(ProxyError):
+    """A bug in the proxy: neither the client's fault nor a backend's."""
+
+    code = "internal_error"
+
+
 class InvalidRequest(ProxyError):
     status = 400
     type = "invalid_request_error"

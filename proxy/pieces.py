@@ -39,10 +39,14 @@ def parse_event(payload: bytes, chat: bool) -> Piece:
     if not isinstance(event, dict) or "error" in event:
         raise UpstreamEventError(f"stream error event: {payload[:300]!r}")
     choices = event.get("choices") or []
-    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-    reasoning = ""
+    if type(choices) is not list:
+        raise _malformed(payload)
+    choice = choices[0] if choices and type(choices[0]) is dict else {}
+    reasoning: Any = ""
     if chat:
         delta = choice.get("delta") or {}
+        if type(delta) is not dict:
+            raise _malformed(payload)
         text = delta.get("content") or ""
         # vLLM 0.32 names it `reasoning`; earlier versions `reasoning_content`
         reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
@@ -50,9 +54,14 @@ def parse_event(payload: bytes, chat: bool) -> Piece:
     else:
         text = choice.get("text") or ""
         prompt_ids = choice.get("prompt_token_ids")
+    token_ids = choice.get("token_ids") or []
+    # What the relay and a continuation rely on: another shape is a broken backend.
+    if type(text) is not str or type(reasoning) is not str or type(token_ids) is not list \
+            or (prompt_ids is not None and type(prompt_ids) is not list):
+        raise _malformed(payload)
     return Piece(
         text=text,
-        token_ids=choice.get("token_ids") or [],
+        token_ids=token_ids,
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),
         prompt_token_ids=prompt_ids,
@@ -61,3 +70,7 @@ def parse_event(payload: bytes, chat: bool) -> Piece:
         fingerprint=event.get("system_fingerprint"),
         reasoning=reasoning,
     )
+
+
+def _malformed(payload: bytes) -> UpstreamEventError:
+    return UpstreamEventError(f"malformed stream event: {payload[:300]!r}")

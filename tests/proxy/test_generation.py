@@ -109,6 +109,25 @@ def test_pieces_of_chat_and_completion_events() -> None:
         parse_event(b'{"error": {"message": "boom"}}', chat=True)
 
 
+@pytest.mark.parametrize(("chat", "event"), [
+    (True, {"choices": 5}),
+    (True, {"choices": [{"delta": "x"}]}),
+    (True, {"choices": [{"delta": {"content": 5}}]}),
+    (True, {"choices": [{"delta": {"content": ["x"]}}]}),
+    (True, {"choices": [{"delta": {"reasoning": 3}}]}),
+    (True, {"choices": [{"delta": {"content": "a"}, "token_ids": "abc"}]}),
+    (True, {"choices": [], "prompt_token_ids": "x"}),
+    (False, {"choices": [{"text": 1}]}),
+    (False, {"choices": [{"text": "a", "token_ids": {"a": 1}}]}),
+    (False, {"choices": [{"text": "a", "prompt_token_ids": 4}]}),
+], ids=str)
+def test_a_malformed_event_is_the_backends_error(chat: bool, event: object) -> None:
+    """Shapes the relay and a continuation cannot use fail the leg (the stream moves,
+    or ends with an error event) instead of breaking the proxy (a 500)."""
+    with pytest.raises(UpstreamEventError, match="malformed stream event"):
+        parse_event(orjson.dumps(event), chat=chat)
+
+
 @pytest.mark.parametrize(("extra", "reason"), [
     ({"n": 2}, "n > 1"), ({"logprobs": True}, "logprobs"), ({"echo": True}, "echo"),
     ({"tools": [{"type": "function"}]}, "tools"),

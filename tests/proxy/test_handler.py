@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from bench.fake_vllm import FakeConfig, serve_fake
+from proxy import app as app_module
 from proxy.config import Settings
 from proxy.server import RunningProxy, serve_in_loop
 from tests.proxy.fakes import CHAT, events, fleet, post
@@ -450,3 +451,27 @@ async def test_a_fleet_whose_scrapes_all_fail_still_serves_in_panic_mode(panic: 
                           for name, stats in registry.stats.items()})
         response = await post(proxy, CHAT)
     assert response.status_code == (200 if panic else 503)
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/messages"])
+async def test_a_bug_is_answered_as_an_error_and_logged(
+        path: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The last resort: an exception no handler expected is a JSON 500 in the route's
+    shape (OpenAI's, Anthropic's on /v1/messages), logged with its traceback and
+    counted, instead of uvicorn's plain-text 500."""
+    async def broken(*_: object) -> None:
+        raise KeyError("a bug")
+
+    method = app_module.ROUTES[path][0]
+    monkeypatch.setitem(app_module.ROUTES, path, (method, broken))
+    async with fleet(FakeConfig()) as (proxy, _):
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
+            response = await http.request(method, path, json=CHAT)
+            metrics = (await http.get("/metrics")).text
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == ("api_error" if path == "/v1/messages" else "internal_error")
+    assert "internal error" in error["message"]
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("internal error")]
+    assert record.exc_info is not None and path in record.getMessage()
+    assert 'laneway_error_responses_total{code="internal_error",status="500"} 1.0' in metrics

@@ -141,6 +141,20 @@ async def test_backend_dying_mid_stream_is_continued_elsewhere() -> None:
     assert 'laneway_migrations_total{reason="failure",source="f0",target="f1"} 1.0' in metrics
 
 
+async def test_a_malformed_event_mid_stream_is_a_failure_continued_elsewhere() -> None:
+    """A backend whose event the relay cannot use fails like one that died (before, the
+    proxy itself broke: a 500 or a cut stream)."""
+    async with fleet(FakeConfig(garble_after_tokens=4), FakeConfig()) as (proxy, _):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 10},
+                              headers={"x-laneway-events": "1"})
+    assert stream_text(response) == expected_text(10)
+    (moved,) = migrated_comments(response)
+    assert (moved["from"], moved["to"], moved["reason"]) == ("f0", "f1", "failure")
+    # the token read in the same chunk as the bad event is dropped with it: the target
+    # generates it (nothing shown is repeated, nothing is lost)
+    assert moved["at_token"] in (3, 4)
+
+
 async def test_failure_without_another_backend_ends_with_error_event() -> None:
     async with fleet(FakeConfig(die_after_tokens=3)) as (proxy, _):
         response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 10})
