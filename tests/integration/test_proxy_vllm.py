@@ -798,3 +798,18 @@ def test_an_https_vllm_backend_is_verified_against_the_configured_ca(
     assert whole.headers["x-laneway-backend"] == "secure"
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
     assert refused.status_code in (502, 503)
+
+
+def test_usage_in_every_chunk_reaches_the_client(proxy_url: str) -> None:
+    """`continuous_usage_stats`: vLLM puts usage in every chunk; such a stream is relayed
+    as it comes (before, the tracked relay wrote usage once, at the end)."""
+    body = {"model": SMALL, "messages": [{"role": "user", "content": STORY}],
+            "max_tokens": 6, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    response = httpx.post(f"{proxy_url}/v1/chat/completions", json=body, timeout=60)
+    chunks = [orjson.loads(line[6:]) for line in response.text.split("\n")
+              if line.startswith("data: {")]
+    tokens = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(tokens) >= 1
+    assert all(c["usage"]["completion_tokens"] >= 1 for c in tokens)
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
