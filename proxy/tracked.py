@@ -182,7 +182,9 @@ class TrackedRelay(Moves):
                     self.head, release.text, release.token_ids,
                     finish_reason=release.finish_reason, stop_reason=release.stop_reason,
                     prompt_token_ids=self.gen.prompt_token_ids if opening else None,
-                    fingerprint=self.gen.fingerprint if release.finish_reason else None,
+                    # as vLLM: on the last token event, unless a usage event follows
+                    fingerprint=self.gen.fingerprint if release.finish_reason
+                    and not self.tracking.include_usage else None,
                     reasoning=piece.reasoning))
             if self.gen.finished:
                 break

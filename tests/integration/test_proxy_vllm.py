@@ -813,3 +813,23 @@ def test_usage_in_every_chunk_reaches_the_client(proxy_url: str) -> None:
     assert len(tokens) >= 1
     assert all(c["usage"]["completion_tokens"] >= 1 for c in tokens)
     assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("usage", [True, False], ids=["usage", "no-usage"])
+def test_the_fingerprint_is_where_vllm_puts_it(proxy_url: str, vllm_fleet: Any,
+                                               usage: bool) -> None:
+    """On the last token event, or on the usage event when one follows (before, a
+    tracked stream with usage had it on both)."""
+    body = {"model": SMALL, "messages": [{"role": "user", "content": STORY}],
+            "max_tokens": 4, "stream": True,
+            **({"stream_options": {"include_usage": True}} if usage else {})}
+
+    def where(url: str) -> list[bool]:
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        chunks = [orjson.loads(line[6:]) for line in response.text.split("\n")
+                  if line.startswith("data: {")]
+        return ["system_fingerprint" in c for c in chunks[-2:]]
+
+    direct = where(vllm_fleet[0].url)
+    assert direct == [False, True]  # the last event only: the usage one, or the last token
+    assert where(proxy_url) == direct
