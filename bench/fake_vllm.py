@@ -41,6 +41,8 @@ from proxy.asgi import ClientGone, Receive, Scope, Send, read_body, send_bytes, 
 from proxy.server import uvicorn_in_loop
 
 _COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens on /v1/completions
+REFUSAL = orjson.dumps({"error": {"message": "Token id 999999 is out of vocabulary",
+                                  "type": "BadRequestError", "param": None, "code": 400}})
 
 _JSON = [(b"content-type", b"application/json")]
 _MAX_BODY = 1 << 30
@@ -64,6 +66,8 @@ class FakeConfig:
     fail_first: int | None = None  # ... or only the first N of them
     die_after_tokens: int | None = None  # cut the connection after N tokens
     garble_after_tokens: int | None = None  # ... after a malformed event, after N tokens
+    refuse_after_tokens: int | None = None  # end with vLLM's 400 error event and [DONE]
+    # after N tokens (as for a token id out of its vocabulary, found once streaming)
     end_after_tokens: int | None = None  # end the stream cleanly after N tokens, but
     # without its end event ([DONE], response.completed, message_stop): a broken answer
     hang: bool = False  # never answer a completion request
@@ -175,9 +179,14 @@ class FakeVllm:
         """Whether a stream ends before its `offset`-th token (`die_after_tokens`,
         `end_after_tokens`); it has ended then."""
         cfg = self.config
-        if offset not in (cfg.die_after_tokens, cfg.end_after_tokens, cfg.garble_after_tokens):
+        if offset not in (cfg.die_after_tokens, cfg.end_after_tokens, cfg.garble_after_tokens,
+                          cfg.refuse_after_tokens):
             return False
         self.stats.dropped += 1
+        if offset == cfg.refuse_after_tokens:
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": b"data: " + REFUSAL + b"\n\ndata: [DONE]\n\n"})
+            return True
         if offset == cfg.garble_after_tokens:  # a token event whose content is a number
             await send({"type": "http.response.body", "more_body": True,
                         "body": b'data: {"choices":[{"index":0,"delta":{"content":5}}]}\n\n'})

@@ -26,10 +26,14 @@ MAX_PIECES = 32
 class LegFailed(Exception):
     """The backend stopped giving a usable stream; the generation may move."""
 
-    def __init__(self, kind: str, detail: str) -> None:
+    def __init__(self, kind: str, detail: str,
+                 refusal: tuple[int, bytes] | None = None) -> None:
         super().__init__(f"{kind}: {detail}")
-        self.kind = kind  # broken | timeout | error
+        self.kind = kind  # broken | timeout | error | refused
         self.detail = detail
+        # refused: (status, the error event's payload) of a backend refusing the request
+        # (a 4xx error event): the client's error, which no other backend would take
+        self.refusal = refusal
 
 
 class Leg:
@@ -46,6 +50,7 @@ class Leg:
         self._splitter = EventSplitter()
         self._payloads = self._splitter.feed(opened.head)
         self._done = False
+        self._failed: LegFailed | None = None
         self._watch = StallWatch(opened, read_timeout_s, lambda: self.last_at)
         # Set when this leg continues a sequence re-tokenized for another tokenizer:
         # (prompt + generated ids in its vocabulary, its tokenizer).
@@ -53,6 +58,8 @@ class Leg:
 
     async def read(self) -> list[Piece]:
         """The next pieces (never empty); [] once the stream ended with [DONE]."""
+        if self._failed is not None:  # after the pieces read before it
+            raise self._failed
         while True:
             if self._payloads:
                 batch = self._payloads[:MAX_PIECES]
@@ -76,7 +83,7 @@ class Leg:
             self._payloads = self._splitter.feed(chunk)
 
     def _parse(self, payloads: list[bytes]) -> list[Piece]:
-        pieces = []
+        pieces: list[Piece] = []
         for payload in payloads:
             if payload == DONE:
                 self._done = True
@@ -84,7 +91,12 @@ class Leg:
             try:
                 piece = parse_event(payload, self.chat)
             except UpstreamEventError as exc:
-                raise LegFailed("error", str(exc)) from None
+                failed = LegFailed("refused" if exc.refusal else "error", str(exc),
+                                   exc.refusal)
+                if not pieces:
+                    raise failed from None
+                self._failed = failed  # the pieces before it come first
+                break
             if piece.token_ids:
                 self.tokens += len(piece.token_ids)
                 if self.first_token_at is None:

@@ -223,8 +223,9 @@ class Moves:
         """Continue on another backend after the current one failed mid-stream."""
         leg = self.leg
         assert leg is not None
-        self.rt.upstream_failed(UpstreamFailure(leg.backend, exc.kind, exc.detail),
-                                self.ctx.model)
+        if exc.refusal is None:  # a refusal is the client's error, not the backend's
+            self.rt.upstream_failed(UpstreamFailure(leg.backend, exc.kind, exc.detail),
+                                    self.ctx.model)
         if self.handoff is not None:
             self.handoff.close()
             self.handoff = None
@@ -232,8 +233,8 @@ class Moves:
             self._read.cancel()
             self._read = None
         if not self.cfg.on_failure or self.migrations >= self.cfg.max_per_request \
-                or self.gen.prompt_token_ids is None:
-            return False
+                or self.gen.prompt_token_ids is None or exc.refusal is not None:
+            return False  # (another backend would refuse it too)
         if self.reasoning_parts:
             log.warning("request %s: %s failed mid-reasoning; a continuation elsewhere "
                         "would lose the reasoning split, so the stream ends here",

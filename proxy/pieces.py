@@ -14,7 +14,14 @@ import orjson
 
 
 class UpstreamEventError(Exception):
-    """The backend sent an event that is not a completion chunk (e.g. an error)."""
+    """The backend sent an event that is not a completion chunk (e.g. an error).
+    `refusal`: (status, the event's payload) when it is an error with a 4xx code, the
+    backend refusing the request itself (vLLM validates some requests only after its
+    stream began, e.g. a token id out of the vocabulary): any backend would refuse it."""
+
+    def __init__(self, message: str, refusal: tuple[int, bytes] | None = None) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 @dataclass(slots=True)  # not frozen: its __init__ runs once per token, frozen costs 2x
@@ -37,7 +44,8 @@ def parse_event(payload: bytes, chat: bool) -> Piece:
     except orjson.JSONDecodeError as exc:
         raise UpstreamEventError(f"undecodable stream event: {exc}") from None
     if not isinstance(event, dict) or "error" in event:
-        raise UpstreamEventError(f"stream error event: {payload[:300]!r}")
+        raise UpstreamEventError(f"stream error event: {payload[:300]!r}",
+                                 _refusal(event, payload))
     choices = event.get("choices") or []
     if type(choices) is not list:
         raise _malformed(payload)
@@ -70,6 +78,12 @@ def parse_event(payload: bytes, chat: bool) -> Piece:
         fingerprint=event.get("system_fingerprint"),
         reasoning=reasoning,
     )
+
+
+def _refusal(event: Any, payload: bytes) -> tuple[int, bytes] | None:
+    error = event.get("error") if isinstance(event, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return (code, payload) if type(code) is int and 400 <= code < 500 else None
 
 
 def _malformed(payload: bytes) -> UpstreamEventError:

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from predictors.base import NO_PREDICTION, Prediction
-from proxy.asgi import Send, send_error
+from proxy.asgi import Send, send_bytes, send_error
 from proxy.emit import (
     DONE_EVENT,
     ResponseHead,
@@ -62,6 +62,7 @@ class TrackedRelay(Moves):
         self.last_emit_at = 0.0
         self.stall_from: float | None = None  # set at a cut-over, until the next token
         self.failed = False
+        self.refused: int | None = None  # the status of a backend's refusal (proxy/legs.py)
         self.done = False  # the last byte is being sent: a disconnect now changes nothing
         self._next_check = self.cfg.check_every_tokens
         self._read: asyncio.Future[list[Piece]] | None = None
@@ -82,6 +83,9 @@ class TrackedRelay(Moves):
         try:
             first = await leg.read()
         except LegFailed as exc:
+            if exc.refusal is not None:  # the client's error: no other backend tried
+                await self._fail(exc)
+                return
             raise UpstreamFailure(leg.backend, exc.kind, exc.detail) from None
         self.rt.streams.track(leg.backend.name, self)
         try:
@@ -147,8 +151,11 @@ class TrackedRelay(Moves):
 
     async def _fail(self, exc: LegFailed) -> None:
         assert self.leg is not None
-        self.failed = True
         self.done = True
+        if exc.refusal is not None:
+            await self._refuse(*exc.refusal)
+            return
+        self.failed = True
         err = mid_stream_failure(self.leg.backend.name, exc.kind, exc.detail)
         if not self.tracking.client_streams:
             await send_error(self.send, err)
@@ -156,6 +163,22 @@ class TrackedRelay(Moves):
         await self._start_stream()
         await self.send({"type": "http.response.body", "body": stream_error_event(err),
                          "more_body": False})
+
+    async def _refuse(self, status: int, payload: bytes) -> None:
+        """The backend refused the request in its stream (a 4xx error event, e.g. a
+        token id out of its vocabulary): answered as it put it, in the stream as vLLM
+        does, or for a whole answer with the event's status and body."""
+        assert self.leg is not None
+        log.info("request %s: %s refused it (%d): %s", self.ctx.request_id,
+                 self.leg.backend.name, status, payload[:300].decode(errors="replace"))
+        self.refused = status
+        if not self.tracking.client_streams:
+            await send_bytes(self.send, status, payload,
+                             [(b"content-type", b"application/json")])
+            return
+        await self._start_stream()
+        await self.send({"type": "http.response.body", "more_body": False,
+                         "body": b"data: " + payload + b"\n\ndata: [DONE]\n\n"})
 
     # -- output ------------------------------------------------------------------
     async def _emit(self, pieces: list[Piece]) -> None:
@@ -282,7 +305,7 @@ class TrackedRelay(Moves):
         """The request's outcome, on the backend it ended on."""
         ctx, gen, leg = self.ctx, self.gen, self.leg
         assert leg is not None
-        status = 499 if client_gone else (502 if self.failed else 200)
+        status = 499 if client_gone else self.refused or (502 if self.failed else 200)
         ttft = None if self.first_token_at is None else self.first_token_at - ctx.arrived_at
         tpot = None
         if self.first_token_at is not None and gen.generated > 1 and self.last_emit_at:

@@ -833,3 +833,16 @@ def test_the_fingerprint_is_where_vllm_puts_it(proxy_url: str, vllm_fleet: Any,
     direct = where(vllm_fleet[0].url)
     assert direct == [False, True]  # the last event only: the usage one, or the last token
     assert where(proxy_url) == direct
+
+
+def test_a_refusal_in_the_stream_is_answered_as_vllm_answers_it(proxy_url: str,
+                                                                 vllm_fleet: Any) -> None:
+    """vLLM checks token ids only once its stream began: a 200 with its 400 error event.
+    The proxy answers the same, without trying other backends (before: a 502 after
+    every backend refused it)."""
+    body = {"model": SMALL, "prompt": [1, 999999], "max_tokens": 4, "stream": True}
+    direct = httpx.post(f"{vllm_fleet[0].url}/v1/completions", json=body, timeout=60)
+    via = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=60)
+    assert via.status_code == direct.status_code == 200
+    assert via.text == direct.text
+    assert orjson.loads(via.text.split("\n")[0][6:])["error"]["code"] == 400

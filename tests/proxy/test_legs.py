@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 
 import orjson
+import pytest
 
-from proxy.legs import MAX_PIECES, Leg
+from proxy.legs import MAX_PIECES, Leg, LegFailed
 from proxy.relay import Opened
 from proxy.types import Backend
 
@@ -40,3 +41,18 @@ async def test_a_backlog_is_decoded_a_batch_at_a_time_in_order_up_to_done() -> N
     assert [token for batch in batches for token in batch] == list(range(80))
     assert leg.tokens == 80
     assert await leg.read() == []  # nothing after [DONE]
+
+
+async def test_the_events_before_a_bad_one_come_first() -> None:
+    """A chunk with good events then an error event: the good ones are read, and the
+    failure (here a refusal: a 4xx error event) on the next read."""
+    refusal = b'{"error": {"message": "no", "code": 400}}'
+    head = _event(0) + _event(1) + b"data: " + refusal + b"\n\n"
+    opened = Opened(Backend("b", "http://b", "m"), _Response(), head,  # type: ignore[arg-type]
+                    complete=False)
+    leg = Leg(opened, chat=True, guard=contextlib.ExitStack(), read_timeout_s=5)
+    assert [p.token_ids for p in await leg.read()] == [[0], [1]]
+    with pytest.raises(LegFailed) as failed:
+        await leg.read()
+    leg.close()
+    assert failed.value.kind == "refused" and failed.value.refusal == (400, refusal)

@@ -19,7 +19,7 @@ import httpx
 import orjson
 import pytest
 
-from bench.fake_vllm import FakeConfig
+from bench.fake_vllm import REFUSAL, FakeConfig
 from bench.fake_wire import GEN_BASE
 from policies.base import POLICIES, NoParams, register
 from predictors.base import Prediction
@@ -149,10 +149,8 @@ async def test_a_malformed_event_mid_stream_is_a_failure_continued_elsewhere() -
                               headers={"x-laneway-events": "1"})
     assert stream_text(response) == expected_text(10)
     (moved,) = migrated_comments(response)
-    assert (moved["from"], moved["to"], moved["reason"]) == ("f0", "f1", "failure")
-    # the token read in the same chunk as the bad event is dropped with it: the target
-    # generates it (nothing shown is repeated, nothing is lost)
-    assert moved["at_token"] in (3, 4)
+    assert (moved["from"], moved["to"], moved["at_token"], moved["reason"]) == (
+        "f0", "f1", 4, "failure")  # the tokens before it are shown, whatever the chunks
 
 
 async def test_failure_without_another_backend_ends_with_error_event() -> None:
@@ -400,3 +398,24 @@ async def test_a_move_keeps_the_length_bound_the_backend_applies(
     target = fakes[1] if moved["to"] == "f1" else fakes[0]
     (cont,) = continuation_bodies(target)
     assert cont["max_tokens"] == tokens - moved["at_token"]
+
+
+@pytest.mark.parametrize("after", [0, 3], ids=["first-event", "mid-stream"])
+async def test_a_backends_refusal_is_the_clients_answer(after: int) -> None:
+    """A 4xx error event (vLLM validates some requests only once it streams) is the
+    client's error: relayed as the backend put it, not retried or continued elsewhere
+    (before: a 502 after trying every backend, or a continuation)."""
+    async with fleet(FakeConfig(refuse_after_tokens=after),
+                     FakeConfig(refuse_after_tokens=after),
+                     migration={"non_stream": True}) as (proxy, fakes):
+        stream = await post(proxy, {**CHAT, "stream": True, "max_tokens": 10})
+        whole = await post(proxy, {**CHAT, "max_tokens": 10})
+        metrics = (await httpx.AsyncClient().get(f"{proxy.url}/metrics")).text
+    assert stream.status_code == 200
+    data = events(stream.text)
+    assert data[-1] == "[DONE]" and orjson.loads(data[-2]) == orjson.loads(REFUSAL)
+    assert stream_text_until_error(data) == expected_text(after)
+    assert whole.status_code == 400 and whole.json() == orjson.loads(REFUSAL)
+    assert [f.app.stats.requests for f in fakes] == [1, 1]  # one each: round robin
+    assert "laneway_retries_total{" not in metrics
+    assert metrics.count('status="400"} 1.0') == 2  # one per backend
