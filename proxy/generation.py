@@ -26,7 +26,7 @@ class Release:
 
 class Generation:
     def __init__(self, stops: tuple[str, ...] = (), include_stop: bool = False,
-                 tokenizer: str = "") -> None:
+                 tokenizer: str = "", min_tokens: int = 0) -> None:
         self.prompt_token_ids: list[int] | None = None  # as the first backend counted them
         self.token_ids: list[int] = []  # every generated id, on every backend
         # Continuing elsewhere: `_base + token_ids[_since:]` are the sequence's ids in
@@ -46,6 +46,11 @@ class Generation:
         self._released_tail = ""  # the last `_lookback` released characters
         self.clean_boundary = True  # the text so far decodes completely (splice here)
         self._trimmed = 0
+        # As vLLM: no stop string counts before `min_tokens` tokens, nor one that ends
+        # within their text (it ends at character `_stops_from`, once known).
+        self._min_tokens = min_tokens
+        self._stops_from: int | None = 0 if min_tokens <= 0 else None
+        self._received = 0  # characters of text received
 
     @property
     def finished(self) -> bool:
@@ -78,7 +83,11 @@ class Generation:
         self.token_ids += ids
         self.clean_boundary = bool(piece.text) and not piece.text.endswith("\ufffd")
         self._pending += piece.text
-        if self._stops and (hit := self._find_stop()) is not None:
+        self._received += len(piece.text)
+        if self._stops_from is None and len(self.token_ids) >= self._min_tokens:
+            self._stops_from = self._text_end_of(self._min_tokens, piece)
+        if self._stops and len(self.token_ids) > self._min_tokens \
+                and (hit := self._find_stop()) is not None:
             return self._stop_at(*hit, piece)
         if piece.finish_reason is not None:
             return self._finish(piece, ids)
@@ -87,14 +96,30 @@ class Generation:
             return Release("", ids)
         return Release(self._release(self._pending[:cut], self._pending[cut:]), ids)
 
+    def _text_end_of(self, tokens: int, piece: Piece) -> int:
+        """Where the text of the first `tokens` generated tokens ends: in `piece`, which
+        completed them (proportionally when it packs several, as `_trim_past_stop`)."""
+        ids, text = piece.token_ids, piece.text
+        before = len(self.token_ids) - len(ids)
+        start = self._received - len(text)
+        if len(ids) <= 1:
+            return self._received
+        return start + len(text) * (tokens - before) // len(ids)
+
     def _find_stop(self) -> tuple[int, str] | None:
-        """The earliest stop string in the unreleased text (and what precedes it)."""
+        """The stop string that completes first in the unreleased text (ties: the
+        earlier in the list, as vLLM), and where it starts relative to it."""
         window = self._released_tail + self._pending
-        hits = [(at, stop) for stop in self._stops if (at := window.find(stop)) >= 0]
-        if not hits:
+        assert self._stops_from is not None
+        since = self._stops_from - (self._received - len(window))  # in `window`
+        best: tuple[int, int, int] | None = None  # (end, list order, start)
+        for order, stop in enumerate(self._stops):
+            at = window.find(stop, max(0, since - len(stop) + 1))  # ends past `since`
+            if at >= 0 and (best is None or (at + len(stop), order) < best[:2]):
+                best = (at + len(stop), order, at)
+        if best is None:
             return None
-        at, stop = min(hits)
-        return at - len(self._released_tail), stop
+        return best[2] - len(self._released_tail), self._stops[best[1]]
 
     def _stop_at(self, at: int, stop: str, piece: Piece) -> Release:
         end = at + len(stop) if self._include_stop else at

@@ -48,7 +48,8 @@ class TrackedRelay(Moves):
         self.rt, self.ctx, self.tracking, self.send = rt, ctx, tracking, send
         self.pred = pred
         self.c = Continuation(rt, data, tracking, headers, ctx.model, ctx.endpoint == "chat")
-        self.gen = Generation(tracking.stops, tracking.include_stop)
+        self.gen = Generation(tracking.stops, tracking.include_stop,
+                              min_tokens=tracking.min_tokens)
         self.forced_after = forced_after
         self.announce = announce and tracking.client_streams
         self.cfg = rt.settings.migration

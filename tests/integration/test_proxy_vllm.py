@@ -846,3 +846,26 @@ def test_a_refusal_in_the_stream_is_answered_as_vllm_answers_it(proxy_url: str,
     assert via.status_code == direct.status_code == 200
     assert via.text == direct.text
     assert orjson.loads(via.text.split("\n")[0][6:])["error"]["code"] == 400
+
+
+@pytest.mark.parametrize("stop", [["e"], ["e", " e"]], ids=["one", "two"])
+def test_stop_strings_wait_for_min_tokens_as_vllms_do(proxy_url: str, vllm_fleet: Any,
+                                                      stop: list[str]) -> None:
+    """A tracked stream's stop strings are the proxy's to apply: none counts within
+    `min_tokens` (before, the proxy stopped at the first "e", in the second token)."""
+    # greedy, the tiny model's answer has an "e" in its 2nd, 3rd and 8th tokens
+    body = {"model": SMALL, "messages": [{"role": "user", "content": "Tell a story"}],
+            "max_tokens": 20, "min_tokens": 10, "stop": stop, "temperature": 0,
+            "stream": True}
+
+    def answer(url: str) -> tuple[str, Any, Any]:
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        chunks = [orjson.loads(line[6:]) for line in response.text.split("\n")
+                  if line.startswith("data: {")]
+        last = chunks[-1]["choices"][0]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        return text, last["finish_reason"], last.get("stop_reason")
+
+    direct = answer(vllm_fleet[0].url)
+    assert direct[1:] == ("stop", stop[0]) and len(direct[0]) > 40  # past min_tokens
+    assert answer(proxy_url) == direct

@@ -41,6 +41,23 @@ def test_stop_text_is_held_back_like_vllm_and_removed() -> None:
     assert "".join(gen.text_parts) == "abcd"
 
 
+def test_no_stop_string_counts_within_min_tokens() -> None:
+    """As vLLM's detokenizer: stops are looked for once more than `min_tokens` tokens
+    are out, and only those ending past the text of the first `min_tokens`."""
+    gen = Generation(stops=("e",), min_tokens=3)
+    assert feed(gen, "one", " two", " three", " eel") == "one two three "
+    assert gen.stop_reason == "e"
+    straddling = Generation(stops=("ab",), min_tokens=1)  # "a" within, "b" past it
+    assert feed(straddling, "xa", "b", "c") == "x" and straddling.stop_reason == "ab"
+
+
+def test_the_stop_string_completing_first_wins() -> None:
+    gen = Generation(stops=("abc", "b"))  # vLLM: "b" ends first, though "abc" starts first
+    assert feed(gen, "xabc") == "xa" and gen.stop_reason == "b"
+    tie = Generation(stops=("bc", "abc"))  # both end at "c": the list's order
+    assert feed(tie, "xabc") == "xa" and tie.stop_reason == "bc"
+
+
 def test_stop_string_straddling_two_backends_stops() -> None:
     gen = Generation(stops=("STOP",))
     text = feed(gen, "the ST")  # backend A's last piece
