@@ -174,8 +174,10 @@ class TrackedRelay(Moves):
                  self.leg.backend.name, status, payload[:300].decode(errors="replace"))
         self.refused = status
         if not self.tracking.client_streams:
-            await send_bytes(self.send, status, payload,
-                             [(b"content-type", b"application/json")])
+            await send_bytes(self.send, status, payload, [
+                (b"content-type", b"application/json"),
+                (b"x-laneway-backend", self.leg.backend.name.encode()),
+                (b"x-request-id", self.ctx.request_id.encode())])
             return
         await self._start_stream()
         await self.send({"type": "http.response.body", "more_body": False,

@@ -416,6 +416,7 @@ async def test_a_backends_refusal_is_the_clients_answer(after: int) -> None:
     assert data[-1] == "[DONE]" and orjson.loads(data[-2]) == orjson.loads(REFUSAL)
     assert stream_text_until_error(data) == expected_text(after)
     assert whole.status_code == 400 and whole.json() == orjson.loads(REFUSAL)
+    assert whole.headers["x-laneway-backend"] in ("f0", "f1")
     assert [f.app.stats.requests for f in fakes] == [1, 1]  # one each: round robin
     assert "laneway_retries_total{" not in metrics
     assert metrics.count('status="400"} 1.0') == 2  # one per backend
