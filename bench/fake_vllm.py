@@ -177,7 +177,8 @@ class FakeVllm:
 
     async def cut_at(self, offset: int, send: Send) -> bool:
         """Whether a stream ends before its `offset`-th token (`die_after_tokens`,
-        `end_after_tokens`); it has ended then."""
+        `end_after_tokens`, `garble_after_tokens`, `refuse_after_tokens`); it has ended
+        then."""
         cfg = self.config
         if offset not in (cfg.die_after_tokens, cfg.end_after_tokens, cfg.garble_after_tokens,
                           cfg.refuse_after_tokens):

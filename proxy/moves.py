@@ -93,7 +93,7 @@ class Moves:
 
     async def _maybe_trigger(self) -> None:
         if self.handoff is not None or self.migrations >= self.cfg.max_per_request \
-                or self.reasoning_parts or self._reasoning_backend():
+                or self._stays():
             return
         if self.tracking.max_tokens is not None and \
                 self.gen.generated >= self.tracking.max_tokens:
@@ -116,8 +116,11 @@ class Moves:
         if self.handoff is not None and self.handoff.ready and self.gen.clean_boundary:
             await self._continue_handoff()  # no warm-up: cut over right here
 
-    def _reasoning_backend(self) -> bool:
-        return self.leg is not None and self.leg.backend.name in self.rt.streams.reasoning
+    def _stays(self) -> bool:
+        """A reasoning stream, or one on a backend that streamed reasoning before, does
+        not move (proxy/tracked.py: `reasoning_parts`)."""
+        return bool(self.reasoning_parts) or (
+            self.leg is not None and self.leg.backend.name in self.rt.streams.reasoning)
 
     def _trigger_due(self) -> bool:
         """Whether `_trigger` may find a move due (its conditions, loosely): checked on

@@ -240,7 +240,7 @@ class TrackedRelay(Moves):
     def _forced_due(self) -> bool:
         return self.forced_after is not None and self.gen.generated >= self.forced_after \
             and self.handoff is None and self.migrations < self.cfg.max_per_request \
-            and not self.reasoning_parts
+            and not self._stays()
 
     def _token_sent(self, first: bool) -> None:
         now = time.monotonic()
