@@ -82,6 +82,17 @@ class FakeConfig:
         return (self.model, *self.aliases)
 
 
+def _limit(chat: bool, body: dict[str, Any]) -> int | None:
+    """The length bound as vLLM reads it: chat takes max_completion_tokens over
+    max_tokens; completions ignore max_completion_tokens and default max_tokens to 16."""
+    limit = body.get("max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        limit = body["max_completion_tokens"]
+    elif not chat and limit is None:
+        limit = _COMPLETIONS_MAX_TOKENS
+    return limit if isinstance(limit, int) else None
+
+
 class FakeVllm:
     def __init__(self, config: FakeConfig) -> None:
         self.config = config
@@ -224,6 +235,13 @@ class FakeVllm:
         if (taken := await self.take(receive, send)) is None:
             return
         body, model = taken
+        limit, room = _limit(chat, body), self.config.max_model_len
+        if limit is not None and limit > room:  # vLLM's check (it clamps to the room left)
+            await send_json(send, 400, {"error": {
+                "message": f"max_tokens={limit} cannot be greater than max_model_len={room}. "
+                           "Please request fewer output tokens.",
+                "type": "BadRequestError", "param": "max_tokens", "code": 400}})
+            return
         job = self._plan(chat, scope, body, model)
         await self.cancellable(receive, lambda: self._admitted(job, body, send))
 
@@ -313,13 +331,7 @@ class FakeVllm:
 
     def _plan(self, chat: bool, scope: Scope, body: dict[str, Any], model: str) -> Completion:
         cfg = self.config
-        # As vLLM reads them: chat takes max_completion_tokens over max_tokens;
-        # completions ignore max_completion_tokens and default max_tokens to 16.
-        limit = body.get("max_tokens")
-        if chat and body.get("max_completion_tokens") is not None:
-            limit = body["max_completion_tokens"]
-        elif not chat and limit is None:
-            limit = _COMPLETIONS_MAX_TOKENS
+        limit = _limit(chat, body)
         # Where the "model" would emit EOS: after eos_after tokens if configured, else
         # never when max_tokens bounds the request, else after default_tokens.
         natural = None if body.get("ignore_eos") else (
@@ -330,6 +342,8 @@ class FakeVllm:
         else:
             tokens, reason = int(limit or cfg.default_tokens), "length"
         prompt_ids = prompt_token_ids(chat, body)
+        if len(prompt_ids) + tokens > cfg.max_model_len:  # as vLLM: up to the context
+            tokens, reason = max(cfg.max_model_len - len(prompt_ids), 0), "length"
         request_id = dict(scope["headers"]).get(b"x-request-id", b"fake").decode()
         return Completion(chat, ("chatcmpl-" if chat else "cmpl-") + request_id, model,
                           self.created, prompt_ids, first_index(prompt_ids), tokens, reason,

@@ -131,7 +131,9 @@ class PollerConfig(_Section):
     models_interval_s: float = Field(
         10.0, ge=0, description="read each healthy backend's /v1/models this often: "
         "the LoRA adapters and other names it serves become routable to it (README, "
-        "LoRA adapters); 0: only each backend's configured model")
+        "LoRA adapters), and its context length (the bound of a moved request "
+        "without max_tokens); 0: only each backend's configured model, and such "
+        "requests do not move")
 
 
 class MigrationConfig(_Section):

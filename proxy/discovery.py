@@ -2,7 +2,9 @@
 
 A vLLM server lists its served model name(s) and its LoRA adapters there (`--lora-modules
 name=path`, or loaded at run time with `POST /v1/load_lora_adapter`; each adapter's
-`parent` is the base model). Every `poller.models_interval_s` the proxy reads the list of
+`parent` is the base model), and the context length (`max_model_len`: the bound a
+continuation of a request without `max_tokens` asks for, proxy/migration.py). Every
+`poller.models_interval_s` the proxy reads the list of
 each healthy backend (at most `_CONCURRENT` at once, each under `poller.timeout_s`) and
 tells the registry, so a request for an adapter goes to the backends that have it loaded
 and names the adapter there (Registry.model_on). A backend that does not answer, answers
@@ -55,8 +57,12 @@ class ModelDiscovery:
         up = [b for b in (self._registry.all() if backends is None else backends)
               if self._registry.is_healthy(b.name)]
         lists = await asyncio.gather(*(self._served(b) for b in up))
-        return sum(self._registry.set_served(b.name, models)
-                   for b, models in zip(up, lists, strict=True) if models is not None)
+        changed = 0
+        for backend, listed in zip(up, lists, strict=True):
+            if listed is not None:
+                changed += self._registry.set_served(backend.name, model_ids(listed))
+                self._registry.set_context(backend.name, context_length(listed))
+        return changed
 
     def announce(self, names: Iterable[str]) -> None:
         """Tell the other replicas to read these backends' lists now."""
@@ -79,7 +85,7 @@ class ModelDiscovery:
             self._reads.add(task)
             task.add_done_callback(self._reads.discard)
 
-    async def _served(self, backend: Backend) -> list[str] | None:
+    async def _served(self, backend: Backend) -> list[dict[str, Any]] | None:
         async with self._slots:
             try:
                 status, body, _ = await self._upstream.whole(
@@ -90,11 +96,12 @@ class ModelDiscovery:
         if status != 200:
             log.debug("backend %s: /v1/models answered %d", backend.name, status)
             return None
-        return model_ids(body)
+        return model_list(body)
 
 
-def model_ids(body: bytes) -> list[str] | None:
-    """The ids of an OpenAI model list (`{"data": [{"id": …}, …]}`), None if it is not one."""
+def model_list(body: bytes) -> list[dict[str, Any]] | None:
+    """The entries of an OpenAI model list (`{"data": [{"id": …}, …]}`), None if it is
+    not one."""
     try:
         listed = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -102,5 +109,16 @@ def model_ids(body: bytes) -> list[str] | None:
     data = listed.get("data") if isinstance(listed, dict) else None
     if not isinstance(data, list):
         return None
-    ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    return [m for m in data if isinstance(m, dict)]
+
+
+def model_ids(listed: list[dict[str, Any]]) -> list[str]:
+    ids = [m["id"] for m in listed if isinstance(m.get("id"), str)]
     return ids[:MAX_NAMES]
+
+
+def context_length(listed: list[dict[str, Any]]) -> int | None:
+    """vLLM's `max_model_len` (one per server: its adapters share it), if listed."""
+    lengths = [m.get("max_model_len") for m in listed]
+    return next((n for n in lengths if isinstance(n, int) and not isinstance(n, bool)
+                 and n > 0), None)

@@ -30,10 +30,12 @@ class Generation:
         self.prompt_token_ids: list[int] | None = None  # as the first backend counted them
         self.token_ids: list[int] = []  # every generated id, on every backend
         # Continuing elsewhere: `_base + token_ids[_since:]` are the sequence's ids in
-        # the vocabulary of `tokenizer` (re-based when a move changes tokenizer).
+        # the vocabulary of `tokenizer` (re-based when a move changes tokenizer), the
+        # generated ones from `_base[_output_from]` on.
         self.tokenizer = tokenizer
         self._base: list[int] | None = None
         self._since = 0
+        self._output_from = 0
         self.text_parts: list[str] = []  # released text, for a non-streamed answer
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -70,9 +72,17 @@ class Generation:
         base = self._base if self._base is not None else self.prompt_token_ids or []
         return base + self.token_ids[self._since:]
 
-    def rebase(self, sequence_ids: list[int], tokenizer: str) -> None:
-        """The sequence re-tokenized for another tokenizer (a move across tokenizers)."""
+    @property
+    def output_from(self) -> int:
+        """Where the generated ids begin in `sequence_ids()`."""
+        return self._output_from if self._base is not None else len(
+            self.prompt_token_ids or ())
+
+    def rebase(self, sequence_ids: list[int], tokenizer: str, output_from: int) -> None:
+        """The sequence re-tokenized for another tokenizer (a move across tokenizers),
+        its generated ids from `output_from` on."""
         self._base, self._since, self.tokenizer = sequence_ids, len(self.token_ids), tokenizer
+        self._output_from = output_from
 
     def add(self, piece: Piece) -> Release:
         if piece.prompt_token_ids is not None and self.prompt_token_ids is None:

@@ -45,8 +45,9 @@ class Continuation:
 
 
 async def sequence_for(c: Continuation, gen: Generation, target: Backend
-                       ) -> tuple[list[int], str | None]:
-    """The ids `target` continues from, and its tokenizer if the ids were re-tokenized.
+                       ) -> tuple[list[int], str | None, int]:
+    """The ids `target` continues from, its tokenizer if the ids were re-tokenized, and
+    where the generated ids begin among them.
 
     Same tokenizer: the prompt ids and generated ids as they are. Another tokenizer
     (per `disco.txt`): the target tokenizes the original prompt (its own chat
@@ -54,7 +55,7 @@ async def sequence_for(c: Continuation, gen: Generation, target: Backend
     """
     tokenizer = tokenizer_of(target)
     if tokenizer == gen.tokenizer:
-        return gen.sequence_ids(), None
+        return gen.sequence_ids(), None, gen.output_from
     bodies = tokenize_bodies(c.data, c.chat, c.rt.registry.model_on(target, c.model),
                              gen.text)
     if bodies is None:
@@ -62,12 +63,13 @@ async def sequence_for(c: Continuation, gen: Generation, target: Backend
     try:
         prompt = await c.rt.upstream.call_json(target, "/tokenize", bodies[0], c.headers)
         generated = await c.rt.upstream.call_json(target, "/tokenize", bodies[1], c.headers)
-        ids = [int(t) for t in prompt["tokens"]] + [int(t) for t in generated["tokens"]]
+        prompt_ids = [int(t) for t in prompt["tokens"]]
+        ids = prompt_ids + [int(t) for t in generated["tokens"]]
     except UpstreamFailure as failure:
         raise HandoffFailed(f"re-tokenizing on {target.name}: {failure.detail}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise HandoffFailed(f"re-tokenizing on {target.name}: {exc!r}") from None
-    return ids, tokenizer
+    return ids, tokenizer, len(prompt_ids)
 
 
 async def open_continuation(c: Continuation, gen: Generation, target: Backend,
@@ -75,9 +77,15 @@ async def open_continuation(c: Continuation, gen: Generation, target: Backend,
     """Continue `gen` on `target`; returns once its first bytes are here."""
     guard = guard or _guard(c.rt, target)
     try:
-        sequence, tokenizer = await sequence_for(c, gen, target)
+        context = c.rt.registry.context_of(target.name)
+        if c.tracking.max_tokens is None and context is None:
+            raise HandoffFailed(
+                f"{target.name}'s context length is unknown (its /v1/models not read yet): "
+                "a request without max_tokens has no bound to continue with there")
+        sequence, tokenizer, output_from = await sequence_for(c, gen, target)
         body = continuation_body(c.data, c.tracking, c.rt.registry.model_on(target, c.model),
-                                 sequence, gen.generated)
+                                 sequence, gen.generated, output_from=output_from,
+                                 context=context)
         opened = await c.rt.upstream.open(target, _PATH, body, c.headers, stream=True)
         _check(opened)
     except UpstreamFailure as failure:
@@ -90,7 +98,7 @@ async def open_continuation(c: Continuation, gen: Generation, target: Backend,
     leg = Leg(opened, chat=False, guard=guard,
               read_timeout_s=c.rt.settings.upstream.read_timeout_s)
     if tokenizer is not None:
-        leg.rebase = (sequence, tokenizer)
+        leg.rebase = (sequence, tokenizer, output_from)
     return leg
 
 
@@ -134,7 +142,7 @@ class Handoff:
         return handoff
 
     async def _warm(self, gen: Generation) -> Opened:
-        sequence, _ = await sequence_for(self.c, gen, self.target)
+        sequence, _, _ = await sequence_for(self.c, gen, self.target)
         model = self.c.rt.registry.model_on(self.target, self.c.model)
         body = continuation_body(self.c.data, self.c.tracking, model, sequence,
                                  gen.generated, warm=True)

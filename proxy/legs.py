@@ -53,8 +53,9 @@ class Leg:
         self._failed: LegFailed | None = None
         self._watch = StallWatch(opened, read_timeout_s, lambda: self.last_at)
         # Set when this leg continues a sequence re-tokenized for another tokenizer:
-        # (prompt + generated ids in its vocabulary, its tokenizer).
-        self.rebase: tuple[list[int], str] | None = None
+        # (prompt + generated ids in its vocabulary, its tokenizer, where the generated
+        # ones begin).
+        self.rebase: tuple[list[int], str, int] | None = None
 
     async def read(self) -> list[Piece]:
         """The next pieces (never empty); [] once the stream ended with [DONE]."""

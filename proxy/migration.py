@@ -12,13 +12,30 @@ chat and completions logprob formats differ and offsets would need rewriting),
 tools, structured output (the grammar state would restart on the target), batched
 prompts, usage in every chunk (`stream_options.continuous_usage_stats`), and
 stream options without a stream (vLLM refuses them).
-Frequency/presence penalties count only output tokens in vLLM, so after a move the
-tokens generated before it weigh as prompt tokens instead.
+
+A continuation is a new request to vLLM, so what vLLM keeps per request is carried
+over by hand:
+- the length bound: what is left of `max_tokens`; for a chat without one, the target's
+  context length (`max_model_len` from its `/v1/models`: vLLM clamps it to the room
+  left, as it bounds the original), since a completion without one stops at 16;
+- frequency and presence penalties, which vLLM counts over the request's output only
+  (the tokens generated before the move are prompt tokens to the target): each one
+  generated before becomes a `logit_bias` of -(frequency * count + presence), added
+  to the client's own bias (vLLM adds bias before penalties; exact for the frequency
+  penalty when `repetition_penalty` is 1; a token seen both before and after the move
+  pays the presence penalty twice);
+- the seed: vLLM restarts a seeded request's random stream, so a continuation with the
+  same seed would reuse the draws of the first tokens (and repeat them); it gets a
+  seed derived from the client's and the move's position instead. A seeded sampled
+  stream that moves is still a sample of the same distribution, reproducible for the
+  same move position, but not the output it would have had without the move.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -120,10 +137,13 @@ def tracked_body(data: dict[str, Any], tracking: Tracking) -> bytes:
 
 def continuation_body(
     data: Mapping[str, Any], tracking: Tracking, model: str, sequence_ids: list[int],
-    done: int, *, warm: bool = False,
+    done: int, *, output_from: int | None = None, context: int | None = None,
+    warm: bool = False,
 ) -> bytes:
     """`/v1/completions` that continues `sequence_ids` (prompt + the `done` generated
-    tokens) on another backend.
+    tokens) on another backend: `sequence_ids[output_from:]` are the generated ones in
+    the target's vocabulary (default: the last `done`); `context`: the target's
+    context length, the bound of a request without `max_tokens`.
 
     `warm`: only prefill (one token, not streamed), to fill the target's prefix cache
     while the source keeps streaming.
@@ -132,13 +152,60 @@ def continuation_body(
     body |= {"model": model, "prompt": sequence_ids}
     if warm:
         return orjson.dumps(body | {"max_tokens": 1, "stream": False})
+    seed = body.get("seed")
+    if done and isinstance(seed, int) and not isinstance(seed, bool):
+        body["seed"] = resumed_seed(seed, done)
+    output = sequence_ids[len(sequence_ids) - done if output_from is None else output_from:]
+    bias = penalty_bias(data, output)
+    if bias is not None:
+        body["logit_bias"] = bias
     if tracking.max_tokens is not None:
         body["max_tokens"] = tracking.max_tokens - done
+    elif context is not None:
+        body["max_tokens"] = context  # vLLM bounds it by the room left in the context
     if tracking.min_tokens > done:
         body["min_tokens"] = tracking.min_tokens - done
     if tracking.stops:
         body |= {"stop": list(tracking.stops), "include_stop_str_in_output": True}
     return orjson.dumps(body | {"stream": True, "return_token_ids": True})
+
+
+def resumed_seed(seed: int, done: int) -> int:
+    """The seed of a continuation after `done` tokens: another stream of draws than the
+    client's seed gives (a 63-bit value, within vLLM's range), the same for the same
+    seed and position."""
+    digest = hashlib.blake2b(f"{seed}:{done}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+_BIAS_LIMIT = 100.0  # vLLM clamps every logit_bias value to ±100
+
+
+def penalty_bias(data: Mapping[str, Any], output_ids: Sequence[int]
+                 ) -> dict[str, float] | None:
+    """The client's `logit_bias` plus the frequency and presence penalties of the
+    tokens in `output_ids` (generated before a move); None when there is none to add."""
+    frequency, presence = _number(data.get("frequency_penalty")), _number(
+        data.get("presence_penalty"))
+    if not output_ids or not (frequency or presence):
+        return None
+    own = data.get("logit_bias") or {}
+    try:
+        bias = {int(token): _clamped(float(value)) for token, value in own.items()}
+    except (AttributeError, TypeError, ValueError):
+        return None  # the backend refused the first request already
+    for token, count in Counter(output_ids).items():
+        bias[token] = bias.get(token, 0.0) - frequency * count - presence
+    return {str(token): _clamped(value) for token, value in bias.items()}
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(
+        value, bool) else 0.0
+
+
+def _clamped(value: float) -> float:
+    return max(-_BIAS_LIMIT, min(_BIAS_LIMIT, value))
 
 
 def tokenizer_of(backend: Backend) -> str:

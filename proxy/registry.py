@@ -46,6 +46,7 @@ class Registry:
         self.stats: Mapping[str, BackendStats] = MappingProxyType({})
         self._draining: set[str] = set()
         self._extra: dict[str, frozenset[str]] = {}  # backend -> names besides its model
+        self._context: dict[str, int] = {}  # backend -> max_model_len, once listed
         self._served: frozenset[str] = frozenset()  # models and groups a backend serves
         self._healthy_by_model: dict[str, tuple[Backend, ...]] = {}
         self._membership_changed = False  # since the last `update`
@@ -67,6 +68,7 @@ class Registry:
         backend = self._backends.pop(name)
         self._draining.discard(name)
         self._extra.pop(name, None)
+        self._context.pop(name, None)
         self._membership_changed = True
         self._rederive()
         return backend
@@ -84,6 +86,14 @@ class Registry:
         self._extra[name] = extra
         self._rederive()
         return True
+
+    def set_context(self, name: str, tokens: int | None) -> None:
+        """Backend `name`'s context length (`max_model_len`), when its list has one."""
+        if tokens is not None and name in self._backends:
+            self._context[name] = tokens
+
+    def context_of(self, name: str) -> int | None:
+        return self._context.get(name)
 
     def served_by(self, name: str) -> frozenset[str]:
         """Every model name backend `name` serves: its configured model and the names its

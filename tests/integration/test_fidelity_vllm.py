@@ -7,6 +7,10 @@ its text, token ids, the end (finish and stop reason), its usage, the fields its
 events have (the role event, the token events, the last one, the usage event) and
 which events carry `system_fingerprint`. Whole answers must be equal but for `id` and
 `created`. Each case here once differed (README, Migration: the rules are vLLM's).
+
+Every case is also sent with a forced move after its first token, to the other backend of
+the same model: greedy, so the answer must still be the server's (a continuation
+carries the request's bound and penalties, proxy/migration.py).
 """
 
 from __future__ import annotations
@@ -53,20 +57,36 @@ CASES = {
     "completion": completion(max_tokens=8),
     "completion-default-length": completion(),
     "completion-token-ids": completion(max_tokens=8, return_token_ids=True),
-    "completion-stop": completion(max_tokens=30, stop="e"),
+    "completion-stop": completion(max_tokens=30, stop="Av"),  # in its 7th token
     "completion-ignored-field": completion(max_tokens=5, max_completion_tokens=9),
     "completion-token-prompt": (COMPLETIONS, {"model": MODEL, "prompt": [1, 50, 60, 70],
                                               "max_tokens": 6, "temperature": 0}),
     "completion-refused": (COMPLETIONS, {"model": MODEL, "prompt": [1, 999999],
                                          "max_tokens": 4}),
+    "chat-unbounded": chat(),  # up to the context: a moved one once stopped at 16
+    "chat-frequency-penalty": chat(max_tokens=24, frequency_penalty=1.5,
+                                   logit_bias={"300": 2}),
 }
+MOVED = {"x-laneway-migrate-after": "1"}  # before any case's stop string
+STAYS = {  # what a forced move leaves where it is
+    "chat-continuous-usage": "not tracked (usage in every chunk)",
+    "completion-refused": "refused before its first token",
+}
+WHOLE_STAYS = {  # ... when not streamed
+    "chat-usage": "stream options without a stream: vLLM's 400, relayed",
+    "chat-token-ids": "the same",
+}
+_direct: dict[tuple[str, bool], dict[str, Any]] = {}
 
 
 @pytest.fixture(scope="module")
 def proxy_url(vllm_fleet: list[Running]) -> Iterator[str]:
     same = [b for b in vllm_fleet if b.model == MODEL]
     config = {"backends": [{"name": b.name, "url": b.url, "model": b.model} for b in same],
-              "policy": {"name": "round_robin"}, "migration": {"non_stream": True}}
+              "policy": {"name": "round_robin"},
+              # forced moves splice where asked: the source is frozen there at once
+              "migration": {"non_stream": True, "warm_prefill": False, "pace_slowdown": 0},
+              "debug": {"allow_forced_migration": True}}
     with running_proxy(config) as proxy:
         yield proxy.url
 
@@ -113,13 +133,25 @@ def summary(response: httpx.Response, stream: bool) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("moved", [False, True], ids=["stays", "moved"])
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_proxy_answers_as_the_server_does(proxy_url: str, vllm_fleet: list[Running],
-                                              case: str, stream: bool) -> None:
+                                              case: str, stream: bool, moved: bool) -> None:
     path, body = CASES[case]
     body = {**body, "stream": stream}
-    direct = vllm_fleet[0].url if vllm_fleet[0].model == MODEL else vllm_fleet[1].url
-    want = summary(httpx.post(direct + path, json=body, timeout=60), stream)
-    got = summary(httpx.post(proxy_url + path, json=body, timeout=60), stream)
-    assert got == want
+    if (case, stream) not in _direct:
+        direct = next(b.url for b in vllm_fleet if b.model == MODEL)
+        _direct[case, stream] = summary(httpx.post(direct + path, json=body, timeout=60),
+                                        stream)
+    before = migrations(proxy_url)
+    got = httpx.post(proxy_url + path, json=body, headers=MOVED if moved else {}, timeout=60)
+    assert summary(got, stream) == _direct[case, stream]
+    stays = case in STAYS or (not stream and case in WHOLE_STAYS)
+    assert migrations(proxy_url) - before == (moved and not stays)
+
+
+def migrations(proxy_url: str) -> float:
+    metrics = httpx.get(proxy_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("laneway_migrations_total{"))

@@ -197,6 +197,26 @@ def test_a_move_keeps_the_length_bound_vllm_applies(
     assert [m["continued_from"] for m in moved.moves] == [3]
 
 
+def test_a_moved_seeded_stream_draws_new_random_numbers(cold_proxy: str,
+                                                        vllm_fleet: list[Running]) -> None:
+    """vLLM restarts a seeded request's random stream, so a continuation with the
+    client's seed reused the draws of the first tokens: on this random-weight model,
+    whose distributions are flat enough for the draws to pick the tokens, the tokens
+    after the move repeated the first ones. A continuation's seed is derived from the
+    client's and the position: new draws, the same for the same position."""
+    payload = body(True, True, ignore_eos=True, temperature=1.0, seed=5)
+    reference = ask(two_same(vllm_fleet)[0].url, True, payload)
+    moved = ask_until_moved(cold_proxy, payload, 8)
+    assert moved.moves, "never moved"
+    at = moved.moves[0]["continued_from"]
+    assert moved.token_ids[:at] == reference.token_ids[:at]
+    assert moved.token_ids[at:at + 8] != reference.token_ids[:8]
+    assert len(moved.token_ids) == LENGTH
+    again = ask_until_moved(cold_proxy, payload, 8)
+    if again.moves and again.moves[0]["continued_from"] == at:
+        assert again.token_ids == moved.token_ids
+
+
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples called `name` whose labels include `labels`."""
     text = httpx.get(f"{url}/metrics").text

@@ -9,7 +9,7 @@ import dataclasses
 import httpx
 
 from bench.fake_vllm import FakeConfig
-from proxy.discovery import model_ids
+from proxy.discovery import context_length, model_ids, model_list
 from tests.proxy.fakes import CHAT, fleet, post
 from tests.proxy.test_migration import (
     continuation_bodies,
@@ -80,9 +80,13 @@ async def test_a_stream_for_an_adapter_migrates_to_a_backend_with_it_and_keeps_i
 
 
 def test_a_model_list_is_read_leniently() -> None:
-    assert model_ids(b'{"data": [{"id": "a"}, {"id": 3}, "b", {"id": "c"}]}') == ["a", "c"]
-    assert model_ids(b"[]") is None and model_ids(b"not json") is None
-    assert model_ids(b'{"data": {}}') is None
+    listed = model_list(b'{"data": [{"id": "a"}, {"id": 3}, "b", {"id": "c", '
+                        b'"max_model_len": 1024}]}')
+    assert listed is not None
+    assert model_ids(listed) == ["a", "c"] and context_length(listed) == 1024
+    assert context_length([{"id": "a", "max_model_len": "1024"}, {"max_model_len": 0}]) is None
+    assert model_list(b"[]") is None and model_list(b"not json") is None
+    assert model_list(b'{"data": {}}') is None
 
 
 async def test_another_replicas_notice_reads_the_backends_it_names() -> None:

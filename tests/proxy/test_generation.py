@@ -6,7 +6,14 @@ import orjson
 import pytest
 
 from proxy.generation import Generation
-from proxy.migration import continuation_body, tracked_body, tracking_of, why_not_migratable
+from proxy.migration import (
+    continuation_body,
+    penalty_bias,
+    resumed_seed,
+    tracked_body,
+    tracking_of,
+    why_not_migratable,
+)
 from proxy.pieces import Piece, UpstreamEventError, parse_event
 from proxy.sse import EventSplitter
 
@@ -175,11 +182,51 @@ def test_continuation_carries_sampling_and_the_remaining_budget() -> None:
     assert "stream_options" not in first
     body = orjson.loads(continuation_body(data, tracking, "m2", [1, 2, 7, 8, 9], 3))
     assert body == {"model": "m2", "prompt": [1, 2, 7, 8, 9], "temperature": 0.7,
-                    "top_p": 0.9, "seed": 3, "max_tokens": 17, "min_tokens": 2,
+                    "top_p": 0.9, "seed": resumed_seed(3, 3), "max_tokens": 17, "min_tokens": 2,
                     "stop": ["END"], "include_stop_str_in_output": True, "stream": True,
                     "return_token_ids": True}
     warm = orjson.loads(continuation_body(data, tracking, "m2", [1, 2, 7], 1, warm=True))
     assert warm["max_tokens"] == 1 and warm["stream"] is False and warm["prompt"] == [1, 2, 7]
+
+
+def test_a_continuation_draws_other_random_numbers_than_the_start() -> None:
+    """vLLM restarts a seeded request's random stream: the same seed would reuse the
+    draws of the first tokens (after a move at 0, it is the same request)."""
+    data = {"model": "m", "prompt": "x", "temperature": 0.8, "seed": 7}
+    tracking = tracking_of(data, max_tokens=20)
+    seeds = [orjson.loads(continuation_body(data, tracking, "m", [1, 2, 3], done))["seed"]
+             for done in (0, 1, 2)]
+    assert seeds[0] == 7 and len({7, *seeds[1:]}) == 3
+    assert all(0 <= seed < 2**63 for seed in seeds)
+    assert seeds[1] == orjson.loads(continuation_body(data, tracking, "m", [1, 2, 3], 1))["seed"]
+
+
+def test_a_continuation_pays_the_penalties_of_the_tokens_before_it() -> None:
+    """Frequency and presence penalties count the request's output only; the tokens
+    generated before a move are prompt tokens to the target, so they come as bias."""
+    data = {"model": "m", "prompt": "x", "frequency_penalty": 0.5, "presence_penalty": 0.25,
+            "logit_bias": {"9": 3, "40": -100}}
+    tracking = tracking_of(data, max_tokens=20)
+    body = orjson.loads(continuation_body(data, tracking, "m", [1, 2, 9, 9, 40, 9], 4))
+    assert body["logit_bias"] == {"9": 3 - 3 * 0.5 - 0.25,  # generated 3 times
+                                  "40": -100.0}  # vLLM's bound
+    rebased = orjson.loads(continuation_body(data, tracking, "m", [1, 2, 5, 6], 9,
+                                             output_from=3))
+    assert rebased["logit_bias"] == {"9": 3, "40": -100, "6": -0.75}
+    plain = {"model": "m", "prompt": "x", "logit_bias": {"9": 3}}
+    assert orjson.loads(continuation_body(plain, tracking_of(plain, 20), "m", [1, 9], 1)
+                        )["logit_bias"] == {"9": 3}  # the client's, untouched
+    assert penalty_bias(data, []) is None and penalty_bias(
+        {**data, "logit_bias": {"a": 1}}, [9]) is None
+
+
+def test_a_chat_without_a_bound_continues_up_to_the_targets_context() -> None:
+    """A completion without max_tokens stops at 16; the chat would have gone on."""
+    data = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    tracking = tracking_of(data, max_tokens=None)
+    body = orjson.loads(continuation_body(data, tracking, "m", [1, 2, 3], 1, context=1024))
+    assert body["max_tokens"] == 1024  # vLLM bounds it by the room left
+    assert "max_tokens" not in orjson.loads(continuation_body(data, tracking, "m", [1, 2], 1))
 
 
 def test_ids_packed_after_the_stop_are_not_counted() -> None:

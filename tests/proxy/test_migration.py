@@ -400,6 +400,31 @@ async def test_a_move_keeps_the_length_bound_the_backend_applies(
     assert cont["max_tokens"] == tokens - moved["at_token"]
 
 
+@pytest.mark.parametrize("discovery", [True, False], ids=["context-listed", "unknown"])
+async def test_a_chat_without_a_bound_moves_with_the_targets_context(
+        discovery: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A continuation without max_tokens would stop at 16: it asks for the target's
+    context length (its /v1/models), which the server bounds by the room left. Unknown
+    (model lists not read), the move is declined and the stream ends on its source."""
+    caplog.set_level(logging.INFO, logger="laneway")
+    small = FakeConfig(tpot_s=0.01, max_model_len=64, default_tokens=1000)  # to the end
+    poller = {"models_interval_s": 3600 if discovery else 0}
+    async with fleet(small, small, poller=poller, **FORCED) as (proxy, fakes):
+        alone = await post(proxy, {**CHAT, "stream": True})
+        response = await post(proxy, {**CHAT, "stream": True},
+                              headers={"x-laneway-migrate-after": "3", "x-laneway-events": "1"})
+    tokens = len(stream_text(alone).split())
+    assert tokens > 16 and stream_text(response) == expected_text(tokens)
+    if discovery:
+        (moved,) = migrated_comments(response)
+        target = fakes[1] if moved["to"] == "f1" else fakes[0]
+        (cont,) = continuation_bodies(target)
+        assert cont["max_tokens"] == 64
+    else:
+        assert migrated_comments(response) == []
+        assert any("context length is unknown" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("after", [0, 3], ids=["first-event", "mid-stream"])
 async def test_a_backends_refusal_is_the_clients_answer(after: int) -> None:
     """A 4xx error event (vLLM validates some requests only once it streams) is the
