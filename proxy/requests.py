@@ -118,6 +118,8 @@ def _completion_prompt(data: dict[str, Any]) -> str:
     prompt = data.get("prompt")
     if isinstance(prompt, str):
         return prompt
+    if prompt is None and data.get("prompt_embeds") is not None:
+        return ""  # embeddings instead of tokens (vLLM's --enable-prompt-embeds)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return "\n".join(prompt)
@@ -126,8 +128,8 @@ def _completion_prompt(data: dict[str, Any]) -> str:
         if all(isinstance(p, list) for p in prompt):
             return "\n".join(" ".join(map(str, p)) for p in prompt)
     raise InvalidRequest(
-        "`prompt` is required: a string, an array of strings, or an array of token ids.",
-        param="prompt")
+        "`prompt` is required: a string, an array of strings, or an array of token ids "
+        "(or `prompt_embeds`).", param="prompt")
 
 
 def _responses_prompt(data: dict[str, Any]) -> str:

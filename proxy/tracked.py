@@ -260,10 +260,12 @@ class TrackedRelay(Moves):
 
     def _response_head(self, piece: Piece) -> ResponseHead:
         event = piece.event or {}
+        prompt_text = event.get("prompt_text")
         return ResponseHead(
             id=str(event.get("id", self.ctx.request_id)), created=int(event.get("created", 0)),
             model=str(event.get("model", self.ctx.model)), chat=self.ctx.endpoint == "chat",
-            with_token_ids=self.tracking.with_token_ids)
+            with_token_ids=self.tracking.with_token_ids,
+            prompt_text=prompt_text if isinstance(prompt_text, str) else None)
 
     async def _start_stream(self) -> None:
         if self.started:

@@ -66,11 +66,20 @@ CASES = {
     "chat-unbounded": chat(),  # up to the context: a moved one once stopped at 16
     "chat-frequency-penalty": chat(max_tokens=24, frequency_penalty=1.5,
                                    logit_bias={"300": 2}),
+    "chat-prompt-text": chat(max_tokens=8, return_prompt_text=True),
+    "chat-repetition-detection": chat(max_tokens=60, repetition_detection={
+        "max_pattern_size": 4, "min_count": 3}),  # ends early on this model's loop
+    "chat-cache-salt": chat(max_tokens=8, cache_salt="tenant-a"),
+    "completion-beam-search": completion(max_tokens=8, use_beam_search=True),
+    "completion-prompt-embeds": (COMPLETIONS, {"model": MODEL, "prompt_embeds": "AAAA",
+                                               "max_tokens": 4}),  # vLLM's 400 (not on)
 }
 MOVED = {"x-laneway-migrate-after": "1"}  # before any case's stop string
 STAYS = {  # what a forced move leaves where it is
     "chat-continuous-usage": "not tracked (usage in every chunk)",
     "completion-refused": "refused before its first token",
+    "completion-beam-search": "not tracked (vLLM does not stream beam search)",
+    "completion-prompt-embeds": "not tracked",
 }
 WHOLE_STAYS = {  # ... when not streamed
     "chat-usage": "stream options without a stream: vLLM's 400, relayed",

@@ -162,6 +162,14 @@ def test_a_malformed_event_is_the_backends_error(chat: bool, event: object) -> N
       "stream": True}, "continuous usage stats"),
     ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, None),
     ({"stream_options": {"include_usage": True}}, "stream options without a stream"),
+    ({"use_beam_search": True}, "beam search"),  # vLLM refuses to stream it
+    ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ({"include_reasoning": False}, "hidden reasoning"), ({"include_reasoning": True}, None),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
+     "multimodal input"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, None),
 ])
 def test_which_requests_can_move(extra: dict[str, object], reason: str | None) -> None:
     assert why_not_migratable({"messages": [], **extra}, chat=True) == reason
@@ -169,6 +177,7 @@ def test_which_requests_can_move(extra: dict[str, object], reason: str | None) -
 
 def test_batched_prompts_do_not_move() -> None:
     assert why_not_migratable({"prompt": ["a", "b"]}, chat=False) == "batched prompt"
+    assert why_not_migratable({"prompt_embeds": "AAAA"}, chat=False) == "prompt embeddings"
     assert why_not_migratable({"prompt": [1, 2, 3]}, chat=False) is None
 
 
@@ -187,6 +196,21 @@ def test_continuation_carries_sampling_and_the_remaining_budget() -> None:
                     "return_token_ids": True}
     warm = orjson.loads(continuation_body(data, tracking, "m2", [1, 2, 7], 1, warm=True))
     assert warm["max_tokens"] == 1 and warm["stream"] is False and warm["prompt"] == [1, 2, 7]
+
+
+def test_a_continuation_keeps_the_tenants_cache_salt_and_request_options() -> None:
+    """Without its salt a continuation's blocks (the tenant's prompt and answer) would
+    land in the shared prefix-cache namespace, where other tenants can probe them."""
+    options = {"cache_salt": "tenant-a", "watermarking": True, "session_id": "s",
+               "repetition_detection": {"max_pattern_size": 4, "min_count": 3},
+               "thinking_token_budget": 8, "vllm_xargs": {"k": 1}}
+    data = {"model": "m", "prompt": "x", **options, "request_id": "r1",
+            "kv_transfer_params": None, "truncate_prompt_tokens": 2}
+    tracking = tracking_of(data, max_tokens=5)
+    for warm in (False, True):
+        body = orjson.loads(continuation_body(data, tracking, "m", [1, 2], 1, warm=warm))
+        assert options.items() <= body.items()
+        assert not {"request_id", "kv_transfer_params", "truncate_prompt_tokens"} & set(body)
 
 
 def test_a_continuation_draws_other_random_numbers_than_the_start() -> None:
