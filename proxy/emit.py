@@ -57,25 +57,27 @@ def token_event(
     head: ResponseHead, text: str, token_ids: list[int], *,
     finish_reason: str | None = None, stop_reason: str | int | None = None,
     prompt_token_ids: list[int] | None = None, fingerprint: str | None = None,
-    reasoning: str = "",
+    reasoning: str = "", usage: tuple[int, int] | None = None,
 ) -> bytes:
+    """`usage`: (prompt, completion) tokens so far, for a server that puts usage in
+    every chunk (`--enable-force-include-usage`)."""
     around = head._around_text
     if around is not None and finish_reason is None and fingerprint is None \
-            and not head.with_token_ids and not reasoning:  # the rest is as the last's
-        return around[0] + orjson.dumps(text) + around[1]
+            and not head.with_token_ids and not reasoning and usage is None:
+        return around[0] + orjson.dumps(text) + around[1]  # the rest is as the last's
     return _token_event(head, text, token_ids, finish_reason, stop_reason,
-                        prompt_token_ids, fingerprint, reasoning)
+                        prompt_token_ids, fingerprint, reasoning, usage)
 
 
 def _plain_event(head: ResponseHead, text: str) -> bytes:
     """A token event without finish, fingerprint or token ids."""
-    return _token_event(head, text, [], None, None, None, None, "")
+    return _token_event(head, text, [], None, None, None, None, "", None)
 
 
 def _token_event(
     head: ResponseHead, text: str, token_ids: list[int], finish_reason: str | None,
     stop_reason: str | int | None, prompt_token_ids: list[int] | None,
-    fingerprint: str | None, reasoning: str,
+    fingerprint: str | None, reasoning: str, usage: tuple[int, int] | None,
 ) -> bytes:
     ids = token_ids if head.with_token_ids else None
     choice: dict[str, Any] = {"index": 0}
@@ -97,6 +99,9 @@ def _token_event(
             "model": head.model, "choices": [choice]}
     if fingerprint is not None:
         data["system_fingerprint"] = fingerprint
+    if usage is not None:  # as vLLM: a chat chunk's has one more (empty) field
+        data["usage"] = usage_json(*usage) | (
+            {"completion_tokens_details": None} if head.chat else {})
     return _event(data)
 
 

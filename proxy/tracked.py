@@ -10,6 +10,7 @@ sees one stream with no duplicate and no missing token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -38,6 +39,7 @@ from proxy.runtime import Runtime
 from proxy.types import Outcome, RequestContext
 
 log = logging.getLogger("laneway.migration")
+_USAGE_EVENT_WAIT_S = 0.5  # for the event that follows a stream's last token
 
 
 class TrackedRelay(Moves):
@@ -74,6 +76,9 @@ class TrackedRelay(Moves):
         # are any, the stream stays where it is: a continuation is a raw completion,
         # which would come back without the parser's split into reasoning and content.
         self.reasoning_parts: list[str] = []
+        # The server puts usage in every chunk unasked (`--enable-force-include-usage`):
+        # so do the proxy's events, and a usage event ends the stream.
+        self.usage_in_chunks = False
 
     # -- the loop ----------------------------------------------------------------
     async def run(self, leg: Leg) -> None:
@@ -113,6 +118,8 @@ class TrackedRelay(Moves):
                     await self._maybe_trigger()
             if self.handoff is not None:
                 self._drop_outrun_handoff()
+            if self.usage_in_chunks and self.gen.fingerprint is None:
+                await self._read_usage_event()
             await self._finish()
         finally:
             self.rt.streams.untrack(self.leg.backend.name, self)
@@ -127,6 +134,21 @@ class TrackedRelay(Moves):
                  (time.monotonic() - handoff.started_at) * 1000)
         handoff.close()
         self.handoff = None
+
+    def _fingerprint_from(self, pieces: list[Piece]) -> None:
+        """The fingerprint of the events after the last token (the usage event)."""
+        for piece in pieces:
+            self.gen.fingerprint = piece.fingerprint or self.gen.fingerprint
+
+    async def _read_usage_event(self) -> None:
+        """A server that puts usage in every chunk puts its fingerprint on the usage
+        event after the last token only: read it, if it comes at once."""
+        assert self.leg is not None
+        if self._read is not None or self._stash:
+            return
+        with contextlib.suppress(LegFailed, TimeoutError):
+            async with asyncio.timeout(_USAGE_EVENT_WAIT_S):
+                self._fingerprint_from(await self.leg.read())
 
     async def _next_pieces(self) -> list[Piece]:
         if self._failure is not None:
@@ -194,6 +216,10 @@ class TrackedRelay(Moves):
                 break
             if self.head is None:
                 self.head = self._response_head(piece)
+            if piece.usage is not None and not self.usage_in_chunks \
+                    and self.tracking.client_streams and piece.event is not None \
+                    and piece.event.get("choices"):
+                self.usage_in_chunks = True
             release = self.gen.add(piece)
             if piece.reasoning:
                 self._reasoned(piece.reasoning)
@@ -210,9 +236,12 @@ class TrackedRelay(Moves):
                     prompt_token_ids=self.gen.prompt_token_ids if opening else None,
                     # as vLLM: on the last token event, unless a usage event follows
                     fingerprint=self.gen.fingerprint if release.finish_reason
-                    and not self.tracking.include_usage else None,
-                    reasoning=piece.reasoning))
+                    and not self._usage_event else None,
+                    reasoning=piece.reasoning,
+                    usage=(len(self.gen.prompt_token_ids or ()), self.gen.generated)
+                    if self.usage_in_chunks else None))
             if self.gen.finished:
+                self._fingerprint_from(pieces[at + 1:])
                 break
         if not self.tracking.client_streams:
             if self.first_token_at is None and self.gen.generated:
@@ -225,6 +254,11 @@ class TrackedRelay(Moves):
         await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         if self.gen.generated:
             self._token_sent(first)
+
+    @property
+    def _usage_event(self) -> bool:
+        """Whether the stream ends with a usage event (asked for, or forced)."""
+        return self.tracking.include_usage or self.usage_in_chunks
 
     def _reasoned(self, text: str) -> None:
         if not self.reasoning_parts:
@@ -288,7 +322,7 @@ class TrackedRelay(Moves):
         self.done = True
         if self.tracking.client_streams:
             tail = usage_event(head, prompt_tokens, gen.generated, gen.fingerprint) \
-                if self.tracking.include_usage else b""
+                if self._usage_event else b""
             await self.send({"type": "http.response.body", "body": tail + DONE_EVENT,
                              "more_body": False})
             return

@@ -269,6 +269,7 @@ async def test_the_access_log_says_how_long_a_request_queued(
 # -- a running stream's moves (it was admitted: it never waits in line) ------------
 LONG = FakeConfig(tpot_s=0.01)
 NO_CHECKS = {"check_every_tokens": 10_000}
+DRAINED = 200  # tokens of a stream a test drains mid-way (2 s at LONG's pace)
 
 
 async def _stream(proxy: Any, text: str, tokens: int) -> asyncio.Task[httpx.Response]:
@@ -304,22 +305,23 @@ async def test_a_policy_move_waits_for_room_instead_of_overfilling_the_target() 
 async def test_a_drain_moves_to_a_backend_with_room_when_there_is_one() -> None:
     async with fleet(LONG, LONG, LONG, policy={"name": MoveToOther.name},
                      flow_control=_limit(1), migration=NO_CHECKS) as (proxy, fakes):
-        moving = await _stream(proxy, "a", 40)  # f0
-        other = await _stream(proxy, "b", 40)  # f1 (the first with room)
+        # long enough (2 s) to be running still when the drain comes, on a busy machine
+        moving = await _stream(proxy, "a", DRAINED)  # f0
+        other = await _stream(proxy, "b", DRAINED)  # f1 (the first with room)
         async with httpx.AsyncClient(base_url=proxy.url) as http:
             assert (await http.post("/admin/backends/f0/drain")).json()["moving"] == 1
         answers = [await moving, await other]
-    assert [stream_text(a) for a in answers] == [expected_text(40)] * 2
+    assert [stream_text(a) for a in answers] == [expected_text(DRAINED)] * 2
     assert continuation_bodies(fakes[1]) == [] and len(continuation_bodies(fakes[2])) == 1
 
 
 async def test_a_drain_moves_even_when_every_other_backend_is_full() -> None:
     async with fleet(LONG, LONG, policy={"name": MoveToOther.name},
                      flow_control=_limit(1), migration=NO_CHECKS) as (proxy, fakes):
-        moving = await _stream(proxy, "a", 40)
-        other = await _stream(proxy, "b", 40)
+        moving = await _stream(proxy, "a", DRAINED)
+        other = await _stream(proxy, "b", DRAINED)
         async with httpx.AsyncClient(base_url=proxy.url) as http:
             assert (await http.post("/admin/backends/f0/drain")).json()["moving"] == 1
         answers = [await moving, await other]
-    assert [stream_text(a) for a in answers] == [expected_text(40)] * 2
+    assert [stream_text(a) for a in answers] == [expected_text(DRAINED)] * 2
     assert len(continuation_bodies(fakes[1])) == 1  # one over the limit, nothing lost
