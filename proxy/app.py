@@ -57,10 +57,13 @@ async def _models(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> No
     except ProxyError as err:
         await send_error(send, err)
         return
-    data = [
-        {"id": model, "object": "model", "created": created, "owned_by": "laneway"}
-        for model in models
-    ]
+    data: list[dict[str, Any]] = []
+    for model in models:
+        entry = {"id": model, "object": "model", "created": created, "owned_by": "laneway"}
+        context = rt.registry.model_context(model)
+        if context is not None:  # as vLLM lists it: clients size their prompts by it
+            entry["max_model_len"] = context
+        data.append(entry)
     await send_json(send, 200, {"object": "list", "data": data})
 
 

@@ -95,6 +95,13 @@ class Registry:
     def context_of(self, name: str) -> int | None:
         return self._context.get(name)
 
+    def model_context(self, model: str) -> int | None:
+        """The context length a request for `model` (or group) fits wherever it goes:
+        the smallest of its healthy backends' that are known."""
+        known = [self._context[b.name] for b in self._healthy_by_model.get(model, ())
+                 if b.name in self._context]
+        return min(known, default=None)
+
     def served_by(self, name: str) -> frozenset[str]:
         """Every model name backend `name` serves: its configured model and the names its
         `/v1/models` listed."""

@@ -164,3 +164,11 @@ def migrations(proxy_url: str) -> float:
     metrics = httpx.get(proxy_url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("laneway_migrations_total{"))
+
+
+def test_the_model_list_gives_the_servers_context_length(proxy_url: str,
+                                                          vllm_fleet: list[Running]) -> None:
+    direct = next(b.url for b in vllm_fleet if b.model == MODEL)
+    want = httpx.get(direct + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    listed = httpx.get(proxy_url + "/v1/models", timeout=10).json()["data"]
+    assert [m["max_model_len"] for m in listed if m["id"] == MODEL] == [want]

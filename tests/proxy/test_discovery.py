@@ -79,6 +79,16 @@ async def test_a_stream_for_an_adapter_migrates_to_a_backend_with_it_and_keeps_i
     assert stream_text(response) == expected_text(8)  # nothing lost or repeated
 
 
+async def test_the_model_list_gives_the_context_every_backend_of_a_model_has() -> None:
+    """As vLLM's /v1/models: clients size prompts by `max_model_len`; a request may go
+    to any backend of its model, so the smallest known one is listed."""
+    async with fleet(FakeConfig(max_model_len=4096), FakeConfig(max_model_len=2048)) as (
+            proxy, _):
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            listed = (await http.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in listed] == [("fake", 2048)]
+
+
 def test_a_model_list_is_read_leniently() -> None:
     listed = model_list(b'{"data": [{"id": "a"}, {"id": 3}, "b", {"id": "c", '
                         b'"max_model_len": 1024}]}')
