@@ -38,6 +38,7 @@ from bench.fake_wire import (
     text_token_ids,
 )
 from proxy.asgi import ClientGone, Receive, Scope, Send, read_body, send_bytes, send_json
+from proxy.emit import usage_json
 from proxy.server import uvicorn_in_loop
 
 _COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens on /v1/completions
@@ -76,6 +77,8 @@ class FakeConfig:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): adapters are served names, no weights change
     reasoning_tokens: int = 0  # a reasoning parser's split (chat): generated tokens
     # 0..N-1 are reasoning deltas, the rest content
+    force_usage: bool = False  # vLLM's --enable-force-include-usage: usage in every
+    # token event (the tokens so far) and a usage event at the end, asked or not
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -367,7 +370,7 @@ class FakeVllm:
         stats.prefix_hits += self._prefix_cache.lookup(job.prompt_ids)
         try:
             if body.get("stream"):
-                await self._stream(job, include_usage(body), send)
+                await self._stream(job, include_usage(body) or self.config.force_usage, send)
             else:
                 await self._whole(job, send)
         finally:
@@ -394,6 +397,9 @@ class FakeVllm:
                 (stats.itl if offset else stats.ttft).observe(now - last)
                 last, due = now, due + cfg.tpot_s
                 chunk = wire.token(offset)
+                if cfg.force_usage:
+                    chunk = chunk[:-3] + b',"usage":' + orjson.dumps(usage_json(
+                        len(job.prompt_ids), offset + 1)) + b"}\n\n"
                 generated += 1
                 stats.kv_tokens += 1
                 stats.generation_tokens += 1

@@ -218,8 +218,8 @@ class TrackedRelay(Moves):
                 self.head = self._response_head(piece)
             if piece.usage is not None and not self.usage_in_chunks \
                     and self.tracking.client_streams and piece.event is not None \
-                    and piece.event.get("choices"):
-                self.usage_in_chunks = True
+                    and piece.event.get("choices") and not self.migrations:
+                self.usage_in_chunks = True  # (as the server the stream started on)
             release = self.gen.add(piece)
             if piece.reasoning:
                 self._reasoned(piece.reasoning)

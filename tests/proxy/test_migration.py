@@ -425,6 +425,28 @@ async def test_a_chat_without_a_bound_moves_with_the_targets_context(
         assert any("context length is unknown" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("forced_first", [True, False], ids=["from-forced", "to-forced"])
+async def test_usage_in_every_chunk_is_as_the_first_server_puts_it(forced_first: bool) -> None:
+    """A server with --enable-force-include-usage puts usage in every chunk: a tracked
+    stream that starts there does too, counted across a move to a server without the
+    flag; one that starts on a server without it does not start when it moves."""
+    forced, plain = FakeConfig(tpot_s=0.02, force_usage=True), FakeConfig(tpot_s=0.02)
+    async with fleet(*((forced, plain) if forced_first else (plain, forced)), **FORCED) as (
+            proxy, _):
+        response = await post(proxy, {**CHAT, "stream": True, "max_tokens": 8},
+                              headers={"x-laneway-migrate-after": "3", "x-laneway-events": "1"})
+    assert response.headers["x-laneway-backend"] == "f0"
+    assert [m["at_token"] for m in migrated_comments(response)] == [3]
+    data = [orjson.loads(e) for e in events(response.text)[:-1]]
+    tokens = [d for d in data if d["choices"] and "role" not in d["choices"][0]["delta"]]
+    counts = [d["usage"]["completion_tokens"] if "usage" in d else None for d in tokens]
+    if forced_first:
+        assert counts == list(range(1, 9)) and data[-1]["usage"]["completion_tokens"] == 8
+    else:
+        assert counts == [None] * 8 and "usage" not in data[-1]
+    assert stream_text(response) == expected_text(8)
+
+
 @pytest.mark.parametrize("after", [0, 3], ids=["first-event", "mid-stream"])
 async def test_a_backends_refusal_is_the_clients_answer(after: int) -> None:
     """A 4xx error event (vLLM validates some requests only once it streams) is the
