@@ -230,14 +230,16 @@ class Exchange:
                 raise RequestDropped(f"request dropped by the routing policy: {decision.drop}")
             tried.append(backend.name)
             self.backend_name = backend.name
+            tracked = self._tracked_on(backend.name)
             guard = contextlib.ExitStack()
             guard.enter_context(rt.registry.guard(backend.name))
             try:
                 opened = await rt.upstream.open(
                     backend, _PATHS[ctx.endpoint],
-                    self._upstream_body(body, rt.registry.model_on(backend, ctx.model),
-                                        kv_handle), self.headers, stream)
-                if self.tracking is not None and not opened.complete:
+                    self._upstream_body(body if tracked else self.body,
+                                        rt.registry.model_on(backend, ctx.model), kv_handle),
+                    self.headers, stream if tracked else ctx.stream)
+                if tracked and not opened.complete:
                     await self._relay_tracked(opened, guard, pred)
                     return True
             except UpstreamFailure as failure:
@@ -263,6 +265,19 @@ class Exchange:
                     self._account(opened)
             return True
         return False
+
+    def _tracked_on(self, backend: str) -> bool:
+        """Whether the request is tracked on `backend`: not on one seen streaming
+        reasoning, where a stream stays anyway (proxy/tracked.py) and the server's own
+        bytes are exact (e.g. a stop string found inside the reasoning, which a
+        tracked stream, asking for stop strings in the output, would show)."""
+        if self.tracking is None:
+            return False
+        if backend in self.rt.streams.reasoning:
+            log.debug("request %s: %s streams reasoning; relayed as it answers",
+                      self.ctx.request_id, backend)
+            return False
+        return True
 
     def _upstream_body(self, body: bytes, model: str,
                        kv_handle: Mapping[str, Any] | None) -> bytes:

@@ -58,7 +58,8 @@ _CARRIED = (
     "spaces_between_special_tokens", "user", "priority",
     # and what else vLLM applies per request: the prefix-cache salt (a continuation's
     # blocks stay in the tenant's namespace), its watermark, repetition detection (over
-    # the target's output), custom logits processors' arguments, the session
+    # the target's output), the thinking budget, custom logits processors' arguments,
+    # the session
     "cache_salt", "watermarking", "repetition_detection", "thinking_token_budget",
     "vllm_xargs", "session_id",
 )
@@ -277,7 +278,8 @@ class Movable(Protocol):
 class ActiveStreams:
     """Tracked streams by the backend they run on, so a drain can move them; and the
     backends seen streaming reasoning deltas (a server with a reasoning parser), whose
-    streams stay put even before their first delta."""
+    streams stay put even before their first delta (later requests there are not
+    tracked at all: proxy/handler.py)."""
 
     def __init__(self) -> None:
         self._by_backend: dict[str, set[Movable]] = {}

@@ -85,3 +85,23 @@ def test_a_reasoning_stream_stays_on_its_backend(thinking: list[Running],
             "x-laneway-migrate-after": str(after), "x-laneway-events": "1"})
         assert ": laneway" not in raw  # no move
         assert (reasoning, content) == direct[:2]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_stop_string_inside_the_reasoning_ends_it_as_the_server_does(
+        thinking: list[Running], proxy_url: str, stream: bool) -> None:
+    """Once a backend is seen streaming reasoning its requests are relayed as it answers
+    them: a tracked stream asks for stop strings in the output (to find them across a
+    move), so a stop string found inside the reasoning stayed in it."""
+    for _ in thinking:  # round robin: each backend has streamed reasoning through the proxy
+        streamed(proxy_url, CHAT)
+    free = streamed(thinking[0].url, CHAT)[0]
+    stop = free[len(free) // 2:len(free) // 2 + 3]  # three characters inside it
+    body = {**CHAT, "stop": [stop]}
+    if stream:
+        want, got = streamed(thinking[0].url, body)[:2], streamed(proxy_url, body)[:2]
+    else:
+        want, got = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()[
+            "choices"][0]["message"]["reasoning"] for url in (thinking[0].url, proxy_url)]
+    assert got == want
+    assert stop not in (want[0] if stream else want)

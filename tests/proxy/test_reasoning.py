@@ -86,3 +86,17 @@ async def test_a_backend_failing_mid_reasoning_ends_the_stream_with_an_error() -
     data = events(response.text)
     assert "error" in orjson.loads(data[-2])
     assert fakes[1].app.stats.requests == 0  # not continued where the split would be lost
+
+
+async def test_a_backend_seen_reasoning_gets_its_requests_as_the_client_sent_them() -> None:
+    """Its streams stay anyway; relayed untracked, its own bytes are the answer (a
+    stop string inside the reasoning ends it as the server ends it)."""
+    body = {**CHAT, "stream": True, "max_tokens": 4, "stop": ["x"]}
+    async with fleet(THINKS) as (proxy, fakes):
+        first = await post(proxy, body)  # tracked: the proxy learns the backend reasons
+        second = await post(proxy, body)
+        direct = await post(fakes[0], body)  # type: ignore[arg-type]
+    tracked, relayed = fakes[0].app.stats.bodies[:2]
+    assert tracked["return_token_ids"] and tracked["include_stop_str_in_output"]
+    assert relayed == body  # untouched
+    assert second.text == direct.text and deltas(first.text) == deltas(direct.text)
