@@ -45,9 +45,10 @@ def plan(n: int, variants: Sequence[str], model: str, base_port: int,
 
 
 @contextlib.contextmanager
-def fleet(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED) -> Iterator[list[Running]]:
+def fleet(specs: Sequence[Spec], shared: Path = DEFAULT_SHARED,
+          timeout_s: float = 300.0) -> Iterator[list[Running]]:
     """Start `specs` for the duration of a `with` block (tests, demos); always stops."""
-    servers = start(specs, shared)
+    servers = start(specs, shared, timeout_s=timeout_s)
     try:
         yield servers
     finally:

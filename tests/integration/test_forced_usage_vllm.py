@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from bench.backends import Running, Spec, start, stop
+from bench.backends import Running, Spec, fleet
 from bench.ports import free_port
 from bench.proxy_process import running_proxy
 from tests.integration.test_fidelity_vllm import (
@@ -39,11 +39,8 @@ CASES = {
 def forced() -> Iterator[list[Running]]:
     specs = [Spec(f"usage-{i}", "small", MODEL, free_port(),
                   extra_args=("--enable-force-include-usage",)) for i in range(2)]
-    servers = start(specs, timeout_s=240)
-    try:
+    with fleet(specs, timeout_s=240) as servers:  # under pytest's 300 s per test
         yield servers
-    finally:
-        stop(servers)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from bench.backends import Running, Spec, start, stop
+from bench.backends import Running, Spec, fleet
 from bench.ports import free_port
 from bench.proxy_process import running_proxy
 
@@ -28,11 +28,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three riv
 def thinking() -> Iterator[list[Running]]:
     specs = [Spec(f"think-{i}", "small-think", MODEL, free_port(),
                   extra_args=("--reasoning-parser", "deepseek_r1")) for i in range(2)]
-    servers = start(specs, timeout_s=240)
-    try:
+    with fleet(specs, timeout_s=240) as servers:  # under pytest's 300 s per test
         yield servers
-    finally:
-        stop(servers)
 
 
 @pytest.fixture(scope="module")
