@@ -16,7 +16,7 @@ carries the request's bound and penalties, proxy/migration.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -75,6 +75,7 @@ CASES = {
                                                "max_tokens": 4}),  # vLLM's 400 (not on)
 }
 MOVED = {"x-laneway-migrate-after": "1"}  # before any case's stop string
+ATTEMPTS = 4
 STAYS = {  # what a forced move leaves where it is
     "chat-continuous-usage": "not tracked (usage in every chunk)",
     "completion-refused": "refused before its first token",
@@ -153,11 +154,35 @@ def test_the_proxy_answers_as_the_server_does(proxy_url: str, vllm_fleet: list[R
         direct = next(b.url for b in vllm_fleet if b.model == MODEL)
         _direct[case, stream] = summary(httpx.post(direct + path, json=body, timeout=60),
                                         stream)
-    before = migrations(proxy_url)
-    got = httpx.post(proxy_url + path, json=body, headers=MOVED if moved else {}, timeout=60)
-    assert summary(got, stream) == _direct[case, stream]
     stays = case in STAYS or (not stream and case in WHOLE_STAYS)
-    assert migrations(proxy_url) - before == (moved and not stays)
+    want = _direct[case, stream]
+    answered_until_counted(proxy_url, path, body, moved, moved and not stays,
+                           lambda got: assert_same(summary(got, stream), want))
+
+
+def answered_until_counted(proxy_url: str, path: str, body: dict[str, Any], moved: bool,
+                           moves: bool, check: Callable[[httpx.Response], None]) -> None:
+    """`check` the proxy's answer (with a forced move if `moved`) and that the move
+    counter shows `moves`. Under load vLLM packs several tokens into one event, so the
+    proxy may see the forced position late (past a stop string, nothing is left to
+    move): every answer is checked, and a few tries must show the move."""
+    for _ in range(ATTEMPTS):
+        before = migrations(proxy_url)
+        check(httpx.post(proxy_url + path, json=body, headers=MOVED if moved else {},
+                         timeout=60))
+        counted = migrations(proxy_url) - before
+        assert counted <= moves
+        if counted == moves:
+            return
+    assert counted == moves
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """`got == want`, but for the shapes of the events before the last when either
+    stream has none (vLLM under load may pack a short answer into one event)."""
+    if not got.get("shapes") or not want.get("shapes"):
+        got, want = ({k: v for k, v in s.items() if k != "shapes"} for s in (got, want))
+    assert got == want
 
 
 def migrations(proxy_url: str) -> float:
