@@ -230,19 +230,31 @@ async def growth(url: str, plan: Plan, make: Callable[[random.Random], tuple[str
 async def held_streams(http: aiohttp.ClientSession, url: str, pid: int, model: str,
                        count: int, tokens: int, timeout_s: float) -> dict[str, Any]:
     """Memory while `count` streams of `model` are all open (peak of samples taken until
-    the first of them ends), then wait for them to end."""
+    the first of them ends), then wait for them to end. A stream that fails before its
+    first chunk counts as settled, so a failure is reported, not waited on."""
     started = asyncio.Event()
-    opened = 0
+    settled = 0
 
-    def opened_one() -> None:
-        nonlocal opened
-        opened += 1
-        if opened == count:
+    def settled_one() -> None:
+        nonlocal settled
+        settled += 1
+        if settled == count:
             started.set()
 
     async def one(n: int) -> str | None:
         body = chat_body(model, tokens, True, f"held stream {n}")
-        return await _stream(http, url, CHAT, body, on_first=opened_one)
+        opened = False
+
+        def opened_one() -> None:
+            nonlocal opened
+            opened = True
+            settled_one()
+
+        try:
+            return await _stream(http, url, CHAT, body, on_first=opened_one)
+        finally:
+            if not opened:
+                settled_one()
 
     tasks = [asyncio.ensure_future(one(n)) for n in range(count)]
     try:

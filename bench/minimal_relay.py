@@ -13,6 +13,9 @@ import aiohttp
 import uvicorn
 
 from proxy.asgi import Receive, Scope, Send
+from proxy.config import UpstreamConfig
+
+KEEPALIVE_S = UpstreamConfig().keepalive_s
 
 
 class MinimalRelay:
@@ -23,7 +26,11 @@ class MinimalRelay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
-                self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+                # idle connections dropped before the upstream's own keep-alive (uvicorn's
+                # 5 s) drops them, as laneway's default upstream.keepalive_s does: a
+                # connection reused as the upstream closes it fails the request
+                self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                    limit=0, keepalive_timeout=KEEPALIVE_S))
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return

@@ -5,6 +5,7 @@ Asserts the harness measures and checks what it sends, not the proxy's memory ta
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 
@@ -65,8 +66,14 @@ async def test_a_wave_counts_wrong_answers_and_held_streams_are_all_open() -> No
         assert await wave(http, failing.url, batch, 4, 30) == {
             'chat_stream: HTTP 503: {"error":{"message":"injected failure"}}': 12}
         held = await held_streams(http, ok.url, os.getpid(), "paced", 8, 30, 30)
+        # streams refused before their first chunk are reported at once, not waited on
+        # until the timeout (CI once waited 120 s on one the bare relay failed)
+        refused = await asyncio.wait_for(
+            held_streams(http, failing.url, os.getpid(), "fast", 8, 30, 30), 10)
     assert held["streams"] == 8 and held["failed_streams"] == 0 and held["tokens"] == 30
     assert held["rss_anon_kb_open"] > 0
+    assert refused["failed_streams"] == 8
+    assert refused["errors"] == ['HTTP 503: {"error":{"message":"injected failure"}}']
 
 
 def test_a_tiny_run_through_laneway_serves_every_kind_as_expected() -> None:
