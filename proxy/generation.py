@@ -47,6 +47,10 @@ class Generation:
         self._pending = ""  # received, not yet released
         self._released_tail = ""  # the last `_lookback` released characters
         self.clean_boundary = True  # the text so far decodes completely (splice here)
+        # The last token boundary known to decode completely, and the text received up
+        # to it (`since_clean`): a continuation must not start inside a character.
+        self.clean_at = 0
+        self._clean_received = 0
         self._trimmed = 0
         # As vLLM: no stop string counts before `min_tokens` tokens, nor one that ends
         # within their text (it ends at character `_stops_from`, once known).
@@ -83,17 +87,33 @@ class Generation:
         its generated ids from `output_from` on."""
         self._base, self._since, self.tokenizer = sequence_ids, len(self.token_ids), tokenizer
         self._output_from = output_from
+        self.clean_at, self._clean_received = self._since, self._received  # from text
+
+    @property
+    def since_clean(self) -> tuple[int, int]:
+        """(tokens, characters of text) generated since `clean_at`.
+
+        vLLM streams a token's text once the text decodes completely, so a piece of one
+        token with text ends at a clean boundary; and a piece whose text begins with an
+        ASCII character begins at one (a character left incomplete before it would come
+        first). A piece packing several tokens (vLLM behind, or `--stream-interval`) may
+        end inside a character, whatever its text: then only the backend can tell."""
+        return len(self.token_ids) - self.clean_at, self._received - self._clean_received
 
     def add(self, piece: Piece) -> Release:
         if piece.prompt_token_ids is not None and self.prompt_token_ids is None:
             self.prompt_token_ids = piece.prompt_token_ids
         if piece.fingerprint is not None:
             self.fingerprint = piece.fingerprint
-        ids = piece.token_ids
+        ids, text = piece.token_ids, piece.text
+        if text and text[0] < "\x80":
+            self.clean_at, self._clean_received = len(self.token_ids), self._received
         self.token_ids += ids
-        self.clean_boundary = bool(piece.text) and not piece.text.endswith("\ufffd")
-        self._pending += piece.text
-        self._received += len(piece.text)
+        self.clean_boundary = bool(text) and not text.endswith("\ufffd")
+        self._pending += text
+        self._received += len(text)
+        if self.clean_boundary and len(ids) == 1:
+            self.clean_at, self._clean_received = len(self.token_ids), self._received
         if self._stops_from is None and len(self.token_ids) >= self._min_tokens:
             self._stops_from = self._text_end_of(self._min_tokens, piece)
         if self._stops and len(self.token_ids) > self._min_tokens \

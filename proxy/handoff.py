@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from proxy.generation import Generation
 from proxy.legs import Leg
 from proxy.migration import Tracking, continuation_body, tokenize_bodies, tokenizer_of
@@ -26,6 +28,9 @@ from proxy.types import Backend
 
 _PATH = "/v1/completions"
 _ERROR_DETAIL = 300
+_DECODE_WINDOW = 8  # generated ids decoded to see how the text ends at a boundary
+_DECODE_TRIES = 8  # boundaries asked about, the nearest first, before `clean_at`
+_DECODE_TIMEOUT_S = 2.0
 
 
 class HandoffFailed(Exception):
@@ -82,10 +87,14 @@ async def open_continuation(c: Continuation, gen: Generation, target: Backend,
             raise HandoffFailed(
                 f"{target.name}'s context length is unknown (its /v1/models not read yet): "
                 "a request without max_tokens has no bound to continue with there")
+        # `gen` as it is now: in a race the source streams on while this one awaits
+        done, since_clean = gen.generated, gen.since_clean
         sequence, tokenizer, output_from = await sequence_for(c, gen, target)
+        left_out, chars = (0, 0) if tokenizer is not None else await clean_start(
+            c, target, sequence[output_from:], since_clean)
         body = continuation_body(c.data, c.tracking, c.rt.registry.model_on(target, c.model),
-                                 sequence, gen.generated, output_from=output_from,
-                                 context=context)
+                                 sequence[:len(sequence) - left_out], done - left_out,
+                                 output_from=output_from, context=context)
         opened = await c.rt.upstream.open(target, _PATH, body, c.headers, stream=True)
         _check(opened)
     except UpstreamFailure as failure:
@@ -99,7 +108,47 @@ async def open_continuation(c: Continuation, gen: Generation, target: Backend,
               read_timeout_s=c.rt.settings.upstream.read_timeout_s)
     if tokenizer is not None:
         leg.rebase = (sequence, tokenizer, output_from)
+    leg.replay(left_out, chars)
     return leg
+
+
+async def clean_start(c: Continuation, target: Backend, generated: list[int],
+                      since_clean: tuple[int, int]) -> tuple[int, int]:
+    """How many of the last `generated` ids (the sequence's) a continuation leaves out,
+    so that it starts where their text decodes completely, and how many characters of
+    text the client already has of the tokens it then generates again
+    (`since_clean`: `Generation.since_clean` when the sequence was taken).
+
+    vLLM 0.32 streams the whole prompt's text in the first delta of a request whose
+    prompt ends inside a multi-byte character (its FastIncrementalDetokenizer primes
+    tokenizers' DecodeStream with the prompt, which keeps no prefix then: vllm#48853),
+    and a continuation's prompt is the answer so far. At a boundary `gen` knows to be
+    clean nothing is asked; else the target decodes the ids before each boundary, the
+    nearest first. The last clean one found is where the client's text ends (vLLM holds
+    a token's text back until it decodes completely), so the tokens past it carry no
+    text yet. A backend that cannot tell (no `/detokenize`) continues from `clean_at`."""
+    tokens, chars = since_clean
+    tokens = min(tokens, len(generated))
+    for left_out in range(min(tokens, _DECODE_TRIES)):
+        end = len(generated) - left_out
+        text = await _decoded(c, target, generated[max(0, end - _DECODE_WINDOW):end])
+        if text is None:
+            break
+        if not text.endswith("\ufffd"):
+            return left_out, 0
+    return tokens, chars
+
+
+async def _decoded(c: Continuation, target: Backend, ids: list[int]) -> str | None:
+    """vLLM's `/detokenize` of `ids` on `target`; None if it gave no text."""
+    body = orjson.dumps({"model": c.rt.registry.model_on(target, c.model), "tokens": ids})
+    try:
+        answer = await c.rt.upstream.call_json(target, "/detokenize", body, c.headers,
+                                               timeout_s=_DECODE_TIMEOUT_S)
+    except UpstreamFailure:
+        return None
+    text = answer.get("prompt") if isinstance(answer, dict) else None
+    return text if isinstance(text, str) else None
 
 
 def _guard(rt: Runtime, target: Backend) -> contextlib.ExitStack:

@@ -56,6 +56,14 @@ class Leg:
         # (prompt + generated ids in its vocabulary, its tokenizer, where the generated
         # ones begin).
         self.rebase: tuple[list[int], str, int] | None = None
+        # Tokens (and their text) the client has that this leg generates again first:
+        # a continuation started before where the client is (proxy/handoff.py).
+        self.replayed = 0
+        self._replay_ids = self._replay_chars = 0
+
+    def replay(self, tokens: int, chars: int) -> None:
+        """Drop this leg's first `tokens` token ids and `chars` characters of text."""
+        self.replayed, self._replay_ids, self._replay_chars = tokens, tokens, chars
 
     async def read(self) -> list[Piece]:
         """The next pieces (never empty); [] once the stream ended with [DONE]."""
@@ -98,6 +106,8 @@ class Leg:
                     raise failed from None
                 self._failed = failed  # the pieces before it come first
                 break
+            if (self._replay_ids or self._replay_chars) and not self._past_replay(piece):
+                continue
             if piece.token_ids:
                 self.tokens += len(piece.token_ids)
                 if self.first_token_at is None:
@@ -106,6 +116,16 @@ class Leg:
             if piece.finish_reason in _FAILED_FINISH:
                 raise LegFailed("error", f"backend finished with {piece.finish_reason}")
         return pieces
+
+    def _past_replay(self, piece: Piece) -> bool:
+        """Cut what is replayed off `piece`; whether anything is left of it."""
+        ids = min(self._replay_ids, len(piece.token_ids))
+        chars = min(self._replay_chars, len(piece.text))
+        self._replay_ids -= ids
+        self._replay_chars -= chars
+        piece.token_ids, piece.text = piece.token_ids[ids:], piece.text[chars:]
+        return bool(piece.token_ids or piece.text or piece.finish_reason is not None
+                    or piece.usage is not None)
 
     def tpot(self) -> float | None:
         if self.first_token_at is None or self.tokens < 2:

@@ -288,14 +288,17 @@ class Moves:
         self.rt.metrics.migrations.labels(reason, old.backend.name, new_leg.backend.name).inc()
         prompt = len(self.gen.prompt_token_ids or ())
         self.rt.metrics.reprefilled.labels(new_leg.backend.name).inc(prompt + at_token)
-        log.info("request %s: now on %s at token %d (%s, handoff %.1f ms)",
+        continued_from = (at_token if continued_from is None else continued_from) \
+            - new_leg.replayed
+        log.info("request %s: now on %s at token %d (%s, handoff %.1f ms%s)",
                  self.ctx.request_id, new_leg.backend.name, at_token, reason,
-                 (time.monotonic() - started_at) * 1000)
+                 (time.monotonic() - started_at) * 1000,
+                 f"; continued from token {continued_from}, where the text decodes "
+                 "completely" if new_leg.replayed else "")
         if self.announce and self.started:
             await self._send(comment_event({
                 "event": "migrated", "from": old.backend.name, "to": new_leg.backend.name,
-                "at_token": at_token, "reason": reason,
-                "continued_from": at_token if continued_from is None else continued_from}))
+                "at_token": at_token, "reason": reason, "continued_from": continued_from}))
 
 
     def _observe_leg(self, backend: str, started_at: float, *, ok: bool, tokens: int,

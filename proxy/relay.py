@@ -162,10 +162,11 @@ class Upstream:
             raise
 
     async def call_json(
-        self, backend: Backend, path: str, body: bytes, headers: dict[str, str]
+        self, backend: Backend, path: str, body: bytes, headers: dict[str, str],
+        timeout_s: float | None = None,
     ) -> Any:
         """A small JSON request/response (e.g. vLLM's `/tokenize`); raises UpstreamFailure."""
-        status, payload, _ = await self.whole("POST", backend, path, body, headers)
+        status, payload, _ = await self.whole("POST", backend, path, body, headers, timeout_s)
         if status != 200:
             raise UpstreamFailure(backend, "status", f"{path}: HTTP {status}: "
                                   f"{payload[:300].decode(errors='replace')}", status=status)

@@ -98,6 +98,29 @@ def test_a_piece_ending_in_a_partial_character_is_not_a_clean_splice_point() -> 
     assert gen.clean_boundary
 
 
+def test_where_the_text_last_decoded_completely() -> None:
+    """vLLM sends a token's text once it decodes completely: a one-token piece with
+    text ends at a clean boundary, one without text (a byte of a character) does not,
+    and a piece starting with an ASCII character starts at one. Of a piece packing
+    several tokens, the end is unknown."""
+    gen = Generation()
+    assert gen.since_clean == (0, 0)
+    gen.add(Piece(" caf", [1]))
+    assert gen.since_clean == (0, 0)
+    gen.add(Piece("", [2]))  # the first byte of "é"
+    assert gen.since_clean == (1, 0)
+    gen.add(Piece("é", [3]))
+    assert gen.since_clean == (0, 0)
+    gen.add(Piece(" au lait", [4, 5, 6]))  # packed: its start is clean (ASCII)
+    assert gen.since_clean == (3, 8)
+    gen.add(Piece("ü", [7, 8]))  # packed, starting with a completed character
+    assert gen.since_clean == (5, 9)
+    gen.add(Piece("", [9]))
+    assert (gen.clean_at, gen.since_clean) == (3, (6, 9))
+    gen.add(Piece("!", [10]))
+    assert gen.since_clean == (0, 0)
+
+
 def test_sse_splitter_joins_events_cut_anywhere() -> None:
     stream = b'data: {"a":1}\n\ndata: {"b":2}\n\n: comment\n\ndata: [DONE]\n\n'
     for cut in range(1, len(stream)):

@@ -56,3 +56,25 @@ async def test_the_events_before_a_bad_one_come_first() -> None:
         await leg.read()
     leg.close()
     assert failed.value.kind == "refused" and failed.value.refusal == (400, refusal)
+
+
+def _piece_event(ids: list[int], text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"id": "c", "choices": [choice]}) + b"\n\n"
+
+
+async def test_a_replay_drops_what_the_client_has() -> None:
+    """A continuation started before where the client is: its first ids and characters
+    are dropped, a piece left with nothing is skipped, one straddling the point kept in
+    part."""
+    head = (_piece_event([1], "") + _piece_event([2, 3], "ab") + _piece_event([4], "c")
+            + _piece_event([5], "d", "length") + b"data: [DONE]\n\n")
+    opened = Opened(Backend("b", "http://b", "m"), _Response(), head,  # type: ignore[arg-type]
+                    complete=False)
+    leg = Leg(opened, chat=False, guard=contextlib.ExitStack(), read_timeout_s=5)
+    leg.replay(2, 1)
+    pieces = await leg.read()
+    leg.close()
+    assert [(p.token_ids, p.text, p.finish_reason) for p in pieces] == [
+        ([3], "b", None), ([4], "c", None), ([5], "d", "length")]
+    assert leg.tokens == 3 and leg.replayed == 2
