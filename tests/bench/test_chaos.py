@@ -1,0 +1,34 @@
+"""The chaos run's harness: a short run on fake backends, and its checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from bench.chaos import Plan, Run, run, table
+
+
+def test_a_short_run_on_fakes_answers_every_request_right() -> None:
+    """Kills, drains, removals and reloads every 1-2 s: every answer is the backend's
+    own, and the kills show as moves of streams cut mid-way."""
+    result = run(Plan(seconds=14, concurrency=6, prompts=6, action_every_s=(1.0, 2.0),
+                      seed=3, fake=True))
+    answers, actions = result["answers"], result["actions"]
+    assert answers.get("wrong", 0) == 0 and answers.get("error", 0) == 0, result["wrong"]
+    assert answers["ok"] > 100 and answers["left"] > 0
+    assert sum(actions.values()) >= 5 and actions.get("kill", 0) >= 1, actions
+    assert all(label.endswith((" 200", " 201")) for label in result["admin"]), result
+    assert result["moves"].get("forced", 0) > 0 and result["meets_targets"]
+    assert "| answers right" in table(result)
+
+
+def test_a_wrong_answer_and_an_error_are_counted_with_what_came() -> None:
+    plan = Plan(fake=True)
+    fake: Any = SimpleNamespace(names=[])
+    checked = Run(plan, fake, fake, ["p"], [4], {("chat", 0): ("a b", "length", 4)})
+    checked._check("chat_stream", 0, {}, ("a b", "length", 4))
+    checked._check("chat_stream", 0, {"x-request-id": "r"}, ("a c", "length", 4))
+    checked._check("chat_whole", 0, {}, "HTTP 502: no")
+    checked._check("chat_stream", 0, {}, None)
+    assert dict(checked.answers) == {"ok": 1, "wrong": 1, "error": 1, "left": 1}
+    assert [w["got"] for w in checked.wrong] == [["a c", "length", 4], "HTTP 502: no"]
