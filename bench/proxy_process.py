@@ -29,18 +29,20 @@ class ProxyProcess:
 
 @contextlib.contextmanager
 def running_proxy(
-    config: dict[str, Any], *, ready_timeout_s: float = 30.0, log_path: Path | None = None
+    config: dict[str, Any], *, ready_timeout_s: float = 30.0, log_path: Path | None = None,
+    port: int | None = None, append_log: bool = False
 ) -> Iterator[ProxyProcess]:
-    """Write `config` (server.port chosen here), start `laneway serve`, yield it; its
-    output goes to `log_path` if given (kept), else to a temporary file."""
-    port = free_port()
+    """Write `config` (server.port: `port`, or one chosen here), start `laneway serve`,
+    yield it; its output goes to `log_path` if given (kept; added to with
+    `append_log`), else to a temporary file."""
+    port = port or free_port()
     config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1",
                                     "port": port}}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "laneway.yaml"
         path.write_text(yaml.safe_dump(config))
         log_file = log_path or Path(tmp) / "proxy.log"
-        log = open(log_file, "wb")
+        log = open(log_file, "ab" if append_log else "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -36,20 +36,45 @@ def binary(name: str) -> str:
     return path
 
 
+class RedisServer:
+    """A throwaway redis-server (no persistence) on one port, which can be killed and
+    started again there (a restarted Redis comes back empty, as a failed-over one
+    without persistence does)."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.TemporaryDirectory()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self._proc = subprocess.Popen(
+            [binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self._dir.name],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        _wait(lambda: _redis_ping(self.port), self._proc, 10.0, "redis-server")
+
+    def kill(self) -> None:
+        """kill -9, as a crash."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def close(self) -> None:
+        if self._proc is not None:
+            stop_process(self._proc)
+        self._dir.cleanup()
+
+
 @contextlib.contextmanager
 def running_redis(port: int | None = None) -> Iterator[str]:
     """A throwaway redis-server (no persistence); yields its redis:// URL."""
-    port = port or free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(
-            [binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", tmp],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            _wait(lambda: _redis_ping(port), proc, 10.0, "redis-server")
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            stop_process(proc)
+    server = RedisServer(port)
+    try:
+        server.start()
+        yield server.url
+    finally:
+        server.close()
 
 
 def _redis_ping(port: int) -> bool:

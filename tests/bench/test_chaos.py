@@ -5,7 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from bench.chaos import Plan, Run, run, table
+from bench.services import MissingService, binary
 
 
 def test_a_short_run_on_fakes_answers_every_request_right() -> None:
@@ -20,6 +23,29 @@ def test_a_short_run_on_fakes_answers_every_request_right() -> None:
     assert all(label.endswith((" 200", " 201")) for label in result["admin"]), result
     assert result["moves"].get("forced", 0) > 0 and result["meets_targets"]
     assert "| answers right" in table(result)
+
+
+def test_two_replicas_restarted_in_turn_on_a_redis_killed_in_turn_lose_nothing() -> None:
+    """Two laneway processes on one Redis: besides the backends' troubles, one replica
+    restarted (its streams finish; the clients send to the other meanwhile) and Redis
+    killed and started again, empty; every answer right, and nothing left in flight."""
+    try:
+        binary("redis-server")
+    except MissingService as exc:
+        pytest.skip(str(exc))
+    result = run(Plan(seconds=16, concurrency=6, prompts=6, action_every_s=(1.0, 2.0),
+                      seed=3, fake=True, replicas=2))
+    answers, actions = result["answers"], result["actions"]
+    assert answers.get("wrong", 0) == 0 and answers.get("error", 0) == 0, result["wrong"]
+    assert answers["ok"] > 100
+    assert actions.get("replica", 0) >= 1 and actions.get("redis", 0) >= 1, actions
+    assert result["resent_to_another_replica"].get("refused", 0) > 0, result
+    # every answer was logged once, by one replica: none served twice
+    assert result["access_lines"] == answers["ok"] + answers["left"]
+    assert result["served_twice"] == []
+    assert set(result["inflight_after"]) == {"0 inflight", "0 cluster_inflight",
+                                             "1 inflight", "1 cluster_inflight"}
+    assert not any(result["inflight_after"].values()) and result["meets_targets"]
 
 
 def test_a_wrong_answer_and_an_error_are_counted_with_what_came() -> None:
