@@ -36,6 +36,7 @@ from proxy.config import FlowControlConfig, Settings
 from proxy.errors import Overloaded
 from proxy.metrics import Metrics
 from proxy.registry import Registry
+from proxy.state.base import equal_share
 from proxy.types import Backend, ClusterView
 
 log = logging.getLogger("laneway")
@@ -221,7 +222,7 @@ class FlowControl:
         if not self._strict():
             return
         limit = self._settings().flow_control.max_inflight_per_backend
-        share = max(1, limit // max(1, replicas))
+        share = equal_share(limit, replicas)
         shares = {b.name: share for b in self._registry.all()}
         if shares != self._leases:
             log.warning("strict flow control: no leases from the shared store (unreachable "

@@ -49,6 +49,10 @@ class Inbox:
     counters: dict[str, float] = field(default_factory=dict)  # counter -> cluster total
     inflight: dict[str, int] = field(default_factory=dict)  # backend -> open elsewhere
     replicas: int = 1  # live replicas, this one included
+    # The store had no record of this replica before this exchange: a new replica, a
+    # store that lost its data (e.g. Redis restarted without persistence), or this
+    # replica silent for longer than inflight_ttl_s.
+    rejoined: bool = False
     flows: dict[str, int] = field(default_factory=dict)  # flow mode -> live replicas in it
 
 
@@ -70,11 +74,11 @@ class Store(Protocol):
         """Client keys kept in the store: sha256 hex -> key settings."""
         ...
 
-    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]]
-                          ) -> dict[str, int]:
+    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]],
+                          cap: int | None = None) -> dict[str, int]:
         """This replica's slots on each backend of `needs` (backend -> (requests open
         there, those plus the ones waiting that it could take)), out of `limit` per
-        backend for all the replicas.
+        backend for all the replicas, and at most `cap` each when given.
 
         Granted atomically: what the live replicas hold on a backend (each its lease,
         or its open requests while they are more) never adds up to more than `limit`.
@@ -85,6 +89,12 @@ class Store(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def equal_share(limit: int, replicas: int) -> int:
+    """An equal part of `limit` for each of `replicas` (at least one slot): what strict
+    flow control keeps to while the store cannot say what the others hold."""
+    return max(1, limit // max(1, replicas))
 
 
 class Leasing(Protocol):

@@ -26,9 +26,9 @@ class MemoryStore:
     async def api_keys(self) -> dict[str, dict[str, Any]]:
         return {}
 
-    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]]
-                          ) -> dict[str, int]:
-        return dict.fromkeys(needs, limit)  # the only replica
+    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]],
+                          cap: int | None = None) -> dict[str, int]:
+        return dict.fromkeys(needs, limit if cap is None else min(limit, cap))  # the only replica
 
     async def close(self) -> None:
         pass

@@ -34,12 +34,13 @@ from proxy.state.base import Inbox, Outbox, StoreUnavailable
 # what it holds (its lease, or more while requests opened under an earlier, larger
 # lease are still open) and what it needs. A lease never takes a slot another live
 # replica holds, so the holdings add up to at most the limit (README, Flow control).
+# `cap`: the most slots to grant on each backend.
 _LEASE = """
-local me, limit, ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local me, limit, ttl, cap = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local live = math.max(1, redis.call('ZCARD', KEYS[1]))
 local grants = {}
 for i = 2, #KEYS do
-  local key, open, need = KEYS[i], tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  local key, open, need = KEYS[i], tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2])
   local held, needed = 0, need
   local entries = redis.call('HGETALL', key)
   for j = 1, #entries, 2 do
@@ -60,7 +61,7 @@ for i = 2, #KEYS do
   else
     target = math.ceil(limit * need / needed)
   end
-  local grant = math.max(0, math.min(target, limit - held))
+  local grant = math.max(0, math.min(target, limit - held, cap))
   redis.call('HSET', key, me, math.max(grant, open) .. ':' .. need)
   redis.call('PEXPIRE', key, ttl)
   grants[#grants + 1] = grant
@@ -117,7 +118,8 @@ class RedisStore:
         if outbox.flow:
             pipe.hset(f"{p}:flow", me, outbox.flow)
             pipe.pexpire(f"{p}:flow", int(ttl_s * 1000))
-        pipe.zadd(f"{p}:replicas", {me: now})
+        at_me = len(pipe)
+        pipe.zadd(f"{p}:replicas", {me: now})  # 1: this replica was not there
         pipe.zremrangebyscore(f"{p}:replicas", "-inf", now - ttl_s)
         at_replicas = len(pipe)
         pipe.zrange(f"{p}:replicas", 0, -1)
@@ -129,7 +131,7 @@ class RedisStore:
         results = await pipe.execute()
         replicas = [r.decode() for r in results[at_replicas]]
         flows = {_text(who): _text(mode) for who, mode in results[at_replicas + 1].items()}
-        inbox = Inbox(replicas=len(replicas))
+        inbox = Inbox(replicas=len(replicas), rejoined=results[at_me] == 1)
         for who in replicas:
             if who in flows:
                 inbox.flows[flows[who]] = inbox.flows.get(flows[who], 0) + 1
@@ -181,12 +183,13 @@ class RedisStore:
                 keys[_text(digest)] = value
         return keys
 
-    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]]
-                          ) -> dict[str, int]:
+    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]],
+                          cap: int | None = None) -> dict[str, int]:
         names = list(needs)
         keys = [f"{self._p}:replicas", *(f"{self._p}:slots:{name}" for name in names)]
         args: list[str | int] = [self.replica_id, limit,
-                                 int(self._cfg.inflight_ttl_s * 10_000)]
+                                 int(self._cfg.inflight_ttl_s * 10_000),
+                                 limit if cap is None else cap]
         for name in names:
             args.extend(needs[name])
         try:

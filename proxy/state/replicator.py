@@ -13,9 +13,11 @@ With strict flow control the same tick renews this replica's slot leases; a requ
 that finds none free asks for a sync at once (at most one per `_MIN_GAP` of the
 interval), so that it need not wait a whole interval for slots the others left free.
 Unreachable for longer than `inflight_ttl_s`, or since start, it keeps to an equal
-share of each limit (`lease_lost`). Replicas whose flow control differs (strict or
-not, or the limit) are told at once: a warning naming each mode and how many replicas
-run it, and `laneway_state_flow_modes` above 1; no lease holds the limit then.
+share of each limit (`lease_lost`); so it does for `inflight_ttl_s` after finding that
+the store lost it (emptied: what the others hold is not there until each has synced).
+Replicas whose flow control differs (strict or not, or the limit) are told at once: a
+warning naming each mode and how many replicas run it, and `laneway_state_flow_modes`
+above 1; no lease holds the limit then.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from proxy.config import StateConfig
 from proxy.metrics import Metrics
 from proxy.ratelimit import WindowCounters
 from proxy.registry import Registry
-from proxy.state.base import Leasing, Outbox, Store, StoreUnavailable
+from proxy.state.base import Leasing, Outbox, Store, StoreUnavailable, equal_share
 
 log = logging.getLogger("laneway.state")
 MAX_UNSENT = 20_000  # table writes kept across an outage (the oldest are dropped)
@@ -62,6 +64,9 @@ class Replicator:
         self.replicas = 1
         self._leasing = leasing
         self._flows: dict[str, int] = {}  # flow mode -> live replicas, as last seen
+        # (when, the replicas seen before) the store was found to have lost this
+        # replica: leases keep to an equal share until inflight_ttl_s later
+        self._rejoined: tuple[float, int] | None = None
         self._soon = asyncio.Event()
         if leasing is not None:
             leasing.on_short = self._soon.set
@@ -93,6 +98,8 @@ class Replicator:
             self._failed(exc)
             return False
         self._unsent = {}  # applied: a failure below must not send it twice
+        if inbox.rejoined and self._last_ok is not None:
+            self._lost_by_store(inbox.replicas)
         self._last_ok = time.monotonic()
         self._counters.confirm(inbox.counters)
         self._registry.set_remote_inflight(inbox.inflight)
@@ -134,9 +141,35 @@ class Replicator:
             return {f"policy:{policy.name}": policy, **self._tables}
         return self._tables
 
+    def _lost_by_store(self, replicas: int) -> None:
+        """The store had no record of this replica: emptied (e.g. Redis restarted
+        without its data), or this replica was silent longer than inflight_ttl_s. The
+        others' holdings are missing from it until each has synced again, so a lease
+        by the store alone could grant slots they hold: keep to an equal share of the
+        replicas seen before (or now, if more) until inflight_ttl_s has passed."""
+        before = max(self.replicas, replicas)
+        self._rejoined = (time.monotonic(), before)
+        strict = self._leasing is not None and self._leasing.lease_needs() is not None
+        log.warning("shared state (%s) had lost this replica (emptied, or this replica "
+                    "was silent longer than state.inflight_ttl_s)%s", self.store.name,
+                    f"; strict flow control keeps to an equal part of each limit "
+                    f"({before} replicas) for {self._cfg.inflight_ttl_s:g} s, until the "
+                    f"others' holdings are back in it" if strict else "")
+
     async def _lease(self) -> None:
-        if self._leasing is not None and (needs := self._leasing.lease_needs()) is not None:
-            self._leasing.leased(await self.store.lease_slots(*needs))
+        if self._leasing is None or (needs := self._leasing.lease_needs()) is None:
+            return
+        limit, wanted = needs
+        cap = None
+        if self._rejoined is not None:
+            since, replicas = self._rejoined
+            if time.monotonic() - since <= self._cfg.inflight_ttl_s:
+                cap = equal_share(limit, replicas)
+            else:
+                self._rejoined = None
+                log.info("strict flow control: leasing from the shared state (%s) again",
+                         self.store.name)
+        self._leasing.leased(await self.store.lease_slots(limit, wanted, cap))
 
     async def _read_keys(self, now: float) -> None:
         if self._on_keys is not None and now - self._keys_read_at >= KEYS_EVERY_S:

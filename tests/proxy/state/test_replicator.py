@@ -219,6 +219,43 @@ async def test_strict_leases_fall_to_a_share_when_the_store_is_gone_too_long() -
     await a.sync.store.close()
 
 
+async def test_strict_leases_keep_to_a_share_when_the_store_comes_back_empty() -> None:
+    """Redis restarted without its data (no persistence, or a failover to an empty
+    replica) no longer shows what the other replicas hold: the first replica back
+    must not lease the whole limit while the others still hold their slots. Each that
+    finds the store has lost it keeps to an equal part of each limit (by the replicas
+    last seen) for inflight_ttl_s, by when every live replica has written what it holds
+    (found by `bench.chaos --replicas 2 --max-inflight 3`: 5 requests on a backend)."""
+    try:
+        binary("redis-server")
+    except MissingService as exc:
+        pytest.skip(str(exc))
+    port = free_port()
+    with running_redis(port) as url:
+        a = replica(url, "a", flow_limit=4)
+        b = replica(url, "b", flow_limit=4)
+        for r in (a, b, a, b):
+            assert await r.sync.sync_once()
+        assert leased(a) == leased(b) == [2.0] * len(FLEET)
+    with running_redis(port):  # back at once (within inflight_ttl_s), and empty
+        try:
+            # a is back first (its first try finds the old connection closed): b's 2
+            # slots are not in the store
+            assert await a.sync.sync_once() or await a.sync.sync_once()
+            assert leased(a) == [2.0] * len(FLEET)  # 4 // 2, not all 4
+            assert await b.sync.sync_once() or await b.sync.sync_once()
+            assert leased(b) == [2.0] * len(FLEET)
+            await b.sync.store.close()  # b leaves: a keeps to its share for the TTL
+            assert await a.sync.sync_once()
+            assert leased(a) == [2.0] * len(FLEET)
+            await asyncio.sleep(1.1)  # inflight_ttl_s since the store was found empty
+            assert await a.sync.sync_once()
+            assert leased(a) == [4.0] * len(FLEET)  # alone now: every slot
+        finally:
+            await a.sync.store.close()
+            await b.sync.store.close()
+
+
 async def test_a_replica_starting_without_the_store_takes_its_share_at_once() -> None:
     """It was never seen by the others: no lease of its to wait out."""
     a = replica(f"redis://127.0.0.1:{free_port()}/0", "a", flow_limit=4)  # nothing there
@@ -276,8 +313,8 @@ async def test_replicas_whose_flow_control_differs_are_told(
 
 
 class _LeasesFail(MemoryStore):
-    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]]
-                          ) -> dict[str, int]:
+    async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]],
+                          cap: int | None = None) -> dict[str, int]:
         raise StoreUnavailable("lease refused")
 
 

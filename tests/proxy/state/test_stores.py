@@ -125,5 +125,27 @@ async def test_a_gone_replicas_slot_leases_are_dropped(redis_url: str) -> None:
     assert after == {"g": 4}
 
 
+async def test_a_store_that_lost_a_replica_says_so_and_a_cap_bounds_its_lease(
+        redis_url: str) -> None:
+    a, b = store(redis_url, "a"), store(redis_url, "b")
+    try:
+        first = (await a.exchange(Outbox(), [])).rejoined  # new: not there before
+        again = (await a.exchange(Outbox(), [])).rejoined
+        await b.exchange(Outbox(), [])
+        held = await b.lease_slots(8, {"g": (3, 3)})
+        capped = await a.lease_slots(8, {"g": (0, 8)}, cap=2)
+        await a._client.flushall()  # type: ignore[attr-defined]  # emptied
+        lost = (await a.exchange(Outbox(), [])).rejoined
+        alone = await a.lease_slots(8, {"g": (0, 8)})  # b's 3 are not in it any more
+    finally:
+        await a.close()
+        await b.close()
+    assert (first, again, lost) == (True, False, True)
+    assert held == {"g": 5}  # its 3 and half the rest
+    assert capped == {"g": 2}  # 8 - 5 would leave 3
+    assert alone == {"g": 8}  # why the replicator keeps to a share then
+
+
 async def test_memory_store_leases_every_slot_to_its_only_replica() -> None:
     assert await MemoryStore().lease_slots(5, {"g": (0, 0), "h": (7, 9)}) == {"g": 5, "h": 5}
+    assert await MemoryStore().lease_slots(5, {"g": (0, 0)}, cap=2) == {"g": 2}
