@@ -188,11 +188,15 @@ class FlowControl:
             and settings.state.backend == "redis"
 
     def lease_needs(self) -> tuple[int, dict[str, tuple[int, int]]] | None:
-        """(the limit, backend -> (requests open or promised there, those plus the
-        waiting ones it could take)) to lease slots for; None when not strict."""
+        """(the limit, backend -> (what this replica holds there, the requests open or
+        promised there plus the waiting ones it could take)) to lease slots for; None
+        when not strict. What it holds is its current lease, or more while more are
+        open: requests may open within the current lease while the new one is on its
+        way, so the store must not give those slots to another replica before the
+        lease after it (which then reports the smaller lease, or what is open)."""
         if not self._strict():
             return None
-        local, reserved = self._registry.local_inflight, self._reserved
+        local, reserved, leases = self._registry.local_inflight, self._reserved, self._leases
         opened = {b.name: local.get(b.name, 0) + reserved.get(b.name, 0)
                   for b in self._registry.all()}
         needs = dict(opened)
@@ -202,7 +206,8 @@ class FlowControl:
             for backend in self._registry.view(model, now).candidates:
                 needs[backend.name] += waiting
         return self._settings().flow_control.max_inflight_per_backend, {
-            name: (count, needs[name]) for name, count in opened.items()}
+            name: (max(count, leases.get(name, 0)), needs[name])
+            for name, count in opened.items()}
 
     def leased(self, grants: Mapping[str, int]) -> None:
         """This replica's slots now; waiting requests take the new ones at once."""

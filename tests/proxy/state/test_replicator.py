@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Mapping
@@ -177,6 +178,10 @@ async def test_strict_flow_control_leases_slots_at_each_sync(redis_url: str) -> 
         assert await b.sync.sync_once()  # a holds them all
         assert leased(b) == [0.0] * len(FLEET)
         for r in (a, b):
+            assert await r.sync.sync_once()  # a is leased half, b nothing yet:
+        assert leased(a) == [2.0] * len(FLEET)  # a may have opened requests within its
+        assert leased(b) == [0.0] * len(FLEET)  # 4 while its new lease was on its way
+        for r in (a, b):
             assert await r.sync.sync_once()  # a gives back half, b takes it
         assert leased(a) == leased(b) == [2.0] * len(FLEET)
         # A request that finds no slot asks for a sync at once (after a fifth of the
@@ -193,6 +198,48 @@ async def test_strict_flow_control_leases_slots_at_each_sync(redis_url: str) -> 
     finally:
         await a.sync.store.close()
         await b.sync.store.close()
+
+
+async def test_slots_opened_while_a_lease_is_on_its_way_stay_held(redis_url: str) -> None:
+    """A replica may open requests within its current lease while its next lease is on
+    its way to the store; the store must count them held, or it gives them to another
+    replica (found by `bench.chaos --replicas 2 --max-inflight 3`: 4 open on a backend,
+    by the replicas' own counts). Each replica reports its current lease as held (or
+    what it has open, if more) until the lease after it."""
+    a = replica(redis_url, "a", flow_limit=4, sync_interval_s=1.0)
+    b = replica(redis_url, "b", flow_limit=4, sync_interval_s=1.0)
+    with contextlib.ExitStack() as opened:
+        try:
+            for r in (a, b, a, b, a, b):
+                assert await r.sync.sync_once()
+            assert leased(a) == leased(b) == [2.0] * len(FLEET)
+            for x in FLEET:  # b fills its 2 slots on every backend, and 2 more wait
+                for _ in range(2):
+                    opened.enter_context(b.registry.guard(x.name))
+            waiting = [asyncio.create_task(b.flow.view("m", [])) for _ in range(2)]
+            await asyncio.sleep(0.01)
+            assert await b.sync.sync_once()  # b asks for 4 a backend; a holds 2 of them
+            assert leased(b) == [2.0] * len(FLEET)
+            lease = a.sync.store.lease_slots
+
+            async def arriving(limit: int, needs: Mapping[str, tuple[int, int]],
+                               cap: int | None = None) -> dict[str, int]:
+                for x in FLEET:  # two requests open on a within its 2, meanwhile
+                    for _ in range(2):
+                        opened.enter_context(a.registry.guard(x.name))
+                return await lease(limit, needs, cap)
+
+            a.sync.store.lease_slots = arriving  # type: ignore[method-assign]
+            assert await a.sync.sync_once()
+            assert leased(a) == [0.0] * len(FLEET)  # b needs them all; a has 2 open
+            assert await b.sync.sync_once()
+            assert leased(b) == [2.0] * len(FLEET)  # not 4: a's 2 are still open
+            assert not any(w.done() for w in waiting)
+            for w in waiting:
+                w.cancel()
+        finally:
+            await a.sync.store.close()
+            await b.sync.store.close()
 
 
 async def test_strict_leases_fall_to_a_share_when_the_store_is_gone_too_long() -> None:
@@ -234,7 +281,7 @@ async def test_strict_leases_keep_to_a_share_when_the_store_comes_back_empty() -
     with running_redis(port) as url:
         a = replica(url, "a", flow_limit=4)
         b = replica(url, "b", flow_limit=4)
-        for r in (a, b, a, b):
+        for r in (a, b, a, b, a, b):  # (a gives back half of its 4 in two leases)
             assert await r.sync.sync_once()
         assert leased(a) == leased(b) == [2.0] * len(FLEET)
     with running_redis(port):  # back at once (within inflight_ttl_s), and empty
