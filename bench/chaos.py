@@ -74,6 +74,7 @@ class Plan:
     vllm_args: tuple[str, ...] = ()  # more flags for every server, e.g. --stream-interval 4
     replicas: int = 1  # laneway processes; more than one share a Redis
     policy: str = "least_request"
+    max_inflight: int = 0  # flow_control.max_inflight_per_backend (0: flow control off)
 
 
 class NotAccepted(Exception):
@@ -247,6 +248,7 @@ class Replicas:
 
     def __init__(self, config: dict[str, Any], n: int, log_dir: Path) -> None:
         self.config = config
+        log_dir.mkdir(parents=True, exist_ok=True)
         self.ports = [free_port() for _ in range(n)]
         self.logs = [log_dir / ("chaos-proxy.log" if n == 1 else f"chaos-proxy-{i}.log")
                      for i in range(n)]
@@ -289,6 +291,10 @@ class Run:
         self.wrong: list[dict[str, Any]] = []
         self.down: set[str] = set()
         self.restarting: set[int] = set()  # replicas
+        self.busiest: dict[str, float] = {}  # backend: the most requests it held
+        self.samples: Counter[bool] = Counter()  # backend samples: over the limit?
+        self.started = time.monotonic()
+        self.timeline: list[tuple[float, str]] = []  # actions, and samples over the limit
         self.stop_at = time.monotonic() + plan.seconds
 
     async def client(self, http: aiohttp.ClientSession, n: int) -> None:
@@ -361,6 +367,7 @@ class Run:
             if action == "kill" and self.down:
                 action = "drain"  # one backend down at a time
             self.actions[action] += 1
+            self.timeline.append((round(time.monotonic() - self.started, 2), f"{action} {name}"))
             if action == "kill":
                 self.fleet.kill(name)
                 self.down.add(name)
@@ -403,6 +410,30 @@ class Run:
             async with http.request(method, proxy.url + path, json=payload) as resp:
                 self.admin[f"{label} {resp.status}"] += 1
 
+    async def watch_backends(self, http: aiohttp.ClientSession) -> None:
+        """The most requests each backend held (vLLM's running + waiting gauges); a
+        sample over flow control's limit goes into the timeline with what the replicas
+        had open there just after (their laneway_backend_inflight, summed)."""
+        while True:
+            for name in self.fleet.names:
+                if name in self.down:
+                    continue
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    held = await _gauges(http, self.fleet.url(name), (
+                        "vllm:num_requests_running", "vllm:num_requests_waiting"))
+                    self.busiest[name] = max(self.busiest.get(name, 0.0), held)
+                    over = held > self.plan.max_inflight > 0
+                    self.samples[over] += 1
+                    if over and len(self.timeline) < 400:
+                        line = f'laneway_backend_inflight{{backend="{name}"'
+                        proxies = [await _gauges(http, proxy.url, (line,))
+                                   for at, proxy in enumerate(self.replicas.procs)
+                                   if at not in self.restarting]
+                        self.timeline.append((round(time.monotonic() - self.started, 2),
+                                              f"{name} held {held:.0f}, the replicas had "
+                                              f"{sum(proxies):.0f} open"))
+            await asyncio.sleep(0.1)
+
     async def metrics(self, http: aiohttp.ClientSession) -> tuple[dict[str, float],
                                                                    dict[str, float]]:
         """Moves by reason, summed over the replicas, and what each replica shows in
@@ -423,7 +454,8 @@ class Run:
         return moves, inflight
 
 
-async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
+async def run_async(plan: Plan, fleet: Fleet, shared: Path, log_dir: Path
+                    ) -> dict[str, Any]:
     rng = random.Random(plan.seed)
     prompts = load_prompts(shared, plan.prompts)
     lengths = [rng.choice(LENGTHS) for _ in prompts]
@@ -438,6 +470,9 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
             "upstream": {"retry_window_s": 60},
             "server": {"access_log": True},  # (checked: no request served twice)
             "debug": {"allow_forced_migration": True}}
+        if plan.max_inflight:
+            config["flow_control"] = {"max_inflight_per_backend": plan.max_inflight,
+                                      "queue_timeout_s": 300}
         redis = None
         if plan.replicas > 1:
             redis = RedisServer()
@@ -445,13 +480,13 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
             redis.start()
             config["state"] = {"backend": "redis", "redis_url": redis.url,
                                "inflight_ttl_s": _INFLIGHT_TTL_S}
-        log_dir = laneway_home() / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
         replicas = Replicas(config, plan.replicas, log_dir)
         stack.callback(replicas.close)
         run = Run(plan, fleet, replicas, prompts, lengths, refs, redis)
+        watch = asyncio.ensure_future(run.watch_backends(http))
         await asyncio.gather(run.chaos(http), *(run.client(http, n)
                                                 for n in range(plan.concurrency)))
+        watch.cancel()
         await asyncio.sleep(_INFLIGHT_TTL_S * 3)  # the others' counts synced
         moves, inflight = await run.metrics(http)
     logs = [log.read_text(errors="replace") for log in replicas.logs]
@@ -465,6 +500,12 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
             "resent_ids_served": len(run.resent_ids & set(served)),
             "access_lines": sum(served.values()),
             "served_twice": twice, "inflight_after": inflight,
+            # the most requests a backend had (running + waiting, its /metrics every
+            # 0.1 s), against flow control's limit (not a target: a move that must
+            # happen takes a full backend, and Redis down may pass it, Flow control)
+            "backend_requests_max": run.busiest,
+            "backend_samples_over_the_limit": f"{run.samples[True]} of {run.samples.total()}",
+            "timeline": run.timeline,
             "moves_started_before_the_client": rewound,
             "proxy_logs": [str(log) for log in replicas.logs],
             # (a replica refusing while not restarting has crashed)
@@ -473,6 +514,14 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path) -> dict[str, Any]:
             and not twice,
             "commit": git_commit(), "command": " ".join(["python -m bench.chaos",
                                                          *sys.argv[1:]])}
+
+
+async def _gauges(http: aiohttp.ClientSession, url: str, prefixes: tuple[str, ...]) -> float:
+    """The sum of the samples on `url`/metrics whose lines start with `prefixes`."""
+    async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=1)) as resp:
+        page = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(prefixes))
 
 
 def served_ids(logs: list[str]) -> Counter[str]:
@@ -496,9 +545,11 @@ def fleet_for(plan: Plan, shared: Path) -> Iterator[Fleet]:
         fleet.close()
 
 
-def run(plan: Plan, shared: Path = DEFAULT_SHARED) -> dict[str, Any]:
+def run(plan: Plan, shared: Path = DEFAULT_SHARED, log_dir: Path | None = None
+        ) -> dict[str, Any]:
+    """`log_dir`: where the proxies' logs go (kept), .laneway/logs by default."""
     with fleet_for(plan, shared) as fleet:
-        return asyncio.run(run_async(plan, fleet, shared))
+        return asyncio.run(run_async(plan, fleet, shared, log_dir or laneway_home() / "logs"))
 
 
 def table(result: dict[str, Any]) -> str:
@@ -527,12 +578,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="laneway processes sharing one Redis (2 or more: replica "
                         "restarts and Redis kills join the actions)")
     parser.add_argument("--policy", default=defaults.policy)
+    parser.add_argument("--forced-share", type=float, default=defaults.forced_share,
+                        help="the share of requests with a forced move at a random token")
+    parser.add_argument("--max-inflight", type=int, default=defaults.max_inflight,
+                        help="flow control on, with this many requests per backend "
+                        "(queue_timeout_s 300)")
     parser.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     plan = Plan(seconds=args.seconds, concurrency=args.concurrency, seed=args.seed,
                 fake=args.fake, vllm_args=tuple(args.vllm_args), replicas=args.replicas,
-                policy=args.policy)
+                policy=args.policy, max_inflight=args.max_inflight,
+                forced_share=args.forced_share)
     result = run(plan, args.shared)
     publish(args.out, result, table(result))
     return 0 if result["meets_targets"] else 1
