@@ -63,6 +63,16 @@ def replica(url: str, name: str, policy: str = "prefix_aware",
     return Replica(registry, built, counters, metrics, sync, flow)
 
 
+def redis_port() -> int:
+    """A free port for a redis-server the test starts (or restarts) itself; skipped
+    without redis-server, as the `redis_url` fixture is."""
+    try:
+        binary("redis-server")
+    except MissingService as exc:
+        pytest.skip(str(exc))
+    return free_port()
+
+
 def syncs(r: Replica) -> float:
     samples = next(iter(r.metrics.state_sync.collect())).samples
     return float(next(s.value for s in samples if s.name.endswith("_count")))
@@ -136,11 +146,7 @@ async def test_goodput_speed_estimates_converge(redis_url: str) -> None:
 
 
 async def test_redis_outage_serves_locally_then_resyncs() -> None:
-    try:
-        binary("redis-server")  # started mid-test; skip as the fixture does without it
-    except MissingService as exc:
-        pytest.skip(str(exc))
-    port = free_port()
+    port = redis_port()
     down_url = f"redis://127.0.0.1:{port}/0"
     a = replica(down_url, "a")
     limiter = RateLimiter(a.counters)
@@ -243,11 +249,7 @@ async def test_slots_opened_while_a_lease_is_on_its_way_stay_held(redis_url: str
 
 
 async def test_strict_leases_fall_to_a_share_when_the_store_is_gone_too_long() -> None:
-    try:
-        binary("redis-server")
-    except MissingService as exc:
-        pytest.skip(str(exc))
-    port = free_port()
+    port = redis_port()
     with running_redis(port) as url:
         a = replica(url, "a", flow_limit=4)
         b = replica(url, "b", flow_limit=4)
@@ -273,11 +275,7 @@ async def test_strict_leases_keep_to_a_share_when_the_store_comes_back_empty() -
     finds the store has lost it keeps to an equal part of each limit (by the replicas
     last seen) for inflight_ttl_s, by when every live replica has written what it holds
     (found by `bench.chaos --replicas 2 --max-inflight 3`: 5 requests on a backend)."""
-    try:
-        binary("redis-server")
-    except MissingService as exc:
-        pytest.skip(str(exc))
-    port = free_port()
+    port = redis_port()
     with running_redis(port) as url:
         a = replica(url, "a", flow_limit=4)
         b = replica(url, "b", flow_limit=4)
