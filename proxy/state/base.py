@@ -76,9 +76,10 @@ class Store(Protocol):
 
     async def lease_slots(self, limit: int, needs: Mapping[str, tuple[int, int]],
                           cap: int | None = None) -> dict[str, int]:
-        """This replica's slots on each backend of `needs` (backend -> (requests open
-        there, those plus the ones waiting that it could take)), out of `limit` per
-        backend for all the replicas, and at most `cap` each when given.
+        """This replica's slots on each backend of `needs` (backend -> (what it holds
+        there: its current lease, or its open requests if more; its open requests plus
+        the ones waiting that it could take)), out of `limit` per backend for all the
+        replicas, and at most `cap` each when given.
 
         Granted atomically: what the live replicas hold on a backend (each its lease,
         or its open requests while they are more) never adds up to more than `limit`.
