@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
+from bench.memory import metric_total
 from bench.overhead_procs import REPO, wait_ok
 from bench.ports import free_port
 from bench.proxy_process import ProxyProcess, running_proxy
@@ -325,18 +327,17 @@ class Run:
             try:
                 return await ask(http, procs[at].url, kind, payload, headers, leave)
             except NotAccepted as exc:
-                self.resent_ids.add(headers["x-request-id"])
                 failure = f"not accepted: {exc}"
-                self.resent["refused" if at in self.restarting else "refused, not restarting"] \
-                    += 1
+                why = "refused" if at in self.restarting else "refused, not restarting"
             except ClosedBeforeAnswer as exc:
-                if at not in self.restarting:
-                    return f"closed before the answer: {exc}"
                 failure = f"closed before the answer: {exc}"
-                self.resent["closed before the answer"] += 1
-                self.resent_ids.add(headers["x-request-id"])
+                if at not in self.restarting:
+                    return failure
+                why = "closed before the answer"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 return f"{type(exc).__name__}: {exc}"
+            self.resent[why] += 1
+            self.resent_ids.add(headers["x-request-id"])
             await asyncio.sleep(_RESEND_AFTER_S)
         return failure
 
@@ -367,7 +368,7 @@ class Run:
             if action == "kill" and self.down:
                 action = "drain"  # one backend down at a time
             self.actions[action] += 1
-            self.timeline.append((round(time.monotonic() - self.started, 2), f"{action} {name}"))
+            self._log(f"{action} {name}")
             if action == "kill":
                 self.fleet.kill(name)
                 self.down.add(name)
@@ -419,20 +420,24 @@ class Run:
                 if name in self.down:
                     continue
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    held = await _gauges(http, self.fleet.url(name), (
-                        "vllm:num_requests_running", "vllm:num_requests_waiting"))
+                    page = await _page(http, self.fleet.url(name))
+                    held = metric_total(page, "vllm:num_requests_running") \
+                        + metric_total(page, "vllm:num_requests_waiting")
                     self.busiest[name] = max(self.busiest.get(name, 0.0), held)
                     over = held > self.plan.max_inflight > 0
                     self.samples[over] += 1
                     if over and len(self.timeline) < 400:
-                        line = f'laneway_backend_inflight{{backend="{name}"'
-                        proxies = [await _gauges(http, proxy.url, (line,))
-                                   for at, proxy in enumerate(self.replicas.procs)
-                                   if at not in self.restarting]
-                        self.timeline.append((round(time.monotonic() - self.started, 2),
-                                              f"{name} held {held:.0f}, the replicas had "
-                                              f"{sum(proxies):.0f} open"))
+                        opened = [metric_total(await _page(http, proxy.url),
+                                               "laneway_backend_inflight", f'backend="{name}"')
+                                  for at, proxy in enumerate(self.replicas.procs)
+                                  if at not in self.restarting]
+                        self._log(f"{name} held {held:.0f}, the replicas had "
+                                  f"{sum(opened):.0f} open")
             await asyncio.sleep(0.1)
+
+    def _log(self, what: str) -> None:
+        """Into the timeline, at the seconds since the run began."""
+        self.timeline.append((round(time.monotonic() - self.started, 2), what))
 
     async def metrics(self, http: aiohttp.ClientSession) -> tuple[dict[str, float],
                                                                    dict[str, float]]:
@@ -441,16 +446,16 @@ class Run:
         moves: dict[str, float] = {}
         inflight: dict[str, float] = {}
         for i, proxy in enumerate(self.replicas.procs):
-            async with http.get(proxy.url + "/metrics") as resp:
-                page = await resp.text()
-            for line in page.splitlines():
-                name, _, value = line.partition("{")
-                if name == "laneway_migrations_total":
-                    reason = line.split('reason="', 1)[1].split('"', 1)[0]
-                    moves[reason] = moves.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
-                elif name in ("laneway_backend_inflight", "laneway_backend_cluster_inflight"):
-                    key = f"{i} {name.removeprefix('laneway_backend_')}"
-                    inflight[key] = inflight.get(key, 0.0) + float(value.rsplit(" ", 1)[1])
+            page = await _page(http, proxy.url, timeout_s=None)
+            for family in text_string_to_metric_families(page):
+                for sample in family.samples:
+                    if sample.name == "laneway_migrations_total":
+                        reason = sample.labels["reason"]
+                        moves[reason] = moves.get(reason, 0.0) + sample.value
+                    elif sample.name in ("laneway_backend_inflight",
+                                         "laneway_backend_cluster_inflight"):
+                        key = f"{i} {sample.name.removeprefix('laneway_backend_')}"
+                        inflight[key] = inflight.get(key, 0.0) + sample.value
         return moves, inflight
 
 
@@ -516,12 +521,12 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path, log_dir: Path
                                                          *sys.argv[1:]])}
 
 
-async def _gauges(http: aiohttp.ClientSession, url: str, prefixes: tuple[str, ...]) -> float:
-    """The sum of the samples on `url`/metrics whose lines start with `prefixes`."""
-    async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=1)) as resp:
-        page = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-               if line.startswith(prefixes))
+async def _page(http: aiohttp.ClientSession, url: str, timeout_s: float | None = 1.0
+                ) -> str:
+    """`url`/metrics (`timeout_s` None: the session's timeout)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else http.timeout
+    async with http.get(url + "/metrics", timeout=timeout) as resp:
+        return await resp.text()
 
 
 def served_ids(logs: list[str]) -> Counter[str]:

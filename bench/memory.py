@@ -316,10 +316,13 @@ async def measure_system(waves: Target, streams: Mapping[str, Target], plan: Pla
     return result
 
 
-def metric_total(page: str, name: str) -> float:
-    """The sum of a Prometheus text page's samples of `name` over their labels."""
+def metric_total(page: str, name: str, labels: str = "") -> float:
+    """The sum of a Prometheus text page's samples of `name` over their labels; with
+    `labels` (their first ones as the page writes them, e.g. 'backend="b1"'), over the
+    samples that start with those."""
+    starts = (f"{name}{{{labels}",) if labels else (name + "{", name + " ")
     return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-               if line.startswith((name + "{", name + " ")))
+               if line.startswith(starts))
 
 
 # -- the processes ------------------------------------------------------------------

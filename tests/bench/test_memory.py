@@ -40,6 +40,9 @@ def test_metric_totals_sum_over_labels() -> None:
     assert metric_total(page, "laneway_migrations_total") == 5.0
     assert metric_total(page, "laneway_client_disconnects_total") == 4.0
     assert metric_total(page, "laneway_nothing_total") == 0.0
+    # with labels: the samples whose labels begin with them
+    assert metric_total(page, "laneway_migrations_total", 'reason="b"') == 2.0
+    assert metric_total(page, "laneway_migrations_total", 'reason="c"') == 0.0
 
 
 def test_rss_is_read_from_proc() -> None:
