@@ -16,11 +16,16 @@ from pydantic import BaseModel, ConfigDict
 from predictors.base import Prediction
 from proxy.types import ClusterView, Decision, Outcome, Progress, RequestContext
 
+# Every policy's params model: unknown keys are rejected, and so are numbers that are
+# not finite (pydantic reads "inf" and "nan" as floats; as a speed, a rate or a length
+# they make the policy's sums NaN, and it would route on noise).
+PARAMS_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
 
 class NoParams(BaseModel):
     """Parameters of a policy that takes none; unknown keys are rejected."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = PARAMS_CONFIG
 
 
 class Policy(Protocol):

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from policies._load import LeastInflight, RotatingArgmin
-from policies.base import register
+from policies.base import PARAMS_CONFIG, register
 from predictors.base import Prediction
 from predictors.eldr_fit import EldrModel, load
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
 
 
 class EldrParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = PARAMS_CONFIG
     artifact: str = Field(description="directory (or eldr.json) of `laneway train eldr`")
     tau: float = Field(0.1, ge=0.0, description="locality band width (cosine similarity)")
     pd: bool = Field(False, description="two-stage: a prefill leg on the backends labelled "

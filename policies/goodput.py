@@ -107,10 +107,10 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from policies._load import LeastInflight, inflight_loads
-from policies.base import register
+from policies.base import PARAMS_CONFIG, register
 from policies.placements import Placed, Placements
 from policies.prefix_index import PrefixIndex, blocks_from_wire, blocks_to_wire
 from policies.speed import Floats, Speed, SpeedModel
@@ -160,7 +160,7 @@ class Estimates:
 
 
 class GoodputParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = PARAMS_CONFIG
     alpha: float = Field(0.3, gt=0, le=1, description="EMA weight of the newest sample")
     length_source: Literal["predictor", "hint", "max_tokens"] = Field(
         "predictor", description="L_out: the length predictor; hint: the client's "

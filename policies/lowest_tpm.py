@@ -19,16 +19,16 @@ from collections import deque
 from itertools import repeat
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from policies._load import RotatingArgmin, candidate_names, inflight_loads
-from policies.base import register
+from policies.base import PARAMS_CONFIG, register
 from predictors.base import Prediction
 from proxy.types import ClusterView, Decision, Outcome, RequestContext
 
 
 class LowestTpmParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = PARAMS_CONFIG
     window_s: float = Field(60.0, gt=0, description="sliding window of the token count")
     default_output_tokens: int = Field(
         256, ge=0, description="output estimate with neither prediction nor max_tokens")

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from policies._load import CandidatesByName, LeastInflight
-from policies.base import register
+from policies.base import PARAMS_CONFIG, register
 from policies.prefix_index import blocks_from_wire, blocks_to_wire
 from predictors.base import Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
@@ -29,7 +29,7 @@ OUTBOX_MAX = 10_000  # writes kept for replication while the store is unreachabl
 
 
 class PrefixAwareParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = PARAMS_CONFIG
     max_entries: int = Field(100_000, gt=0, description="prefix blocks remembered (LRU)")
     min_match_blocks: int = Field(1, ge=1, description="shorter matches are ignored")
     balance_abs_threshold: int = Field(8, ge=0, description="in-flight gap tolerated")

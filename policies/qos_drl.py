@@ -35,9 +35,9 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from policies.base import register
+from policies.base import PARAMS_CONFIG, register
 from policies.qos_impact import Coefficients, qos
 from policies.qos_state import ExpertState, build_state
 from predictors.base import BucketEstimate, BucketRuntime, Prediction, checkpoint_estimate
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 class QosDrlParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = PARAMS_CONFIG
     checkpoint: str = Field(description="agent checkpoint of `laneway train qos-drl`")
     buckets: str | None = Field(None, description="bucket predictor artifact (None: "
                                 "no predictions, the paper's ablation)")

@@ -5,15 +5,15 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from policies.base import register
+from policies.base import PARAMS_CONFIG, register
 from predictors.base import Prediction
 from proxy.types import ClusterView, Decision, Outcome, RequestContext
 
 
 class RandomParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = PARAMS_CONFIG
     seed: int | None = None
 
 

@@ -20,10 +20,10 @@ import struct
 from collections.abc import Collection, Mapping
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from policies._load import CandidatesByName, LeastInflight
-from policies.base import register
+from policies.base import PARAMS_CONFIG, register
 from predictors.base import Prediction
 from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
 
@@ -32,7 +32,7 @@ STALE_FACTOR = 4  # rebuild when the ring holds this many times more backends th
 
 
 class SessionParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = PARAMS_CONFIG
     virtual_nodes: int = Field(100, ge=1, description="ring points per backend")
 
 
