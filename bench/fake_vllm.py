@@ -37,7 +37,16 @@ from bench.fake_wire import (
     prompt_token_ids,
     text_token_ids,
 )
-from proxy.asgi import ClientGone, Receive, Scope, Send, read_body, send_bytes, send_json
+from proxy.asgi import (
+    ClientGone,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_bytes,
+    send_json,
+)
 from proxy.emit import usage_json
 from proxy.server import uvicorn_in_loop
 
@@ -110,6 +119,24 @@ class FakeVllm:
         return (*self.config.served_models, *self.adapters)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer as vLLM; a body of a shape this fake cannot read (a field of the wrong
+        type, not JSON) gets vLLM's 400 for a request its validation rejects."""
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+        try:
+            await self._route(scope, receive, sending)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            if started:
+                raise
+            await send_json(send, 400, {"error": {
+                "message": f"invalid request ({type(exc).__name__}: {exc})",
+                "type": "BadRequestError", "param": None, "code": 400}})
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         if path.startswith(_GUARDED):
             headers = dict(scope["headers"])

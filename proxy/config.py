@@ -50,6 +50,11 @@ class ServerConfig(_Section):
                                     "start, or the request's first byte): 408, closed")
     max_tokens_limit: int = Field(131_072, gt=0, description="larger max_tokens get 400")
     session_header: str = Field("x-session-id", description="header naming a session")
+    default_model: str | None = Field(None, min_length=1, description="the model of an "
+                                      "OpenAI-API request that names none (no `model`, "
+                                      "null or \"\"), as vLLM answers it with its one "
+                                      "model; null: the fleet's model if it serves "
+                                      "exactly one, else such a request is a 400")
     prefix_block_chars: int = Field(128, gt=0, description="block size of prompt hashing")
     log_level: str = "info"
     log_format: Literal["text", "json"] = Field("text", description="json: one JSON "

@@ -36,7 +36,7 @@ from proxy.migration import (
     why_not_migratable,
 )
 from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
-from proxy.requests import build_context, parse_body, request_id
+from proxy.requests import build_context, normalized, parse_body, request_id
 from proxy.responses import home_of, response_id_in
 from proxy.runtime import Runtime
 from proxy.stream import MESSAGES_END, RESPONSES_END, StreamEnd, StreamTally, body_usage
@@ -65,7 +65,10 @@ async def handle_completion(
             max_tokens_limit=server.max_tokens_limit,
             session_header=server.session_header,
             block_chars=server.prefix_block_chars,
+            default_model=rt.default_model(),
         )
+        if (read := normalized(data, ctx)) is not data:  # (the default model, lax types)
+            data, body = read, orjson.dumps(read)
         grant, send = rt.admit(scope, send, ctx.model, lambda: rt.auth.admit(headers, ctx),
                                anthropic=endpoint == "messages")
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from proxy.requests import lax_bool, lax_float, lax_int
 from proxy.types import Backend
 
 MIGRATE_AFTER_HEADER = "x-laneway-migrate-after"
@@ -72,6 +73,8 @@ _BLOCKERS = (
     ("use_beam_search", "beam search"), ("prompt_embeds", "prompt embeddings"),
     ("mm_payload", "multimodal input"), ("kv_transfer_params", "kv_transfer_params"),
 )
+# What the first backend's body sets whatever the client's say (`tracked_body`)
+_REWRITTEN = ("stream", "return_token_ids", "include_stop_str_in_output")
 # A chat message's content parts other than text: images, audio, video, files
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
 
@@ -107,21 +110,34 @@ def why_not_migratable(data: Mapping[str, Any], chat: bool) -> str | None:
         return "multimodal input"
     if chat and data.get("include_reasoning") is False:
         return "hidden reasoning"
+    # The fields the tracked body rewrites: the client's own values must be ones vLLM
+    # takes, or the rewrite would hide the 400 vLLM gives them (relayed untracked).
+    for key in _REWRITTEN:
+        if data.get(key) is not None and lax_bool(data[key]) is None:
+            return f"invalid {key}"
     options = data.get("stream_options")
-    if options is not None and not data.get("stream"):
+    if options is not None and not (isinstance(options, dict) and all(
+            options.get(key) is None or lax_bool(options[key]) is not None
+            for key in ("include_usage", "continuous_usage_stats"))):
+        return "invalid stream_options"
+    if options is not None and not lax_bool(data.get("stream") or False):
         return "stream options without a stream"  # vLLM refuses it: its 400 is relayed
-    if isinstance(options, dict) and options.get("include_usage") \
-            and options.get("continuous_usage_stats"):
+    if isinstance(options, dict) and lax_bool(options.get("include_usage") or False) \
+            and lax_bool(options.get("continuous_usage_stats") or False):
         return "continuous usage stats"  # the relay writes usage once, at the end
     stop = data.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         return "stop"  # the backend will reject it; nothing to track
     return None
 
 
 def _has_media(messages: Any) -> bool:
+    """A content part that is not text (or of a type that is not a name: the backend
+    refuses it, and nothing is tracked)."""
     return isinstance(messages, list) and any(
-        isinstance(part, dict) and part.get("type") not in _TEXT_PARTS
+        isinstance(part, dict) and not (isinstance(kind := part.get("type"), str)
+                                        and kind in _TEXT_PARTS)
         for message in messages if isinstance(message, dict)
         and isinstance(message.get("content"), list) for part in message["content"])
 
@@ -129,7 +145,7 @@ def _has_media(messages: Any) -> bool:
 def _single_prompt(prompt: Any) -> bool:
     if isinstance(prompt, str):
         return True
-    return isinstance(prompt, list) and (
+    return isinstance(prompt, list) and bool(prompt) and (
         (len(prompt) == 1 and isinstance(prompt[0], str))
         or all(isinstance(t, int) for t in prompt))
 
@@ -138,16 +154,16 @@ def tracking_of(data: Mapping[str, Any], max_tokens: int | None) -> Tracking:
     stop = data.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if s)
     options = data.get("stream_options")
-    min_tokens = data.get("min_tokens")
-    return Tracking(
+    return Tracking(  # the fields read as vLLM reads them (pydantic's lax mode)
         stops=stops,
-        include_stop=bool(data.get("include_stop_str_in_output")),
-        with_token_ids=bool(data.get("return_token_ids")),
-        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-        client_streams=bool(data.get("stream")),
+        include_stop=bool(lax_bool(data.get("include_stop_str_in_output") or False)),
+        with_token_ids=bool(lax_bool(data.get("return_token_ids") or False)),
+        include_usage=bool(isinstance(options, dict)
+                           and lax_bool(options.get("include_usage") or False)),
+        client_streams=bool(lax_bool(data.get("stream") or False)),
         max_tokens=max_tokens,
-        min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
-        greedy=data.get("temperature") == 0 or data.get("top_k") == 1,
+        min_tokens=lax_int(data.get("min_tokens")) or 0,
+        greedy=lax_float(data.get("temperature")) == 0 or lax_int(data.get("top_k")) == 1,
     )
 
 
@@ -249,8 +265,8 @@ def tokenize_bodies(data: Mapping[str, Any], chat: bool, model: str, generated_t
             if key in data:
                 prompt[key] = data[key]
     elif isinstance(data.get("prompt"), str) or (
-            isinstance(data.get("prompt"), list) and all(isinstance(p, str)
-                                                       for p in data["prompt"])):
+            isinstance(data.get("prompt"), list) and data["prompt"]
+            and all(isinstance(p, str) for p in data["prompt"])):
         text = data["prompt"] if isinstance(data["prompt"], str) else data["prompt"][0]
         prompt = {"model": model, "prompt": text}
     else:

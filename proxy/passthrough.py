@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import Any
 
 import orjson
 
@@ -38,7 +37,7 @@ from proxy.auth import Grant
 from proxy.errors import InvalidRequest, ProxyError
 from proxy.flow import Place
 from proxy.relay import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
-from proxy.requests import parse_body, request_id
+from proxy.requests import named_model, parse_body, request_id
 from proxy.runtime import Runtime
 from proxy.stream import StreamTally, body_usage
 from proxy.types import Outcome
@@ -76,7 +75,7 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     try:
         server = rt.settings.server
         raw = await read_body(headers, receive, server.max_body_bytes, server.body_timeout_s)
-        body = _read(raw, headers, path)
+        body = _read(raw, headers, path, rt.default_model())
         model = body.model
         # No output tokens: the body bounds the input the key is charged for (an audio
         # file's bytes are no text: its request is counted, not its bytes).
@@ -96,9 +95,17 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     note(scope, queued_ms=wait_ms(call.queued_s))
 
 
-def _read(raw: bytes, headers: dict[str, str], path: str) -> _Body:
+def _read(raw: bytes, headers: dict[str, str], path: str, default_model: str | None
+          ) -> _Body:
+    """The body and the model it names (`default_model` if it names none, then written
+    into the body: not on the Messages API's routes, whose schema requires one)."""
     if path not in AUDIO_PATHS:
-        return _Body(raw, _model_of(parse_body(raw), path))
+        data = parse_body(raw)
+        if path.startswith("/v1/messages"):
+            default_model = None
+        model = named_model(data, default_model, f" on {path}")
+        return _Body(raw if data.get("model") == model else
+                     orjson.dumps(data | {"model": model}), model)
     boundary = multipart.boundary_of(headers.get("content-type", ""))
     if boundary is None:
         raise InvalidRequest(f"{path} takes a multipart/form-data upload (the audio file "
@@ -116,12 +123,6 @@ def _read(raw: bytes, headers: dict[str, str], path: str) -> _Body:
                  stream is not None and raw[stream[0]:stream[1]].strip().lower() == b"true")
 
 
-def _model_of(data: dict[str, Any], path: str) -> str:
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest(f"`model` is required on {path} and must be a non-empty "
-                             "string: it decides which backends may answer.", param="model")
-    return model
 
 
 class _Call:

@@ -151,6 +151,11 @@ class Registry:
         of the group `model`."""
         return model in self._served
 
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give as its model: the backends' models and the
+        groups (healthy or not; LoRA adapters are not counted)."""
+        return tuple(sorted({b.model for b in self._backends.values()} | set(self._groups)))
+
     def names_for(self, model: str) -> tuple[str, ...]:
         """`model` and the groups that list it: the names a request for it may use."""
         return (model, *(g for g, members in self._groups.items() if model in members))

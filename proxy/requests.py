@@ -1,8 +1,14 @@
 """Turn a request body into a validated `RequestContext`, or an `InvalidRequest`.
 
-The proxy checks only what it reads itself (model, prompt, stream, max_tokens,
-session, SLO); every other field goes to the backend untouched, in the original
-bytes, so the backend stays the judge of its own parameters.
+The proxy checks only what it acts on itself (model, stream, max_tokens, its own
+headers). The prompt (messages, prompt, input, instructions, system) and the `user`
+field it reads for prefix hashing, predictions and sessions only as far as they are
+readable; every other field goes to the backend untouched, in the original bytes, so
+the backend stays the judge of its own parameters (and of a prompt the proxy could not
+read). What it reads it reads as vLLM does (pydantic's lax mode: `"max_tokens": "8"`
+is 8, `"stream": "true"` a stream), and a body whose fields it read in another
+spelling goes upstream with them written as read (`normalized`), so that the proxy and
+the backend agree on them.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import orjson
+from pydantic import TypeAdapter, ValidationError
 
 from proxy.errors import InvalidRequest
 from proxy.types import Endpoint, RequestContext
@@ -52,14 +59,17 @@ def build_context(
     max_tokens_limit: int,
     session_header: str,
     block_chars: int,
+    default_model: str | None = None,
 ) -> RequestContext:
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("`model` is required and must be a non-empty string.", param="model")
+    """`data`'s context; `default_model`: the model of a request that names none (not
+    for the Messages API, where Anthropic's and vLLM's schemas require one)."""
+    model = named_model(data, None if endpoint == "messages" else default_model)
     prompt_text = _PROMPTS[endpoint](data)
-    stream = data.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequest("`stream` must be a boolean.", param="stream")
+    stream = data.get("stream")
+    if stream is not None:
+        stream = lax_bool(stream)
+        if stream is None:
+            raise InvalidRequest("`stream` must be a boolean.", param="stream")
     return RequestContext(
         request_id=request_id,
         endpoint=endpoint,
@@ -68,11 +78,42 @@ def build_context(
         prompt_blocks=prefix_blocks(prompt_text, block_chars),
         stream=bool(stream),
         max_tokens=_max_tokens(data, endpoint, max_tokens_limit),
-        session=headers.get(session_header) or _optional_str(data, "user"),
+        session=headers.get(session_header) or _session_of(data),
         slo_ms=_slo_ms(headers),
         expected_tokens=_expected_tokens(headers),
         arrived_at=time.monotonic(),
     )
+
+
+def normalized(data: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+    """`data` with the fields the proxy read written as it read them (the default model
+    of a body that names none, `stream` and the length bound in vLLM's lax spellings);
+    `data` itself when they are written so already."""
+    changes: dict[str, Any] = {}
+    if data.get("model") != ctx.model:
+        changes["model"] = ctx.model
+    stream = data.get("stream")
+    if stream is not None and stream is not ctx.stream:
+        changes["stream"] = ctx.stream
+    key = _length_key(data, ctx.endpoint)
+    if key is not None and type(data[key]) is not int:
+        changes[key] = ctx.max_tokens
+    return data | changes if changes else data
+
+
+def named_model(data: Mapping[str, Any], default: str | None, where: str = "") -> str:
+    """The model `data` names, or `default` when it names none (`model` absent, null or
+    "": vLLM then serves its one model); a 400 without either."""
+    model = data.get("model")
+    if (model is None or model == "") and default is not None:
+        return default
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(
+            f"`model` is required{where} and must be a non-empty string: it decides "
+            "which backends may answer (this proxy names no model for a request that "
+            "names none: its fleet serves more than one, and `server.default_model` is "
+            "not set).", param="model")
+    return model
 
 
 def prefix_blocks(text: str, block_chars: int) -> tuple[bytes, ...]:
@@ -89,70 +130,65 @@ def prefix_blocks(text: str, block_chars: int) -> tuple[bytes, ...]:
 
 
 def _chat_prompt(data: dict[str, Any]) -> str:
+    """The text of the messages (`role: content`, a line each). Messages of another
+    shape, or none, have no text here: the backend judges them (vLLM refuses a message
+    without a role, takes content `{}`, and on the Messages API `[]` after a system)."""
     messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest(
-            "`messages` is required and must be a non-empty array.", param="messages")
     parts: list[str] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidRequest(
-                f"`messages[{i}]` must be an object with a string `role`.",
-                param=f"messages[{i}]")
-        parts.append(f"{message['role']}: {_content_text(message.get('content'), i)}")
+    for message in messages if isinstance(messages, list) else ():
+        if isinstance(message, dict):
+            parts.append(f"{message.get('role')}: {_content_text(message.get('content'))}")
     return "\n".join(parts)
 
 
-def _content_text(content: Any, index: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
+def _content_text(content: Any) -> str:
+    """A message's text: its string, or its parts' texts; of any other content, none."""
+    if isinstance(content, str):
+        return content
     if isinstance(content, list):
         texts = [p.get("text", "") for p in content if isinstance(p, dict)]
         return "".join(t for t in texts if isinstance(t, str))
-    raise InvalidRequest(
-        f"`messages[{index}].content` must be a string or an array of content parts.",
-        param=f"messages[{index}].content")
+    return ""
 
 
 def _completion_prompt(data: dict[str, Any]) -> str:
+    """The prompt's text: a string, strings (a line each), token ids (hashed as text for
+    prefixes), lists of token ids. Any other prompt, or none (`prompt_embeds`), has no
+    text here: the backend judges it."""
     prompt = data.get("prompt")
     if isinstance(prompt, str):
         return prompt
-    if prompt is None and data.get("prompt_embeds") is not None:
-        return ""  # embeddings instead of tokens (vLLM's --enable-prompt-embeds)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return "\n".join(prompt)
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return " ".join(map(str, prompt))  # token ids: hashed as text for prefixes
+            return " ".join(map(str, prompt))
         if all(isinstance(p, list) for p in prompt):
             return "\n".join(" ".join(map(str, p)) for p in prompt)
-    raise InvalidRequest(
-        "`prompt` is required: a string, an array of strings, or an array of token ids "
-        "(or `prompt_embeds`).", param="prompt")
+    return ""
 
 
 def _responses_prompt(data: dict[str, Any]) -> str:
     """The text of a Responses API request: `instructions`, then `input` (a string or
-    a list of items: messages with string or part content, tool outputs, ...)."""
-    instructions = _optional_str(data, "instructions")
-    parts = [f"system: {instructions}"] if instructions else []
+    a list of items: messages with string or part content, tool outputs, ...). An
+    `input` of another shape, or none, has no text here: the backend judges it (vLLM
+    takes `[]` and `{}` after instructions, refuses a number or no input)."""
+    instructions = data.get("instructions")
+    parts = [f"system: {instructions}"] if isinstance(instructions, str) and instructions \
+        else []
     items = data.get("input")
     if isinstance(items, str):
         parts.append(items)
-    elif isinstance(items, list) and items:
-        for i, item in enumerate(items):
+    elif isinstance(items, list):
+        for item in items:
             if not isinstance(item, dict):
-                raise InvalidRequest(f"`input[{i}]` must be an object.", param=f"input[{i}]")
+                continue
             text = item.get("output") if "content" not in item else item["content"]
             if isinstance(text, list):
                 text = "".join(p.get("text", "") for p in text
                                if isinstance(p, dict) and isinstance(p.get("text"), str))
             role = item.get("role") or item.get("type") or "item"
             parts.append(f"{role}: {text if isinstance(text, str) else ''}")
-    else:
-        raise InvalidRequest("`input` is required: a string or a non-empty array of "
-                             "input items.", param="input")
     return "\n".join(parts)
 
 
@@ -163,11 +199,9 @@ def _messages_prompt(data: dict[str, Any]) -> str:
     if isinstance(system, list):
         system = "".join(b.get("text", "") for b in system
                          if isinstance(b, dict) and isinstance(b.get("text"), str))
-    elif system is not None and not isinstance(system, str):
-        raise InvalidRequest("`system` must be a string or an array of text blocks.",
-                             param="system")
     messages = _chat_prompt(data)
-    return f"system: {system}\n{messages}" if system else messages
+    return f"system: {system}\n{messages}" if isinstance(system, str) and system \
+        else messages
 
 
 _PROMPTS: dict[Endpoint, Callable[[dict[str, Any]], str]] = {
@@ -185,14 +219,19 @@ _LENGTH_KEYS: dict[Endpoint, tuple[str, ...]] = {
 _COMPLETIONS_MAX_TOKENS = 16
 
 
+def _length_key(data: Mapping[str, Any], endpoint: Endpoint) -> str | None:
+    """The field that bounds the generation, of those set, as vLLM picks it."""
+    return next((k for k in _LENGTH_KEYS[endpoint] if data.get(k) is not None), None)
+
+
 def _max_tokens(data: dict[str, Any], endpoint: Endpoint, limit: int) -> int | None:
     """The generation's length bound as the backend will apply it, checked (None: up
     to the model's context). A field the backend ignores is left to the backend."""
-    key = next((k for k in _LENGTH_KEYS[endpoint] if data.get(k) is not None), None)
+    key = _length_key(data, endpoint)
     if key is None:
         return _COMPLETIONS_MAX_TOKENS if endpoint == "completions" else None
-    value = data[key]
-    if not isinstance(value, int) or isinstance(value, bool):
+    value = lax_int(data[key])
+    if value is None:
         raise InvalidRequest(f"`{key}` must be an integer.", param=key)
     # 0 is legal on /v1/completions (echo + prompt logprobs); never elsewhere.
     lowest = 0 if endpoint == "completions" else 1
@@ -204,16 +243,40 @@ def _max_tokens(data: dict[str, Any], endpoint: Endpoint, limit: int) -> int | N
     return value
 
 
-def _optional_str(data: dict[str, Any], key: str) -> str | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise InvalidRequest(f"`{key}` must be a string.", param=key)
-    return value
+def _session_of(data: dict[str, Any]) -> str | None:
+    """The OpenAI `user` field, as a session: a string; any other value is the
+    backend's to judge (vLLM refuses it on chat, ignores it on the Messages API)."""
+    user = data.get("user")
+    return user if isinstance(user, str) and user else None
 
 
 N = TypeVar("N", int, float)
+T = TypeVar("T")
+# vLLM's request models read these types in pydantic's lax mode; so does the proxy
+_INT: TypeAdapter[int] = TypeAdapter(int)
+_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
+_FLOAT: TypeAdapter[float] = TypeAdapter(float)
+
+
+def _lax(adapter: TypeAdapter[T], value: Any) -> T | None:
+    """`value` read as pydantic reads it for vLLM (`"8"` and `8.0` are 8, `"true"` and
+    1 are True), or None if it cannot be."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def lax_int(value: Any) -> int | None:
+    return _lax(_INT, value)
+
+
+def lax_bool(value: Any) -> bool | None:
+    return _lax(_BOOL, value)
+
+
+def lax_float(value: Any) -> float | None:
+    return _lax(_FLOAT, value)
 
 
 def _slo_ms(headers: Mapping[str, str]) -> float | None:

@@ -137,8 +137,8 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     streamed = method == "GET" and query.get("stream", [""])[-1].lower() == "true"
     try:
-        if action not in ("", "cancel") or not response_id:
-            raise NotFound(f"No route for {scope['path']}.")
+        if action not in ("", "cancel") or response_id in ("", ".", ".."):
+            raise NotFound(f"No route for {scope['path']}.")  # ("..": a path, not an id)
         if scope["method"] != method:
             raise MethodNotAllowed(f"{scope['path']} accepts {method} only.")
         key = rt.auth.key_of(headers)  # 401 without a valid key (when auth is on)
@@ -153,7 +153,8 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
                                    f"`{home.model}`.", param="model")
         try:
             opened = await rt.upstream.open(
-                home, _with_query(scope), b"" if method == "POST" else None,
+                home, _upstream_path(response_id, action, scope),
+                b"" if method == "POST" else None,
                 upstream_headers, stream=streamed, method=method)
         except UpstreamFailure as failure:
             rt.upstream_failed(failure, home.model)
@@ -168,8 +169,9 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
         rt.count_upstream_error), lambda: None)
 
 
-def _with_query(scope: Scope) -> str:
-    """The request's path and query (`?include=…`), as the backend should see them."""
+def _upstream_path(response_id: str, action: str, scope: Scope) -> str:
+    """The route on the backend, with the request's query (`?include=…`): the id
+    escaped again, as the lookup sends it (`%3F` in an id stays part of the id)."""
     query: bytes = scope.get("query_string", b"")
-    path: str = scope["path"]
+    path = PREFIX + quote(response_id, safe="") + ("/" + action if action else "")
     return path + ("?" + query.decode("latin-1") if query else "")

@@ -148,6 +148,15 @@ class Runtime:
         self._retired.add(task)
         task.add_done_callback(self._retired.discard)
 
+    def default_model(self) -> str | None:
+        """The model of a request that names none: `server.default_model`, else the
+        fleet's when it serves exactly one (as vLLM answers with its one model)."""
+        configured = self.settings.server.default_model
+        if configured is not None:
+            return configured
+        names = self.registry.model_names()
+        return names[0] if len(names) == 1 else None
+
     def predict(self, ctx: RequestContext) -> Prediction:
         """The request's predicted cost, for `router.pick` (synchronous, ≤ 1 ms)."""
         return self.predictor.predict(ctx)

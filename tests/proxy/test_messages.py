@@ -64,8 +64,8 @@ async def test_a_stream_cut_mid_way_ends_with_an_anthropic_error_event() -> None
 @pytest.mark.parametrize(
     ("body", "headers", "status", "kind"),
     [
-        ({"model": "fake", "max_tokens": 5}, {}, 400, "invalid_request_error"),
-        ({**ASK, "system": 3}, {}, 400, "invalid_request_error"),
+        ({**ASK, "model": 5}, {}, 400, "invalid_request_error"),
+        ({**ASK, "stream": "maybe"}, {}, 400, "invalid_request_error"),
         ({**ASK, "max_tokens": 0}, {}, 400, "invalid_request_error"),
         ({**ASK, "model": "nope"}, {}, 404, "not_found_error"),
         (ASK, {"x-api-key": "sk-mallory"}, 401, "authentication_error"),

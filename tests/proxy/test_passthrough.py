@@ -58,14 +58,15 @@ async def test_tokenize_reaches_a_generation_backend() -> None:
 async def test_bad_requests_get_openai_errors_and_reach_no_backend(
     method: str, body: bytes, status: int, code: str | None, param: str | None
 ) -> None:
-    async with fleet(FakeConfig()) as (proxy, fakes):
+    # (two models: a request naming none has no default, tests/proxy/test_default_model.py)
+    async with fleet(FakeConfig(), FakeConfig(model="other")) as (proxy, fakes):
         async with httpx.AsyncClient(base_url=proxy.url) as http:
             answer = await http.request(method, "/v1/embeddings", content=body)
     assert answer.status_code == status
     error = answer.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["code"], error["param"]) == (code, param)
-    assert fakes[0].app.stats.requests == 0
+    assert [f.app.stats.requests for f in fakes] == [0, 0]
 
 
 async def test_a_5xx_fails_over_and_a_4xx_is_relayed() -> None:

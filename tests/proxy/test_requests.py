@@ -2,7 +2,7 @@ import orjson
 import pytest
 
 from proxy.errors import InvalidRequest
-from proxy.requests import build_context, parse_body, prefix_blocks
+from proxy.requests import build_context, normalized, parse_body, prefix_blocks
 from proxy.types import Endpoint
 
 LIMIT = 4096
@@ -82,18 +82,15 @@ def test_length_bound_is_the_one_vllm_applies(endpoint: Endpoint, fields: dict[s
     [
         ({"messages": CHAT["messages"]}, "model"),
         ({"model": 3, "messages": CHAT["messages"]}, "model"),
-        ({"model": "m"}, "messages"),
-        ({"model": "m", "messages": []}, "messages"),
-        ({"model": "m", "messages": ["hi"]}, "messages[0]"),
-        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({**CHAT, "max_tokens": -1}, "max_tokens"),
         ({**CHAT, "max_tokens": LIMIT + 1}, "max_tokens"),
-        ({**CHAT, "max_tokens": "10"}, "max_tokens"),
-        ({**CHAT, "max_tokens": True}, "max_tokens"),
+        ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
+        ({**CHAT, "max_tokens": 2.5}, "max_tokens"),
+        ({**CHAT, "max_tokens": [5]}, "max_tokens"),
         ({**CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
         ({**CHAT, "max_tokens": 5, "max_completion_tokens": LIMIT + 1}, "max_completion_tokens"),
-        ({**CHAT, "stream": "yes"}, "stream"),
-        ({**CHAT, "user": 7}, "user"),
+        ({**CHAT, "stream": "maybe"}, "stream"),
+        ({**CHAT, "stream": 2}, "stream"),
     ],
 )
 def test_invalid_fields_name_the_param(body: dict[str, object], param: str) -> None:
@@ -102,10 +99,42 @@ def test_invalid_fields_name_the_param(body: dict[str, object], param: str) -> N
     assert info.value.param == param
 
 
-def test_completion_without_prompt() -> None:
-    with pytest.raises(InvalidRequest) as info:
-        ctx_of({"model": "m", "prompt": [1, "a"]}, "completions")
-    assert info.value.param == "prompt"
+@pytest.mark.parametrize(("fields", "stream", "bound"), [
+    ({"max_tokens": "8"}, False, 8),  # pydantic's lax mode, as vLLM reads them
+    ({"max_tokens": 8.0, "stream": "true"}, True, 8),
+    ({"max_completion_tokens": " 3 ", "stream": 1}, True, 3),
+    ({"max_tokens": True, "stream": "off"}, False, 1),
+    ({"stream": None}, False, None),
+])
+def test_what_vllm_reads_in_its_lax_mode_the_proxy_reads_alike(
+        fields: dict[str, object], stream: bool, bound: int | None) -> None:
+    ctx = ctx_of({**CHAT, **fields})
+    assert (ctx.stream, ctx.max_tokens) == (stream, bound)
+
+
+def test_a_body_goes_upstream_with_the_fields_written_as_the_proxy_read_them() -> None:
+    plain = {**CHAT, "max_tokens": 8, "stream": True}
+    assert normalized(plain, ctx_of(plain)) is plain  # nothing to write: the same body
+    lax = {**CHAT, "max_tokens": "8", "stream": "true", "user": "u"}
+    assert normalized(lax, ctx_of(lax)) == {**lax, "max_tokens": 8, "stream": True}
+    unnamed = {k: v for k, v in CHAT.items() if k != "model"}
+    ctx = build_context(unnamed, "chat", {}, request_id="r", max_tokens_limit=LIMIT,
+                        session_header="x-session-id", block_chars=8, default_model="d")
+    assert normalized(unnamed, ctx) == {**unnamed, "model": "d"}
+
+
+def test_content_the_proxy_cannot_read_is_the_backends_to_judge() -> None:
+    ctx = ctx_of({"model": "m", "messages": [{"role": "user", "content": 5},
+                                             {"role": "user", "content": {}}, "hi"]})
+    assert ctx.prompt_text == "user: \nuser: "
+    for messages in (None, [], "hi"):  # vLLM's Messages API takes [] after a system
+        assert ctx_of({"model": "m", "messages": messages}).prompt_text == ""
+    assert ctx_of({**CHAT, "user": []}).session is None  # (vLLM: a 400 on chat)
+
+
+@pytest.mark.parametrize("prompt", [None, [], [1, "a"], {}, 5])
+def test_a_prompt_the_proxy_cannot_read_is_the_backends_to_judge(prompt: object) -> None:
+    assert ctx_of({"model": "m", "prompt": prompt}, "completions").prompt_text == ""
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1,2]", b'"s"', b"\xff\xfe"])
