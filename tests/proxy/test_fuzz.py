@@ -171,6 +171,39 @@ def test_a_form_upload_of_any_bytes_is_scanned_without_failing(
         assert 0 <= start <= end <= len(body)
 
 
+TOKEN = st.text(st.characters(codec="ascii", categories=["L", "N"], include_characters="-_."),
+               min_size=1, max_size=12)
+PART = st.tuples(st.sampled_from(["model", "stream", "file", "language", "Model"]) | TOKEN,
+                 st.binary(max_size=40), st.booleans())  # name, value, a file's part
+
+
+@fuzz(1500)
+@given(TOKEN.map(lambda t: "bnd" + t), st.lists(PART, max_size=6), st.booleans())
+def test_a_form_field_is_found_where_the_form_puts_it(
+        boundary: str, parts: list[tuple[str, bytes, bool]], quoted: bool) -> None:
+    """A form written as RFC 7578 writes it, parts in any order, with files among them:
+    the scan finds the first `model` and `stream` fields (not a file's part of that
+    name) exactly, and a replaced model leaves every other byte as it was."""
+    delimiter = b"--" + boundary.encode()
+    parts = [(n, v, f) for n, v, f in parts if delimiter not in v and b"\r\n--" not in v]
+    body = b"".join(
+        delimiter + b'\r\nContent-Disposition: form-data; name="%s"%s\r\n%s\r\n%s\r\n'
+        % (name.encode(), b'; filename="a.wav"' if file else b"",
+           b"Content-Type: audio/wav\r\n" if file else b"", value)
+        for name, value, file in parts) + delimiter + b"--\r\n"
+    header = f'multipart/form-data; boundary="{boundary}"' if quoted \
+        else f"multipart/form-data; boundary={boundary}"
+    assert multipart.boundary_of(header) == boundary.encode()
+    spans = multipart.field_spans(body, boundary.encode(), "model", "stream")
+    for name in ("model", "stream"):
+        value = next((v for n, v, f in parts if n == name and not f), None)
+        assert (body[slice(*spans[name])] if name in spans else None) == value, name
+    if "model" in spans:
+        renamed = multipart.replaced(body, spans["model"], "other")
+        start, end = spans["model"]
+        assert renamed == body[:start] + b"other" + body[end:]
+
+
 # A policy as an operator may PUT it: each policy with each of its fields at the edges
 # of its type (tests/policies/test_params_edges.py), or a body of any JSON.
 POLICY_PUTS = st.sampled_from(policy_cases()).map(lambda c: {"name": c[0], "params": c[1]}) \
