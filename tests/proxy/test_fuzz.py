@@ -234,6 +234,46 @@ def test_any_policy_the_admin_api_accepts_routes_without_failing(
             http.put("/admin/policy", json={"name": "prefix_aware"})
 
 
+# The admin API's other bodies: a backend to add (its fields of any JSON, or plausible:
+# an address nothing listens on), a drain's or a removal's `{"migrate"}`, an adapter.
+BACKEND = st.fixed_dictionaries({}, optional={
+    "name": st.sampled_from(["fz", "f0", ""]) | JSON,
+    "url": st.sampled_from(["http://127.0.0.1:9", "not a url", "ftp://x"]) | JSON,
+    "model": st.sampled_from(["fake", "fz-model", ""]) | JSON,
+    "labels": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2) | JSON,
+    "api_key": JSON})
+ADMIN = st.one_of(
+    st.tuples(st.just("POST"), st.just("/admin/backends"), BACKEND | JSON),
+    st.tuples(st.sampled_from(["POST"]), st.sampled_from(
+        ["/admin/backends/f1/drain", "/admin/backends/f1/undrain"]),
+        st.fixed_dictionaries({}, optional={"migrate": st.booleans() | JSON}) | JSON),
+    st.tuples(st.just("POST"), st.just("/admin/lora_adapters"), st.fixed_dictionaries(
+        {}, optional={"lora_name": JSON, "lora_path": JSON, "model": JSON,
+                      "backends": JSON, "timeout_s": JSON}) | JSON),
+    st.tuples(st.just("DELETE"), st.sampled_from(["/admin/lora_adapters/x",
+                                                  "/admin/backends/fz"]), JSON))
+
+
+@fuzz(150)
+@given(ADMIN)
+def test_any_admin_body_is_answered_in_shape_and_leaves_the_fleet_serving(
+        served: Served, case: tuple[str, str, Any]) -> None:
+    method, path, body = case
+    before = len(served.errors.records)
+    with httpx.Client(base_url=served.url, timeout=20) as http:
+        try:
+            answer = http.request(method, path, content=dumps(body))
+            assert answer.status_code < 500 or answer.status_code == 502, answer.text
+            if answer.status_code >= 400:
+                assert isinstance(answer.json()["error"]["message"], str), answer.text
+        finally:  # as it was: no backend added, none drained
+            http.request("DELETE", "/admin/backends/fz", content=b'{"migrate": false}')
+            http.post("/admin/backends/f1/undrain")
+        check_answer(served, "/v1/chat/completions", dumps(CHAT), {})
+    logged = served.errors.records[before:]
+    assert not logged, [r.getMessage() for r in logged]
+
+
 # Raw HTTP/1.1 as any client (or scanner) may write it: a method, a path with
 # escapes, headers that contradict each other or the body.
 SEGMENT = st.sampled_from(["v1", "chat", "completions", "responses", "admin", "backends",
