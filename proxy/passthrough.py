@@ -123,8 +123,6 @@ def _read(raw: bytes, headers: dict[str, str], path: str, default_model: str | N
                  stream is not None and raw[stream[0]:stream[1]].strip().lower() == b"true")
 
 
-
-
 class _Call:
     """One pass-through request, from the first pick to the response (or its error)."""
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -72,7 +73,7 @@ def proxy(vllm_fleet: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def streams(answer: httpx.Response) -> bool:
-    return answer.headers.get("content-type", "").startswith("text/event-stream")
+    return bool(answer.headers.get("content-type", "").startswith("text/event-stream"))
 
 
 @fuzz(150)
@@ -101,3 +102,45 @@ def test_the_proxy_answers_what_vllm_answers(proxy: Proxy,
     check_shape(path, through)
     text = proxy.log_text()
     assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+
+
+@st.composite
+def greedy_case(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A chat or completions case made greedy (temperature 0): another server of the same
+    weights regenerates the same tokens, so a move must not change a byte of the text."""
+    path = draw(st.sampled_from(("/v1/chat/completions", "/v1/completions")))
+    body = bounded(path, draw(body_of(path, SMALL)))
+    return path, dumps({**body, "temperature": 0})
+
+
+def texts(answer: httpx.Response) -> dict[int, str]:
+    """Each choice's generated text, from a whole answer or from its stream's deltas."""
+    if not streams(answer):
+        return {c["index"]: (c.get("message") or {}).get("content") or c.get("text") or ""
+                for c in answer.json()["choices"]}
+    found: dict[int, str] = {}
+    for line in answer.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in orjson.loads(line[6:]).get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            found[choice["index"]] = found.get(choice["index"], "") + piece
+    return found
+
+
+@fuzz(40)
+@given(greedy_case())
+def test_a_greedy_answer_moved_after_two_tokens_is_the_answer_left_alone(
+        proxy: Proxy, case: tuple[str, bytes]) -> None:
+    """Whatever else the request asks (stop strings, penalties, logit bias, min_tokens,
+    usage, token ids, ...), a move forced after two tokens leaves the text as vLLM
+    writes it unmoved (or the request is not moved: logprobs, n > 1, ...)."""
+    path, body = case
+    json = {"content-type": "application/json"}
+    with httpx.Client(timeout=60) as http:
+        direct = http.post(proxy.direct + path, content=body, headers=json)
+        moved = http.post(proxy.url + path, content=body,
+                          headers={**json, "x-laneway-migrate-after": "2"})
+    assert moved.status_code == direct.status_code, (body, direct.text, moved.text)
+    if direct.is_success:
+        assert texts(moved) == texts(direct), (body, direct.text[-600:], moved.text[-600:])
