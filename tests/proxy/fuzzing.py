@@ -45,7 +45,7 @@ MESSAGES: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "system": [
     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]}
 BASES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": CHAT,
-    "/v1/completions": {"model": MODEL, "prompt": ["once upon", "a time"]},
+    "/v1/completions": {"model": MODEL, "prompt": "once upon a time"},
     "/v1/responses": {"model": MODEL, "instructions": "be brief", "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]},
