@@ -75,7 +75,7 @@ def served() -> Iterator[Served]:
     async def serve() -> None:
         async with fleet(FakeConfig(), FakeConfig(tpot_s=0.001),
                          server={"access_log": True, "max_tokens_limit": 64,
-                                 "header_timeout_s": 0.5, "body_timeout_s": 0.5},
+                                 "header_timeout_s": 5, "body_timeout_s": 0.5},
                          policy={"name": "prefix_aware"},
                          migration={"enabled": True, "non_stream": True},
                          debug={"allow_forced_migration": True}) as (proxy, _):
@@ -348,7 +348,7 @@ def answers(conn: socket.socket, count: int, head_only: bool) -> list[tuple[byte
 @given(raw_request())
 def test_any_raw_request_is_answered_or_closed_in_time(served: Served,
                                                        case: tuple[bytes, bool]) -> None:
-    """Within the header and body deadlines (0.5 s each here) every connection gets an
+    """Within the header and body deadlines (5 s and 0.5 s here) every connection gets an
     answer that is not a 500, or is closed. Behind a well-framed request comes a valid
     one on the same connection: unless the first answer closed the connection, it is
     answered in full (a body left unread would be parsed as the next request)."""
