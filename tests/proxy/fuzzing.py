@@ -214,6 +214,6 @@ _EXPLORE = int(os.environ.get("LANEWAY_FUZZ_EXPLORE", "0"))
 def fuzz(examples: int) -> settings:
     """Hypothesis's settings for a fuzz test of `examples` cases."""
     return settings(max_examples=examples * max(_EXPLORE, 1), deadline=None,
-                    derandomize=not _EXPLORE,
+                    derandomize=not _EXPLORE, database=None,  # (no .hypothesis/ written)
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
