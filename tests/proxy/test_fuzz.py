@@ -57,6 +57,7 @@ from tests.proxy.fuzzing import (
     dumps,
     fuzz,
 )
+from tests.proxy.test_auth import keys
 
 
 @dataclass(frozen=True)
@@ -65,20 +66,14 @@ class Served:
     errors: Errors
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    """The proxy and its fakes on an event loop in a thread of their own, for the
-    module: hypothesis's cases are plain calls to it."""
+def serving(**sections: Any) -> Iterator[Served]:
+    """A proxy (`sections`: its settings) and its fakes on an event loop in a thread of
+    their own: hypothesis's cases are plain calls to it."""
     up, stop, failed = threading.Event(), threading.Event(), []
     urls: list[str] = []
 
     async def serve() -> None:
-        async with fleet(FakeConfig(), FakeConfig(tpot_s=0.001),
-                         server={"access_log": True, "max_tokens_limit": 64,
-                                 "header_timeout_s": 5, "body_timeout_s": 0.5},
-                         policy={"name": "prefix_aware"},
-                         migration={"enabled": True, "non_stream": True},
-                         debug={"allow_forced_migration": True}) as (proxy, _):
+        async with fleet(FakeConfig(), FakeConfig(tpot_s=0.001), **sections) as (proxy, _):
             urls.append(proxy.url)
             up.set()
             await asyncio.to_thread(stop.wait)
@@ -103,6 +98,29 @@ def served() -> Iterator[Served]:
         logging.getLogger().removeHandler(errors)
 
 
+SERVER = {"access_log": True, "max_tokens_limit": 64, "header_timeout_s": 5,
+          "body_timeout_s": 0.5}
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """Migration, forced moves, the access log and prefix-aware routing on."""
+    yield from serving(server=SERVER, policy={"name": "prefix_aware"},
+                       migration={"enabled": True, "non_stream": True},
+                       debug={"allow_forced_migration": True})
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[Served]:
+    """Keys (one limited to another model, one with request and token limits), flow
+    control (two open requests a backend, a short queue) and the goodput policy."""
+    yield from serving(server=SERVER, policy={"name": "goodput"},
+                       auth=keys(requests_per_minute=10**6, tokens_per_minute=10**7,
+                                 priority=2),
+                       flow_control={"max_inflight_per_backend": 2, "max_queued": 50,
+                                     "queue_timeout_s": 5})
+
+
 def check_answer(served: Served, path: str, body: bytes, headers: dict[str, str]) -> None:
     """Send one case; fail it on anything the module docstring lists."""
     before = len(served.errors.records)
@@ -119,6 +137,20 @@ def check_answer(served: Served, path: str, body: bytes, headers: dict[str, str]
 def test_any_body_gets_an_answer_in_the_apis_shape(
         served: Served, case: tuple[str, bytes, dict[str, str]]) -> None:
     check_answer(served, *case)
+
+
+KEYS = st.sampled_from([{"authorization": "Bearer sk-alice"}, {"x-api-key": "sk-alice"},
+                        {"authorization": "Bearer sk-bob"}, {"authorization": "Bearer x"},
+                        {}])
+
+
+@fuzz(200)
+@given(CASES, KEYS)
+def test_any_body_with_keys_limits_and_flow_control_is_answered_in_shape(
+        guarded: Served, case: tuple[str, bytes, dict[str, str]], key: dict[str, str]
+        ) -> None:
+    path, body, headers = case
+    check_answer(guarded, path, body, {**headers, **key})
 
 
 @fuzz(150)
