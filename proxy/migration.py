@@ -113,23 +113,32 @@ def why_not_migratable(data: Mapping[str, Any], chat: bool) -> str | None:
     # The fields the tracked body rewrites: the client's own values must be ones vLLM
     # takes, or the rewrite would hide the 400 vLLM gives them (relayed untracked).
     for key in _REWRITTEN:
-        if data.get(key) is not None and lax_bool(data[key]) is None:
+        if not _readable(data.get(key)):
             return f"invalid {key}"
     options = data.get("stream_options")
     if options is not None and not (isinstance(options, dict) and all(
-            options.get(key) is None or lax_bool(options[key]) is not None
-            for key in ("include_usage", "continuous_usage_stats"))):
+            _readable(options.get(key)) for key in ("include_usage", "continuous_usage_stats"))):
         return "invalid stream_options"
-    if options is not None and not lax_bool(data.get("stream") or False):
+    if options is not None and not _on(data.get("stream")):
         return "stream options without a stream"  # vLLM refuses it: its 400 is relayed
-    if isinstance(options, dict) and lax_bool(options.get("include_usage") or False) \
-            and lax_bool(options.get("continuous_usage_stats") or False):
+    if isinstance(options, dict) and _on(options.get("include_usage")) \
+            and _on(options.get("continuous_usage_stats")):
         return "continuous usage stats"  # the relay writes usage once, at the end
     stop = data.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         return "stop"  # the backend will reject it; nothing to track
     return None
+
+
+def _on(flag: Any) -> bool:
+    """A flag as vLLM reads it (pydantic's lax mode): unset or unreadable, off."""
+    return flag is not None and bool(lax_bool(flag))
+
+
+def _readable(flag: Any) -> bool:
+    """A flag vLLM takes: unset, or a value its lax mode reads as a boolean."""
+    return flag is None or lax_bool(flag) is not None
 
 
 def _has_media(messages: Any) -> bool:
@@ -156,11 +165,10 @@ def tracking_of(data: Mapping[str, Any], max_tokens: int | None) -> Tracking:
     options = data.get("stream_options")
     return Tracking(  # the fields read as vLLM reads them (pydantic's lax mode)
         stops=stops,
-        include_stop=bool(lax_bool(data.get("include_stop_str_in_output") or False)),
-        with_token_ids=bool(lax_bool(data.get("return_token_ids") or False)),
-        include_usage=bool(isinstance(options, dict)
-                           and lax_bool(options.get("include_usage") or False)),
-        client_streams=bool(lax_bool(data.get("stream") or False)),
+        include_stop=_on(data.get("include_stop_str_in_output")),
+        with_token_ids=_on(data.get("return_token_ids")),
+        include_usage=isinstance(options, dict) and _on(options.get("include_usage")),
+        client_streams=_on(data.get("stream")),
         max_tokens=max_tokens,
         min_tokens=lax_int(data.get("min_tokens")) or 0,
         greedy=lax_float(data.get("temperature")) == 0 or lax_int(data.get("top_k")) == 1,

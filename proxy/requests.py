@@ -142,7 +142,8 @@ def _chat_prompt(data: dict[str, Any]) -> str:
 
 
 def _content_text(content: Any) -> str:
-    """A message's text: its string, or its parts' texts; of any other content, none."""
+    """A message's (a Responses item's, a system prompt's) text: its string, or its
+    parts' texts; of any other content, none."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -183,25 +184,19 @@ def _responses_prompt(data: dict[str, Any]) -> str:
         for item in items:
             if not isinstance(item, dict):
                 continue
-            text = item.get("output") if "content" not in item else item["content"]
-            if isinstance(text, list):
-                text = "".join(p.get("text", "") for p in text
-                               if isinstance(p, dict) and isinstance(p.get("text"), str))
+            text = _content_text(item.get("output") if "content" not in item
+                                 else item["content"])
             role = item.get("role") or item.get("type") or "item"
-            parts.append(f"{role}: {text if isinstance(text, str) else ''}")
+            parts.append(f"{role}: {text}")
     return "\n".join(parts)
 
 
 def _messages_prompt(data: dict[str, Any]) -> str:
     """The text of an Anthropic Messages API request: `system` (a string or text
     blocks), then the messages as for chat (their content blocks carry `text`)."""
-    system = data.get("system")
-    if isinstance(system, list):
-        system = "".join(b.get("text", "") for b in system
-                         if isinstance(b, dict) and isinstance(b.get("text"), str))
+    system = _content_text(data.get("system"))
     messages = _chat_prompt(data)
-    return f"system: {system}\n{messages}" if isinstance(system, str) and system \
-        else messages
+    return f"system: {system}\n{messages}" if system else messages
 
 
 _PROMPTS: dict[Endpoint, Callable[[dict[str, Any]], str]] = {
