@@ -1,0 +1,205 @@
+"""Fuzzing the backend side: whatever a backend does to its answer, the client gets the
+whole answer, or the backend's own refusal, and nothing is left behind.
+
+A proxy (session affinity pinning every case to the misbehaving backend first,
+migration of streamed and whole requests on, a 0.3 s stall deadline) sits in front of
+a `Saboteur` (tests/proxy/saboteur.py: a fake vLLM's answers broken by a hypothesis
+`Plan`) and a healthy fake. For each case the client must get:
+* the backend's status, when the plan answers a 4xx (a client error, not retried);
+* vLLM's refusal (a 400: in the stream after the tokens before it, or as the whole
+  answer's status) when the plan refuses before the generation finished;
+* otherwise exactly the healthy fake's answer (text and finish reason): a 5xx, a cut
+  or silent connection, an unusable event, a lying length or broken chunking is a
+  failure that the proxy retries or continues elsewhere, and re-chunked events,
+  comments, CRLF line ends and events after [DONE] change nothing.
+And always: an answer in the API's shape within the client's timeout, nothing logged at
+ERROR, and afterwards no request left open on any backend (in-flight and tracked
+streams back to 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench.fake_vllm import FakeConfig, serve_fake
+from tests.proxy.fakes import fleet
+from tests.proxy.fuzzing import Errors, check_shape, fuzz
+from tests.proxy.saboteur import Disruption, Plan, Saboteur
+
+JUNK = [b"{", b"", b"nul", b"[1, 2", b"\xff\xfe", b'{"choices": 5}',
+        b'{"choices": [{"delta": 7}]}', b'{"choices": [{"text": ["x"], "index": 0}]}',
+        b'{"choices": [{"token_ids": "x", "index": 0}]}',
+        b'{"error": {"message": "boom", "type": "InternalServerError", "code": 500}}',
+        b'{"choices": [{"index": 0, "finish_reason": "abort", "text": ""}]}']
+FRACTION = st.floats(0, 1, allow_nan=False)
+DISRUPTIONS = st.one_of(
+    st.builds(Disruption, st.sampled_from(["cut", "stall", "badchunk"]), FRACTION),
+    st.builds(Disruption, st.just("garbage"), st.integers(0, 14).map(float),
+              junk=st.sampled_from(JUNK)),
+    st.builds(Disruption, st.just("refusal"), st.integers(0, 14).map(float)),
+    st.builds(Disruption, st.just("truncate"), st.integers(0, 14).map(float),
+              keep=st.integers(0, 400)),
+    st.builds(Disruption, st.sampled_from(["short", "long"]), keep=st.integers(1, 200)),
+)
+_PLAN = {"cuts": st.lists(FRACTION, max_size=6).map(tuple), "comments": st.booleans(),
+         "crlf": st.booleans(), "chunked": st.booleans(),
+         "after_done": st.sampled_from([b"", b"{}", b"[DONE]", b"garbage"])}
+# Another status, or a disruption: an error answer cut short is a failure like any other
+PLANS = st.builds(Plan, status=st.sampled_from([400, 404, 422, 429, 500, 502, 503, 504]),
+                  **_PLAN) | st.builds(Plan, disruption=st.none() | DISRUPTIONS, **_PLAN)
+REQUESTS = st.tuples(st.booleans(), st.booleans(), st.integers(1, 10))  # chat, stream, n
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    direct: str  # the healthy fake
+    saboteur: Saboteur
+    errors: Errors
+    session: str  # an x-session-id the ring gives the saboteur
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    up, stop, failed = threading.Event(), threading.Event(), []
+    found: list[tuple[str, str, Saboteur]] = []
+
+    async def serve() -> None:
+        async with serve_fake(FakeConfig()) as behind, \
+                Saboteur(behind.url).serving() as saboteur, \
+                fleet(FakeConfig(), policy={"name": "session"},
+                      extra_backends=[{"name": "bad", "url": saboteur.url, "model": "fake"}],
+                      server={"header_timeout_s": 5},
+                      upstream={"read_timeout_s": 0.3, "first_byte_timeout_s": 1.0},
+                      migration={"enabled": True, "non_stream": True}) as (proxy, fakes):
+            found.append((proxy.url, fakes[0].url, saboteur))
+            up.set()
+            await asyncio.to_thread(stop.wait)
+
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as exc:  # reported below
+            failed.append(exc)
+            up.set()
+
+    errors = Errors()
+    logging.getLogger().addHandler(errors)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert up.wait(30) and not failed, failed
+        url, direct, saboteur = found[0]
+        settle(url)
+        yield Served(url, direct, saboteur, errors, session_on(url, "bad"))
+    finally:
+        stop.set()
+        thread.join(30)
+        logging.getLogger().removeHandler(errors)
+
+
+def session_on(url: str, backend: str) -> str:
+    with httpx.Client(base_url=url, timeout=10) as http:
+        for i in range(200):
+            answer = http.post("/v1/completions", json={"model": "fake", "prompt": "x",
+                                                         "max_tokens": 1},
+                               headers={"x-session-id": f"s{i}"})
+            if answer.headers["x-laneway-backend"] == backend:
+                return f"s{i}"
+    raise AssertionError(f"no session id lands on {backend}")
+
+
+def settle(url: str, timeout_s: float = 10.0) -> None:
+    """Until every backend is healthy and has nothing open via the proxy."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, timeout=5) as http:
+        while True:
+            rows = http.get("/admin/backends").json()["backends"]
+            if all(r["healthy"] and not r["inflight"] and not r["tracked_streams"]
+                   for r in rows):
+                return
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.02)
+
+
+@dataclass
+class Said:
+    status: int
+    text: str
+    finish_reason: str | None
+    error: dict[str, Any] | None  # an in-stream error event's
+
+
+def said(chat: bool, stream: bool, answer: httpx.Response) -> Said:
+    if answer.status_code != 200:
+        return Said(answer.status_code, "", None, None)
+    if not stream:
+        choice = answer.json()["choices"][0]
+        return Said(200, choice["message"]["content"] if chat else choice["text"],
+                    choice["finish_reason"], None)
+    out = Said(200, "", None, None)
+    for line in answer.text.split("\n"):
+        if not line.startswith("data: {"):
+            continue
+        event = orjson.loads(line[6:])
+        out.error = event.get("error", out.error)
+        for choice in event.get("choices") or ():
+            out.text += (choice.get("delta") or {}).get("content") or "" if chat \
+                else choice.get("text") or ""
+            out.finish_reason = choice.get("finish_reason") or out.finish_reason
+    return out
+
+
+def ask(url: str, chat: bool, stream: bool, n: int, headers: dict[str, str] | None = None
+        ) -> tuple[str, httpx.Response]:
+    path, body = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) \
+        if chat else ("/v1/completions", {"prompt": "hi"})
+    with httpx.Client(base_url=url, timeout=20) as http:
+        return path, http.post(path, json={"model": "fake", "max_tokens": n,
+                                           "stream": stream, **body}, headers=headers or {})
+
+
+@fuzz(300)
+@given(PLANS, REQUESTS)
+def test_a_broken_backend_answer_reaches_the_client_whole_or_as_its_refusal(
+        served: Served, plan: Plan, request: tuple[bool, bool, int]) -> None:
+    chat, stream, n = request
+    _, reference = ask(served.direct, chat, stream, n)
+    expected = said(chat, stream, reference)
+    settle(served.url)
+    saboteur, before = served.saboteur, len(served.errors.records)
+    hits, refusals = saboteur.hits, saboteur.refusals
+    saboteur.plan = plan
+    try:
+        path, answer = ask(served.url, chat, stream, n, {"x-session-id": served.session})
+    finally:
+        saboteur.plan = None
+    assert saboteur.hits > hits, "the case never reached the saboteur"
+    logged = served.errors.records[before:]
+    assert not logged, [r.getMessage() for r in logged]
+    check_shape(path, answer)
+    got = said(chat, stream, answer)
+    if plan.status is not None and plan.status < 500:
+        assert got.status == plan.status, answer.text
+    elif saboteur.refusals > refusals:
+        if stream:
+            assert got.status == 200 and got.error is not None and got.error["code"] == 400
+            assert expected.text.startswith(got.text), (got, expected)
+        else:
+            assert got.status == 400, answer.text
+    else:
+        assert (got.status, got.text, got.finish_reason, got.error) == (
+            200, expected.text, expected.finish_reason, None), answer.text
+    settle(served.url, timeout_s=5)  # nothing left open on any backend
