@@ -42,6 +42,10 @@ _HOP_HEADERS = frozenset(
 )
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 _ERROR_BODY_LIMIT = 64 * 1024
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # how an SSE event ends (vLLM: the first)
+# Whole JSON answers up to this size are parsed to check they are complete; larger ones
+# (embeddings of many inputs) only by their first and last bytes.
+_PARSED_ANSWER_LIMIT = 256 * 1024
 # Fresh tries on the same backend after a pooled connection turned out closed. Several
 # can be stale at once: a proxy that fell behind returns a stream's connection to its
 # pool only when it has read the stream, seconds after the backend sent its end and
@@ -228,7 +232,11 @@ class Upstream:
                 raise UpstreamFailure(backend, "status", f"HTTP {response.status}: {detail[:500]}",
                                       status=response.status)
             if not stream or response.status != 200:
-                return Opened(backend, response, await response.read(), complete=True)
+                payload = await response.read()
+                if response.status == 200 and not _complete_json(response, payload):
+                    raise UpstreamFailure(backend, "broken", "incomplete JSON answer: "
+                                          f"{payload[-100:].decode(errors='replace')!r}")
+                return Opened(backend, response, payload, complete=True)
             head = await response.content.readany()
         except TimeoutError:
             raise UpstreamFailure(backend, "timeout", "no first byte in time") from None
@@ -243,6 +251,22 @@ class Upstream:
             protocol.read_timeout = None
             protocol.start_timeout()
         return Opened(backend, response, head, complete=False)
+
+
+def _complete_json(response: aiohttp.ClientResponse, payload: bytes) -> bool:
+    """Whether a whole 200 answer that says it is JSON is one: a body cut short (a
+    backend that closed a body without a length early, or lied about its length) is a
+    failure to retry, not an answer to relay."""
+    if not response.headers.get("content-type", "").startswith("application/json"):
+        return True
+    if len(payload) > _PARSED_ANSWER_LIMIT:
+        body = payload.strip()
+        return body[:1] + body[-1:] in (b"{}", b"[]")
+    try:
+        orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 class StallWatch:
@@ -282,7 +306,6 @@ async def relay_answer(opened: Opened, send: Send, request_id: str, tally: Strea
         await send({"type": "http.response.start", "status": opened.status,
                     "headers": opened.answer_headers(request_id)})
         if not opened.complete:
-            await send({"type": "http.response.body", "body": opened.head, "more_body": True})
             await _relay_stream(opened, send, tally, read_timeout_s, failed)
         if finishing is not None:
             finishing()
@@ -294,15 +317,36 @@ async def relay_answer(opened: Opened, send: Send, request_id: str, tally: Strea
 
 async def _relay_stream(opened: Opened, send: Send, tally: StreamTally, read_timeout_s: float,
                         failed: Callable[[str, str], None]) -> None:
+    """Relay the stream's bytes as they come, but only up to the last whole event: the
+    client never gets half an event, so an error event after a failure (or a tail
+    missing its blank line) cannot run into one."""
     watch = StallWatch(opened, read_timeout_s, tally.last_seen)
+    torn = b""  # the unfinished event at the end of what came
     try:
-        while chunk := await opened.next_chunk():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            tally.add(chunk, time.monotonic())
+        chunk = opened.head
+        while chunk:
+            if torn:
+                chunk, torn = torn + chunk, b""
+            if not chunk.endswith(_EVENT_ENDS):
+                end = max(chunk.rfind(b"\n\n") + 2, chunk.rfind(b"\r\n\r\n") + 4, 0)
+                chunk, torn = chunk[:end], chunk[end:]
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            chunk = await opened.next_chunk()
+            if chunk:
+                tally.add(chunk, time.monotonic())
         if not tally.saw_done:
             raise aiohttp.ClientPayloadError("stream ended without its end event")
+        if torn:  # e.g. "data: [DONE]" without its blank line: as the backend ended it
+            await send({"type": "http.response.body", "body": torn, "more_body": True})
     except (aiohttp.ClientError, TimeoutError) as exc:
         kind = "timeout" if watch.fired or isinstance(exc, TimeoutError) else "broken"
+        if tally.saw_done:  # after its end event: the client has the whole answer
+            log.info("%s: the stream's body failed after its end event (%s: %r); the "
+                     "answer is whole", opened.backend.name, kind, exc)
+            if torn:
+                await send({"type": "http.response.body", "body": torn, "more_body": True})
+            return
         tally.failed = True
         failed(opened.backend.name, kind)
         err = mid_stream_failure(opened.backend.name, kind, str(exc))

@@ -14,7 +14,9 @@ a `Saboteur` (tests/proxy/saboteur.py: a fake vLLM's answers broken by a hypothe
   comments, CRLF line ends and events after [DONE] change nothing.
 And always: an answer in the API's shape within the client's timeout, nothing logged at
 ERROR, and afterwards no request left open on any backend (in-flight and tracked
-streams back to 0).
+streams back to 0). Once more with migration off, where the relay passes the bytes on
+as they came and only the status and the transport are broken: the healthy fake's
+answer, or a stream ending with the tokens it had, an error event and [DONE].
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ class Served:
     session: str  # an x-session-id the ring gives the saboteur
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+def serving(migration: dict[str, Any]) -> Iterator[Served]:
+    """The saboteur and a healthy fake behind a proxy with these migration settings, on
+    an event loop in a thread of their own."""
     up, stop, failed = threading.Event(), threading.Event(), []
     found: list[tuple[str, str, Saboteur]] = []
 
@@ -83,7 +86,7 @@ def served() -> Iterator[Served]:
                       extra_backends=[{"name": "bad", "url": saboteur.url, "model": "fake"}],
                       server={"header_timeout_s": 5},
                       upstream={"read_timeout_s": 0.3, "first_byte_timeout_s": 1.0},
-                      migration={"enabled": True, "non_stream": True}) as (proxy, fakes):
+                      migration=migration) as (proxy, fakes):
             found.append((proxy.url, fakes[0].url, saboteur))
             up.set()
             await asyncio.to_thread(stop.wait)
@@ -108,6 +111,18 @@ def served() -> Iterator[Served]:
         stop.set()
         thread.join(30)
         logging.getLogger().removeHandler(errors)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """Streamed and whole requests tracked (they may move)."""
+    yield from serving({"enabled": True, "non_stream": True})
+
+
+@pytest.fixture(scope="module")
+def untracked() -> Iterator[Served]:
+    """Migration off: streams relayed byte for byte, whole answers as they came."""
+    yield from serving({"enabled": False})
 
 
 def session_on(url: str, backend: str) -> str:
@@ -171,16 +186,12 @@ def ask(url: str, chat: bool, stream: bool, n: int, headers: dict[str, str] | No
                                            "stream": stream, **body}, headers=headers or {})
 
 
-@fuzz(300)
-@given(PLANS, REQUESTS)
-def test_a_broken_backend_answer_reaches_the_client_whole_or_as_its_refusal(
-        served: Served, plan: Plan, request: tuple[bool, bool, int]) -> None:
-    chat, stream, n = request
-    _, reference = ask(served.direct, chat, stream, n)
-    expected = said(chat, stream, reference)
+def sabotaged(served: Served, plan: Plan, chat: bool, stream: bool, n: int
+              ) -> tuple[Said, httpx.Response]:
+    """Ask through the proxy with `plan` on the saboteur, which the case must reach;
+    fail on what every case must not do (the module docstring)."""
     settle(served.url)
-    saboteur, before = served.saboteur, len(served.errors.records)
-    hits, refusals = saboteur.hits, saboteur.refusals
+    saboteur, before, hits = served.saboteur, len(served.errors.records), served.saboteur.hits
     saboteur.plan = plan
     try:
         path, answer = ask(served.url, chat, stream, n, {"x-session-id": served.session})
@@ -190,7 +201,18 @@ def test_a_broken_backend_answer_reaches_the_client_whole_or_as_its_refusal(
     logged = served.errors.records[before:]
     assert not logged, [r.getMessage() for r in logged]
     check_shape(path, answer)
-    got = said(chat, stream, answer)
+    return said(chat, stream, answer), answer
+
+
+@fuzz(300)
+@given(PLANS, REQUESTS)
+def test_a_broken_backend_answer_reaches_the_client_whole_or_as_its_refusal(
+        served: Served, plan: Plan, request: tuple[bool, bool, int]) -> None:
+    chat, stream, n = request
+    _, reference = ask(served.direct, chat, stream, n)
+    expected = said(chat, stream, reference)
+    saboteur, refusals = served.saboteur, served.saboteur.refusals
+    got, answer = sabotaged(served, plan, chat, stream, n)
     if plan.status is not None and plan.status < 500:
         assert got.status == plan.status, answer.text
     elif saboteur.refusals > refusals:
@@ -203,3 +225,35 @@ def test_a_broken_backend_answer_reaches_the_client_whole_or_as_its_refusal(
         assert (got.status, got.text, got.finish_reason, got.error) == (
             200, expected.text, expected.finish_reason, None), answer.text
     settle(served.url, timeout_s=5)  # nothing left open on any backend
+
+
+# What an untracked relay cannot judge without reading the events (it passes them on as
+# they came): only the transport is broken, and the status.
+TRANSPORT = st.builds(Disruption, st.sampled_from(["cut", "stall", "badchunk"]), FRACTION) \
+    | st.builds(Disruption, st.sampled_from(["short", "long"]), keep=st.integers(1, 200))
+BYTES_ONLY = {**_PLAN, "after_done": st.just(b"")}
+UNTRACKED_PLANS = st.builds(
+    Plan, status=st.sampled_from([400, 404, 422, 429, 500, 502, 503, 504]), **BYTES_ONLY) \
+    | st.builds(Plan, disruption=st.none() | TRANSPORT, **BYTES_ONLY)
+
+
+@fuzz(200)
+@given(UNTRACKED_PLANS, REQUESTS)
+def test_an_untracked_answer_broken_in_transport_is_retried_or_ends_with_an_error(
+        untracked: Served, plan: Plan, request: tuple[bool, bool, int]) -> None:
+    """Before the first byte reaches the client the request is retried elsewhere (the
+    healthy fake's answer); after it, a stream that cannot move ends with the tokens it
+    had, an error event and [DONE]."""
+    chat, stream, n = request
+    _, reference = ask(untracked.direct, chat, stream, n)
+    expected = said(chat, stream, reference)
+    got, answer = sabotaged(untracked, plan, chat, stream, n)
+    if plan.status is not None and plan.status < 500:
+        assert got.status == plan.status, answer.text
+    elif got.error is not None:
+        assert stream and got.status == 200, answer.text
+        assert expected.text.startswith(got.text) and got.finish_reason is None, got
+    else:
+        assert (got.status, got.text, got.finish_reason) == (
+            200, expected.text, expected.finish_reason), answer.text
+    settle(untracked.url, timeout_s=5)
