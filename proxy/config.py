@@ -92,7 +92,9 @@ class UpstreamConfig(_Section):
 
     connect_timeout_s: float = Field(3.0, gt=0)
     first_byte_timeout_s: float = Field(300.0, gt=0, description="until headers + 1st chunk")
-    read_timeout_s: float = Field(60.0, gt=0, description="max gap between stream chunks")
+    read_timeout_s: float = Field(
+        60.0, gt=0, description="max gap between body chunks (a stream's, or a whole "
+        "answer's after its headers)")
     max_attempts: int = Field(3, ge=1, description="backends tried before the first byte")
     retry_window_s: float = Field(
         0.0, ge=0, description="a request none of whose backends answered (none routable, "

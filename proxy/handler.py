@@ -334,7 +334,7 @@ class Exchange:
             completion_tokens=0))
 
     async def _respond(self, opened: Opened) -> None:
-        self.tally = StreamTally(time.monotonic(), opened.head, _ENDS.get(self.ctx.endpoint))
+        self.tally = StreamTally(time.monotonic(), _ENDS.get(self.ctx.endpoint))
         await relay_answer(opened, self.send, self.ctx.request_id, self.tally,
                            self.rt.settings.upstream.read_timeout_s,
                            self.rt.count_upstream_error, self._finishing)

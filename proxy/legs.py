@@ -51,7 +51,7 @@ class Leg:
         self._payloads = self._splitter.feed(opened.head)
         self._done = False
         self._failed: LegFailed | None = None
-        self._watch = StallWatch(opened, read_timeout_s, lambda: self.last_at)
+        self._watch = StallWatch(opened.close, read_timeout_s, lambda: self.last_at)
         # Set when this leg continues a sequence re-tokenized for another tokenizer:
         # (prompt + generated ids in its vocabulary, its tokenizer, where the generated
         # ones begin).

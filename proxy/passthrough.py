@@ -145,7 +145,7 @@ class _Call:
         outcome: Outcome | None = None
         try:
             opened = await self._open()
-            tally = StreamTally(time.monotonic(), opened.head)
+            tally = StreamTally(time.monotonic())
             await relay_answer(opened, self.send, self.request_id, tally,
                                self.rt.settings.upstream.read_timeout_s,
                                self.rt.count_upstream_error)

@@ -43,6 +43,7 @@ _HOP_HEADERS = frozenset(
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 _ERROR_BODY_LIMIT = 64 * 1024
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # how an SSE event ends (vLLM: the first)
+_DONE_EVENT = b"data: [DONE]"
 # Whole JSON answers up to this size are parsed to check they are complete; larger ones
 # (embeddings of many inputs) only by their first and last bytes.
 _PARSED_ANSWER_LIMIT = 256 * 1024
@@ -232,7 +233,7 @@ class Upstream:
                 raise UpstreamFailure(backend, "status", f"HTTP {response.status}: {detail[:500]}",
                                       status=response.status)
             if not stream or response.status != 200:
-                payload = await response.read()
+                payload = await _read_body(response, self._cfg.read_timeout_s)
                 if response.status == 200 and not _complete_json(response, payload):
                     raise UpstreamFailure(backend, "broken", "incomplete JSON answer: "
                                           f"{payload[-100:].decode(errors='replace')!r}")
@@ -269,16 +270,40 @@ def _complete_json(response: aiohttp.ClientResponse, payload: bytes) -> bool:
     return True
 
 
+async def _read_body(response: aiohttp.ClientResponse, read_timeout_s: float) -> bytes:
+    """A whole answer's body, failed (TimeoutError) once the backend has sent nothing of
+    it for `read_timeout_s`: aiohttp's own `sock_read` does not fire when its C parser
+    stops on a chunk size that is not hex (aiohttp 3.14.5; the pure-Python parser
+    raises), and such a read would wait for ever."""
+    parts: list[bytes] = []
+    last_at = [time.monotonic()]
+    watch = StallWatch(response.close, read_timeout_s, lambda: last_at[0])
+    try:
+        async for part in response.content.iter_any():
+            parts.append(part)
+            last_at[0] = time.monotonic()
+    except aiohttp.ClientError:
+        if watch.fired:
+            raise TimeoutError from None
+        raise
+    finally:
+        watch.cancel()
+    if watch.fired:
+        raise TimeoutError
+    return b"".join(parts)
+
+
 class StallWatch:
-    """Close a stream whose backend has sent nothing for `timeout_s`.
+    """Close (`close`) a response whose backend has sent nothing for `timeout_s`.
 
     `last_at` reports the monotonic time of the latest chunk. The check runs once per
     `timeout_s` at most, so a healthy stream costs one timer per period, not per token.
     """
 
-    def __init__(self, opened: Opened, timeout_s: float, last_at: Callable[[], float]):
+    def __init__(self, close: Callable[[], None], timeout_s: float,
+                 last_at: Callable[[], float]):
         self.fired = False
-        self._opened, self._timeout_s, self._last_at = opened, timeout_s, last_at
+        self._close, self._timeout_s, self._last_at = close, timeout_s, last_at
         self._loop = asyncio.get_running_loop()
         self._handle = self._loop.call_later(timeout_s, self._check)
 
@@ -286,7 +311,7 @@ class StallWatch:
         idle = time.monotonic() - self._last_at()
         if idle >= self._timeout_s:
             self.fired = True
-            self._opened.close()  # the pending read fails; the relay reports a timeout
+            self._close()  # the pending read fails; the relay reports a timeout
         else:
             self._handle = self._loop.call_later(self._timeout_s - idle, self._check)
 
@@ -318,34 +343,33 @@ async def relay_answer(opened: Opened, send: Send, request_id: str, tally: Strea
 async def _relay_stream(opened: Opened, send: Send, tally: StreamTally, read_timeout_s: float,
                         failed: Callable[[str, str], None]) -> None:
     """Relay the stream's bytes as they come, but only up to the last whole event: the
-    client never gets half an event, so an error event after a failure (or a tail
-    missing its blank line) cannot run into one."""
-    watch = StallWatch(opened, read_timeout_s, tally.last_seen)
-    torn = b""  # the unfinished event at the end of what came
+    client never gets half an event (its JSON cut off by a failure) before the error
+    event. `tally` counts what went out, so the end event it looks for is a whole one."""
+    watch = StallWatch(opened.close, read_timeout_s, tally.last_seen)
+    chunk, torn = opened.head, b""  # torn: the unfinished event at the end of what came
     try:
-        chunk = opened.head
         while chunk:
             if torn:
                 chunk, torn = torn + chunk, b""
             if not chunk.endswith(_EVENT_ENDS):
-                end = max(chunk.rfind(b"\n\n") + 2, chunk.rfind(b"\r\n\r\n") + 4, 0)
+                end = _whole_events(chunk)
                 chunk, torn = chunk[:end], chunk[end:]
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            chunk = await opened.next_chunk()
-            if chunk:
                 tally.add(chunk, time.monotonic())
+            chunk = await opened.next_chunk()
+            if chunk:  # (a chunk of half an event is still the backend alive)
+                tally.last_at = time.monotonic()
+        await _end_unended(torn, send, tally)
         if not tally.saw_done:
-            raise aiohttp.ClientPayloadError("stream ended without its end event")
-        if torn:  # e.g. "data: [DONE]" without its blank line: as the backend ended it
-            await send({"type": "http.response.body", "body": torn, "more_body": True})
+            raise aiohttp.ClientPayloadError("stream ended inside an event" if torn
+                                             else "stream ended without its end event")
     except (aiohttp.ClientError, TimeoutError) as exc:
         kind = "timeout" if watch.fired or isinstance(exc, TimeoutError) else "broken"
+        await _end_unended(torn, send, tally)
         if tally.saw_done:  # after its end event: the client has the whole answer
             log.info("%s: the stream's body failed after its end event (%s: %r); the "
                      "answer is whole", opened.backend.name, kind, exc)
-            if torn:
-                await send({"type": "http.response.body", "body": torn, "more_body": True})
             return
         tally.failed = True
         failed(opened.backend.name, kind)
@@ -354,6 +378,21 @@ async def _relay_stream(opened: Opened, send: Send, tally: StreamTally, read_tim
                     "more_body": True})
     finally:
         watch.cancel()
+
+
+async def _end_unended(torn: bytes, send: Send, tally: StreamTally) -> None:
+    """`[DONE]` without its blank line (the body ended, or broke, right after it): the
+    stream's end, sent whole."""
+    if torn.rstrip() == _DONE_EVENT and not tally.saw_done:
+        await send({"type": "http.response.body", "body": _DONE_EVENT + b"\n\n",
+                    "more_body": True})
+        tally.add(_DONE_EVENT + b"\n\n", time.monotonic())
+
+
+def _whole_events(chunk: bytes) -> int:
+    """How many bytes of `chunk` are whole events (up to its last event end)."""
+    lf, crlf = chunk.rfind(b"\n\n"), chunk.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def exhausted(model: str, failures: list[UpstreamFailure], retry_after_s: int) -> ProxyError:

@@ -163,7 +163,7 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
     except ProxyError as err:
         await rt.refuse(send, err)
         return
-    tally = StreamTally(time.monotonic(), opened.head, RESPONSES_END)
+    tally = StreamTally(time.monotonic(), RESPONSES_END)
     await until_disconnect(receive, relay_answer(
         opened, send, request_id(headers), tally, rt.settings.upstream.read_timeout_s,
         rt.count_upstream_error), lambda: None)

@@ -46,16 +46,18 @@ _CARRY = max(len(m) for end in (RESPONSES_END, MESSAGES_END) for m in end.marker
 class StreamTally:
     __slots__ = ("_ended", "_ends", "events", "failed", "first_at", "last_at", "recent")
 
-    def __init__(self, first_at: float, head: bytes, ends: StreamEnd | None = None) -> None:
-        """`ends`: how the stream ends (`RESPONSES_END`, `MESSAGES_END`); None: `[DONE]`."""
+    def __init__(self, first_at: float, ends: StreamEnd | None = None) -> None:
+        """A tally of what the relay sent of a stream whose first bytes came at
+        `first_at`. `ends`: how the stream ends (`RESPONSES_END`, `MESSAGES_END`);
+        None: `[DONE]`."""
         self.first_at = first_at
         self.last_at = first_at
-        self.events = head.count(_EVENT)
+        self.events = 0
         # The last chunks, joined only when the stream ends (usage, [DONE]).
-        self.recent: deque[bytes] = deque((head,), maxlen=_RECENT_CHUNKS)
+        self.recent: deque[bytes] = deque((b"",), maxlen=_RECENT_CHUNKS)
         self.failed = False
         self._ends = ends
-        self._ended = ends is not None and _has_any(head, ends.markers)
+        self._ended = False
 
     def add(self, chunk: bytes, now: float) -> None:
         self.events += chunk.count(_EVENT)
@@ -98,10 +100,8 @@ class StreamTally:
         return (self.last_at - self.first_at) / (tokens - 1)
 
     def error_event(self, err: ProxyError) -> bytes:
-        # Close a half-written event first so the error parses as its own event.
-        sep = b"" if self.tail.endswith(b"\n\n") else b"\n\n"
-        return sep + (stream_error_event(err) if self._ends is None
-                      else self._ends.error_event(err))
+        """The stream's error event (the relay sends whole events only: it follows one)."""
+        return stream_error_event(err) if self._ends is None else self._ends.error_event(err)
 
 
 def body_usage(body: bytes) -> tuple[int | None, int]:

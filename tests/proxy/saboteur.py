@@ -1,8 +1,8 @@
 """A backend that misbehaves as it is told: a fake vLLM's answers, broken on the way.
 
 `Saboteur` serves raw HTTP/1.1 from asyncio streams (so it can also break the framing)
-in front of a fake vLLM. Every request but a generation (scrapes, /v1/models, the
-migration's /tokenize) is relayed to the fake unchanged. A generation request gets the
+in front of a fake vLLM. Every request but a generation or an embedding (scrapes,
+/v1/models, the migration's /tokenize) is relayed to the fake unchanged. Those get the
 fake's answer with `plan` applied: another status; its events re-chunked, with comments
 between them, CRLF line ends or junk after `[DONE]` (all harmless to a correct reader);
 and at most one `Disruption`: the connection cut or left silent at a byte, an event the
@@ -23,7 +23,8 @@ import orjson
 
 from bench.fake_vllm import REFUSAL
 
-GENERATION = ("/v1/chat/completions", "/v1/completions")
+GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+              "/v1/embeddings")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 _STALL_CAP_S = 10.0  # a silent answer waits this long at most for the proxy to leave
 

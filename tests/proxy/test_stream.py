@@ -13,8 +13,15 @@ USAGE = (b'data: {"choices":[],"usage":{"prompt_tokens":12,"total_tokens":17,'
 DONE = b"data: [DONE]\n\n"
 
 
+def tally_of(*chunks: bytes) -> StreamTally:
+    tally = StreamTally(0.0)
+    for chunk in chunks:
+        tally.add(chunk, 0.0)
+    return tally
+
+
 def test_usage_read_from_tail_even_when_split() -> None:
-    tally = StreamTally(0.0, ROLE + token(0))
+    tally = tally_of(ROLE + token(0))
     for i in range(1, 5):
         tally.add(token(i), float(i))
     tally.add(USAGE[:40], 5.0)
@@ -26,7 +33,7 @@ def test_usage_read_from_tail_even_when_split() -> None:
 
 
 def test_estimate_without_usage_and_missing_done() -> None:
-    tally = StreamTally(0.0, ROLE)
+    tally = tally_of(ROLE)
     for i in range(10):
         tally.add(token(i), 1.0)
     assert not tally.saw_done
@@ -34,14 +41,14 @@ def test_estimate_without_usage_and_missing_done() -> None:
               + DONE, 2.0)
     assert tally.saw_done
     assert tally.usage(chat=True) == (None, 11)
-    assert StreamTally(0.0, token(0) + token(1) + DONE).usage(chat=False) == (None, 2)
+    assert tally_of(token(0) + token(1) + DONE).usage(chat=False) == (None, 2)
 
 
-def test_error_event_closes_half_event() -> None:
-    tally = StreamTally(0.0, b'data: {"choi')
-    event = tally.error_event(UpstreamError("gone"))
-    assert event.startswith(b"\n\ndata: {\"error\"")
-    assert event.endswith(b"data: [DONE]\n\n")
+def test_error_event_is_an_event_and_the_end() -> None:
+    """(The relay sends whole events only, so it follows one: tests/proxy/
+    test_fuzz_upstream.py, a stream cut inside an event.)"""
+    event = tally_of(b'data: {"choi').error_event(UpstreamError("gone"))
+    assert event.startswith(b'data: {"error"') and event.endswith(b"data: [DONE]\n\n")
 
 
 def test_body_usage() -> None:
