@@ -275,6 +275,8 @@ async def _read_body(response: aiohttp.ClientResponse, read_timeout_s: float) ->
     it for `read_timeout_s`: aiohttp's own `sock_read` does not fire when its C parser
     stops on a chunk size that is not hex (aiohttp 3.14.5; the pure-Python parser
     raises), and such a read would wait for ever."""
+    if response.content.is_eof():  # the usual whole answer: here with its headers
+        return await response.read()
     parts: list[bytes] = []
     last_at = [time.monotonic()]
     watch = StallWatch(response.close, read_timeout_s, lambda: last_at[0])
