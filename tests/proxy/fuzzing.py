@@ -4,11 +4,15 @@ tests/integration/test_fuzz_vllm.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -179,6 +183,44 @@ class Errors(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def on_a_thread(setup: Callable[[], AbstractAsyncContextManager[T]]
+                ) -> Iterator[tuple[T, Errors]]:
+    """Enter `setup()` (a proxy and its backends) on an event loop in a thread of its
+    own, so that hypothesis's cases are plain calls to it; yield what it gives and an
+    `Errors` handler on the root logger meanwhile. Exited when the block ends."""
+    up, stop, failed = threading.Event(), threading.Event(), []
+    given: list[T] = []
+
+    async def serve() -> None:
+        async with setup() as entered:
+            given.append(entered)
+            up.set()
+            await asyncio.to_thread(stop.wait)
+
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as exc:  # reported below
+            failed.append(exc)
+            up.set()
+
+    errors = Errors()
+    logging.getLogger().addHandler(errors)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert up.wait(30) and not failed, failed
+        yield given[0], errors
+    finally:
+        stop.set()
+        thread.join(30)
+        logging.getLogger().removeHandler(errors)
 
 
 def check_shape(path: str, answer: httpx.Response) -> None:

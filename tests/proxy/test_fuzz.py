@@ -14,11 +14,8 @@ properties against a real vLLM server: tests/integration/test_fuzz_vllm.py.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +53,7 @@ from tests.proxy.fuzzing import (
     check_shape,
     dumps,
     fuzz,
+    on_a_thread,
 )
 from tests.proxy.test_auth import keys
 
@@ -67,35 +65,10 @@ class Served:
 
 
 def serving(**sections: Any) -> Iterator[Served]:
-    """A proxy (`sections`: its settings) and its fakes on an event loop in a thread of
-    their own: hypothesis's cases are plain calls to it."""
-    up, stop, failed = threading.Event(), threading.Event(), []
-    urls: list[str] = []
-
-    async def serve() -> None:
-        async with fleet(FakeConfig(), FakeConfig(tpot_s=0.001), **sections) as (proxy, _):
-            urls.append(proxy.url)
-            up.set()
-            await asyncio.to_thread(stop.wait)
-
-    def run() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:  # the fixture reports it
-            failed.append(exc)
-            up.set()
-
-    errors = Errors()
-    logging.getLogger().addHandler(errors)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        assert up.wait(30) and not failed, failed
-        yield Served(urls[0], errors)
-    finally:
-        stop.set()
-        thread.join(30)
-        logging.getLogger().removeHandler(errors)
+    """A proxy (`sections`: its settings) and its fakes on a thread of their own."""
+    with on_a_thread(lambda: fleet(FakeConfig(), FakeConfig(tpot_s=0.001), **sections)
+                     ) as ((proxy, _), errors):
+        yield Served(proxy.url, errors)
 
 
 SERVER = {"access_log": True, "max_tokens_limit": 64, "header_timeout_s": 5,

@@ -21,11 +21,9 @@ answer, or a stream ending with the tokens it had, an error event and [DONE].
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import threading
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +35,7 @@ from hypothesis import strategies as st
 
 from bench.fake_vllm import FakeConfig, serve_fake
 from tests.proxy.fakes import fleet
-from tests.proxy.fuzzing import Errors, check_shape, fuzz
+from tests.proxy.fuzzing import Errors, check_shape, fuzz, on_a_thread
 from tests.proxy.saboteur import Disruption, Plan, Saboteur
 
 JUNK = [b"{", b"", b"nul", b"[1, 2", b"\xff\xfe", b'{"choices": 5}',
@@ -83,11 +81,10 @@ class Served:
 
 def serving(migration: dict[str, Any]) -> Iterator[Served]:
     """The saboteur and a healthy fake behind a proxy with these migration settings, on
-    an event loop in a thread of their own."""
-    up, stop, failed = threading.Event(), threading.Event(), []
-    found: list[tuple[str, str, Saboteur]] = []
+    a thread of their own."""
 
-    async def serve() -> None:
+    @contextlib.asynccontextmanager
+    async def setup() -> AsyncIterator[tuple[str, str, Saboteur]]:
         async with serve_fake(FakeConfig()) as behind, \
                 Saboteur(behind.url).serving() as saboteur, \
                 fleet(FakeConfig(), policy={"name": "session"},
@@ -95,30 +92,11 @@ def serving(migration: dict[str, Any]) -> Iterator[Served]:
                       server={"header_timeout_s": 5},
                       upstream={"read_timeout_s": 0.3, "first_byte_timeout_s": 1.0},
                       migration=migration) as (proxy, fakes):
-            found.append((proxy.url, fakes[0].url, saboteur))
-            up.set()
-            await asyncio.to_thread(stop.wait)
+            yield proxy.url, fakes[0].url, saboteur
 
-    def run() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:  # reported below
-            failed.append(exc)
-            up.set()
-
-    errors = Errors()
-    logging.getLogger().addHandler(errors)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        assert up.wait(30) and not failed, failed
-        url, direct, saboteur = found[0]
+    with on_a_thread(setup) as ((url, direct, saboteur), errors):
         settle(url)
         yield Served(url, direct, saboteur, errors, session_on(url, "bad"))
-    finally:
-        stop.set()
-        thread.join(30)
-        logging.getLogger().removeHandler(errors)
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +158,9 @@ def said(api: str, stream: bool, answer: httpx.Response) -> Said:
             choice = data["choices"][0]
             return Said(200, choice["message"]["content"] if api == "chat" else choice["text"],
                         choice["finish_reason"], None)
-        text = {"responses": lambda: data["output"][0]["content"][0]["text"],
-                "messages": lambda: data["content"][0]["text"],
-                "embeddings": lambda: repr(data["data"][0]["embedding"])}[api]()
+        text = str(data["output"][0]["content"][0]["text"] if api == "responses"
+                   else data["content"][0]["text"] if api == "messages"
+                   else data["data"][0]["embedding"])
         return Said(200, text, data.get("status") or data.get("stop_reason"), None)
     out = Said(200, "", None, None)
     for line in answer.text.split("\n"):
@@ -209,12 +187,13 @@ def said(api: str, stream: bool, answer: httpx.Response) -> Said:
 
 def ask(url: str, api: str, stream: bool, n: int, headers: dict[str, str] | None = None
         ) -> tuple[str, httpx.Response]:
-    body: dict[str, Any] = {
+    bodies: dict[str, dict[str, Any]] = {
         "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": n},
         "completions": {"prompt": "hi", "max_tokens": n},
         "responses": {"input": "hi", "max_output_tokens": n},
         "messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": n},
-        "embeddings": {"input": f"hi {n}"}}[api]
+        "embeddings": {"input": f"hi {n}"}}
+    body = bodies[api]
     if api != "embeddings":
         body["stream"] = stream
     with httpx.Client(base_url=url, timeout=20) as http:
