@@ -75,12 +75,18 @@ async def rounds(a: ProxyProcess, b: ProxyProcess, n: int, streams: int, tokens:
     return got
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+def checkouts_parser(doc: str | None, rounds: int) -> argparse.ArgumentParser:
+    """The command line of an A/B of two checkouts: `base`, `new` and `--rounds`."""
+    parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base", type=Path, help="checkout A (e.g. a git worktree)")
     parser.add_argument("new", type=Path, nargs="?", default=REPO, help="checkout B")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = checkouts_parser(__doc__, rounds=8)
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--no-tracking", action="store_true",

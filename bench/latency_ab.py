@@ -10,15 +10,13 @@ all its blocks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 
-from bench.cpu_ab import REPO, proxy_from
+from bench.cpu_ab import checkouts_parser, proxy_from
 from bench.overhead_procs import fake_process
 
 _BODY = b'{"model":"fast","max_tokens":16,"messages":[{"role":"user","content":"hi"}]}'
@@ -54,11 +52,7 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("base", type=Path, help="checkout A (e.g. a git worktree)")
-    parser.add_argument("new", type=Path, nargs="?", default=REPO, help="checkout B")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser = checkouts_parser(__doc__, rounds=10)
     parser.add_argument("--requests", type=int, default=300)
     args = parser.parse_args(argv)
     with fake_process(0, "fast") as fast, fake_process(20.0, "paced") as paced, \

@@ -11,9 +11,7 @@ open.
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +34,9 @@ from tests.integration.test_migration_vllm import (
     tied,
     two_same,
 )
-from tests.proxy.fuzzing import check_shape, fuzz
+from tests.proxy.fuzzing import check_shape, fuzz, on_a_thread
 from tests.proxy.saboteur import Plan, Saboteur
-from tests.proxy.test_fuzz_upstream import PLANS, settle
+from tests.proxy.test_fuzz_upstream import PLANS, session_on, settle
 
 pytestmark = pytest.mark.vllm
 
@@ -55,43 +53,17 @@ class Served:
 @pytest.fixture(scope="module")
 def served(vllm_fleet: list[Running]) -> Iterator[Served]:
     source, other = two_same(vllm_fleet)
-    up, stop, found = threading.Event(), threading.Event(), []
-
-    async def serve() -> None:
-        async with Saboteur(source.url).serving() as saboteur:
-            found.append(saboteur)
-            up.set()
-            await asyncio.to_thread(stop.wait)
-
-    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
-    thread.start()
-    assert up.wait(30)
-    saboteur = found[0]
-    config = {"backends": [{"name": "bad", "url": saboteur.url, "model": MODEL},
-                           {"name": other.name, "url": other.url, "model": MODEL}],
-              "policy": {"name": "session"},
-              "upstream": {"read_timeout_s": 2.0, "first_byte_timeout_s": 10.0},
-              "migration": {"warm_prefill": False, "pace_slowdown": 0}}
-    with tempfile.TemporaryDirectory() as tmp, \
-            running_proxy(config, log_path=Path(tmp) / "proxy.log") as proxy:
-        try:
+    with on_a_thread(lambda: Saboteur(source.url).serving()) as (saboteur, _), \
+            tempfile.TemporaryDirectory() as tmp:
+        config = {"backends": [{"name": "bad", "url": saboteur.url, "model": MODEL},
+                               {"name": other.name, "url": other.url, "model": MODEL}],
+                  "policy": {"name": "session"},
+                  "upstream": {"read_timeout_s": 2.0, "first_byte_timeout_s": 10.0},
+                  "migration": {"warm_prefill": False, "pace_slowdown": 0}}
+        with running_proxy(config, log_path=Path(tmp) / "proxy.log") as proxy:
             settle(proxy.url, timeout_s=30)
             yield Served(proxy.url, source.url, saboteur, Path(tmp) / "proxy.log",
-                         session_of(proxy.url))
-        finally:
-            stop.set()
-            thread.join(30)
-
-
-def session_of(url: str) -> str:
-    with httpx.Client(base_url=url, timeout=60) as http:
-        for i in range(200):
-            answer = http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
-                                                         "max_tokens": 1},
-                               headers={"x-session-id": f"s{i}"})
-            if answer.headers["x-laneway-backend"] == "bad":
-                return f"s{i}"
-    raise AssertionError("no session id lands on the saboteur")
+                         session_on(proxy.url, "bad", MODEL))
 
 
 @fuzz(40)

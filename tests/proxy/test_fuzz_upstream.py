@@ -111,10 +111,11 @@ def untracked() -> Iterator[Served]:
     yield from serving({"enabled": False})
 
 
-def session_on(url: str, backend: str) -> str:
-    with httpx.Client(base_url=url, timeout=10) as http:
+def session_on(url: str, backend: str, model: str = "fake") -> str:
+    """An x-session-id the proxy's session ring gives `backend` (one of `model`'s)."""
+    with httpx.Client(base_url=url, timeout=60) as http:
         for i in range(200):
-            answer = http.post("/v1/completions", json={"model": "fake", "prompt": "x",
+            answer = http.post("/v1/completions", json={"model": model, "prompt": "x",
                                                          "max_tokens": 1},
                                headers={"x-session-id": f"s{i}"})
             if answer.headers["x-laneway-backend"] == backend:
