@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 EXTRAS := backends,bench,dev,predictors
 
-.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-memory bench-chaos bench-peers bench-migration bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-memory bench-chaos bench-peers bench-migration bench-outliers bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -107,6 +107,12 @@ bench-peers: install $(PEERS_VENV)/.installed
 # backend table of the README: python -m bench.migration --fake 20,5 (→ migration.json)
 bench-migration: install
 	$(PY) -m bench.migration --pin --json docs/results/migration_vllm.json
+
+# Passive health (README, Failure handling): one of two vLLM-CPU servers fails every
+# generation (500, cut, silent) while its /metrics answer; outliers off vs on
+# → docs/results/outliers.json
+bench-outliers: install
+	$(PY) -m bench.outliers --requests 200 --rounds 2
 
 # Flow control under overload (README, Flow control): off vs several limits, fake
 # backends → docs/results/flow_control.json; two vLLM-CPU servers → flow_control_real.json

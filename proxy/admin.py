@@ -126,6 +126,7 @@ def _describe(rt: Runtime, name: str) -> dict[str, Any]:
         "labels": dict(backend.labels),
         "healthy": rt.registry.is_healthy(name),
         "draining": rt.registry.is_draining(name),
+        "ejected_for_s": round(rt.outliers.ejected_for(name), 1),  # passive health
         "inflight": rt.registry.local_inflight.get(name, 0),  # via this replica
         "cluster_inflight": rt.registry.inflight.get(name, 0),  # via every replica
         "tracked_streams": rt.streams.count(name),

@@ -143,6 +143,27 @@ class PollerConfig(_Section):
         "requests do not move")
 
 
+class OutliersConfig(_Section):
+    """Passive health: a backend that fails most of what it is sent is taken out for a
+    while, though it answers its scrapes (README, Failure handling; proxy/outliers.py)."""
+
+    failures: int = Field(
+        5, ge=0, description="eject a backend once this many of its attempts failed "
+        "within `window_s` (a 5xx, a timeout, a stream that broke, stalled or "
+        "aborted; not a refused connection, which the poller acts on; never the "
+        "client's error); 0: never eject")
+    failure_ratio: float = Field(
+        0.5, ge=0, le=1, description="... and they are at least this share of its "
+        "attempts in the window (a busy backend's occasional failures do not eject it)")
+    window_s: float = Field(10.0, gt=0, description="attempts and failures are counted "
+                            "over this long")
+    eject_s: float = Field(
+        30.0, gt=0, description="an ejected backend is unhealthy this long, doubled for "
+        "each ejection that follows within `max_eject_s` of the end of the one before; "
+        "then its next good scrape brings it back")
+    max_eject_s: float = Field(300.0, gt=0, description="the longest ejection")
+
+
 class MigrationConfig(_Section):
     """Moving running requests between backends by token ids (see README, Migration)."""
 
@@ -293,6 +314,7 @@ class Settings(BaseSettings):
     upstream: UpstreamConfig = UpstreamConfig()
     poller: PollerConfig = PollerConfig()
     migration: MigrationConfig = MigrationConfig()
+    outliers: OutliersConfig = OutliersConfig()
     admin: AdminConfig = AdminConfig()
     flow_control: FlowControlConfig = FlowControlConfig()
     predictors: PredictorsConfig = PredictorsConfig()

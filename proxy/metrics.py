@@ -72,6 +72,9 @@ class Metrics:
         self.upstream_errors = Counter(
             "laneway_upstream_errors", "Backend failures seen by the relay",
             ["backend", "kind"], registry=r)
+        self.ejections = Counter(
+            "laneway_backend_ejections", "Backends taken out by passive health (most of "
+            "their recent attempts failed; README, Failure handling)", ["backend"], registry=r)
         self.error_responses = Counter(
             "laneway_error_responses", "Error responses the proxy made itself",
             ["status", "code"], registry=r)

@@ -9,6 +9,8 @@ end of a round over the whole fleet.
 A backend is healthy once a scrape succeeds. It turns unhealthy after
 `unhealthy_after` consecutive failed scrapes, or at once when the relay reports a
 connection failure; an unhealthy backend is probed again with exponential backoff.
+One ejected by passive health (proxy/outliers.py) stays unhealthy until its ejection
+ends, however its scrapes go; its first good scrape after that brings it back.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _Health:
     failures: int = 0
     backoff_s: float = 0.0
     next_probe_at: float = 0.0
+    ejected_until: float = 0.0
     cumulative: Cumulative = field(default_factory=Cumulative)
 
 
@@ -88,6 +91,20 @@ class Poller:
             self._flush()
         self._back_off(state, time.monotonic())
 
+    def eject(self, name: str, for_s: float) -> None:
+        """Passive health: route nothing to `name` for `for_s`, though it answers its
+        scrapes."""
+        state = self._state(name)
+        state.ejected_until = state.next_probe_at = time.monotonic() + for_s
+        last = self._arrived.get(name) or self._registry.stats.get(name, UNKNOWN_STATS)
+        if last.healthy:
+            self._arrived[name] = replace(last, healthy=False)
+            self._flush()
+
+    def forget(self, name: str) -> None:
+        """`name` left the fleet: a backend added under its name starts afresh."""
+        self._health.pop(name, None)
+
     def _start_due(self, now: float) -> None:
         for backend in self._registry.all():
             if backend.name in self._scraping or self._state(backend.name).next_probe_at > now:
@@ -133,9 +150,12 @@ class Poller:
         last = self._arrived.get(backend.name) or self._registry.stats.get(
             backend.name, UNKNOWN_STATS)
         if text is not None:
+            stats, state.cumulative = to_stats(parse_samples(text), state.cumulative, last, now)
+            if now < state.ejected_until:  # (a scrape that was under way at the ejection)
+                state.next_probe_at = state.ejected_until
+                return replace(stats, healthy=False)
             if not last.healthy:
                 log.info("backend %s is healthy", backend.name)
-            stats, state.cumulative = to_stats(parse_samples(text), state.cumulative, last, now)
             state.failures, state.backoff_s, state.next_probe_at = 0, 0.0, now
             return stats
         state.failures += 1

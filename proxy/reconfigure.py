@@ -3,7 +3,7 @@
 Sections that take effect at once on reload: backends (added, removed after their
 tracked streams were asked to move, or replaced when url/model/labels/api_key changed),
 model groups and fallbacks, policy (name or params), auth, admin, debug, migration,
-flow control.
+flow control, outliers.
 Others (server, upstream, poller, state, predictors) are logged as needing a restart and
 keep their old values.
 
@@ -28,7 +28,7 @@ from proxy.types import Backend
 
 log = logging.getLogger("laneway.admin")
 HOT_SECTIONS = ("backends", "model_groups", "model_fallbacks", "policy", "auth", "admin",
-                "debug", "migration", "flow_control")
+                "debug", "migration", "flow_control", "outliers")
 
 
 def switch_policy(rt: Runtime, name: str, params: dict[str, Any], policy: Policy) -> None:
@@ -54,6 +54,8 @@ def remove_backend(rt: Runtime, name: str, migrate: bool = True) -> int:
     rt.registry.drain(name)
     moving = rt.streams.move_all(name, "drain") if migrate else 0
     rt.registry.remove(name)
+    rt.poller.forget(name)
+    rt.outliers.forget(name)
     log.info("backend %s removed; %d tracked streams asked to move", name, moving)
     return moving
 

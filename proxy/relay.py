@@ -138,9 +138,12 @@ def backend_auth(api_key: str, headers: Mapping[str, str]) -> dict[str, str]:
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, cfg: UpstreamConfig) -> None:
+    def __init__(self, session: aiohttp.ClientSession, cfg: UpstreamConfig,
+                 sent: Callable[[str], None] = lambda backend: None) -> None:
+        """`sent(backend name)` runs for every request sent (passive health counts them)."""
         self._session = session
         self._cfg = cfg
+        self._sent = sent
         # Until the first byte, allow a long wait (queueing, prefill, or a whole
         # non-streamed generation); after it, only `read_timeout_s` between chunks.
         self._timeout = aiohttp.ClientTimeout(
@@ -221,6 +224,7 @@ class Upstream:
     ) -> aiohttp.ClientResponse:
         if backend.api_key is not None:
             headers = backend_auth(backend.api_key, headers)
+        self._sent(backend.name)
         return await self._session.request(
             method, backend.url + path, data=body, headers=headers, timeout=self._timeout)
 

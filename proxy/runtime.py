@@ -23,6 +23,7 @@ from proxy.errors import InvalidRequest, ModelNotFound, ProxyError
 from proxy.flow import ANYONE, FlowControl, Place
 from proxy.metrics import Metrics
 from proxy.migration import ActiveStreams
+from proxy.outliers import Outliers
 from proxy.poller import Poller
 from proxy.ratelimit import WindowCounters
 from proxy.registry import Registry
@@ -87,9 +88,10 @@ class Runtime:
             auto_decompress=False,  # relay bytes exactly as the backend sent them
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        self.upstream = Upstream(self._relay_session, settings.upstream)
         self.streams = ActiveStreams()
         self.poller = Poller(self.registry, settings.poller, self.tls)
+        self.outliers = Outliers(lambda: self.settings.outliers, self._eject)
+        self.upstream = Upstream(self._relay_session, settings.upstream, self.outliers.sent)
         self.flow = FlowControl(lambda: self.settings, self.registry, self.metrics)
         self.discovery = ModelDiscovery(self.registry, self.upstream,
                                         settings.poller.models_interval_s,
@@ -266,8 +268,13 @@ class Runtime:
         self.metrics.error_responses.labels(str(err.status), err.code or err.type).inc()
 
     def count_upstream_error(self, backend: str, kind: str) -> None:
-        """A backend failed a request (`kind`: connect, timeout, status, broken)."""
+        """A backend failed a request (`kind`: connect, timeout, status, broken, error)."""
         self.metrics.upstream_errors.labels(backend, kind).inc()
+        self.outliers.failed(backend, kind)
+
+    def _eject(self, backend: str, for_s: float) -> None:
+        self.metrics.ejections.labels(backend).inc()
+        self.poller.eject(backend, for_s)
 
     def upstream_failed(self, failure: UpstreamFailure, model: str) -> None:
         log.warning("attempt on %s failed (%s): %s", failure.backend.name, failure.kind,

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from bench.backends import Running
 from bench.proxy_process import running_proxy
+from bench.saboteur import Disruption, Plan, Saboteur
 from tests.integration.test_migration_vllm import (
     MODEL,
     Answer,
@@ -35,7 +36,6 @@ from tests.integration.test_migration_vllm import (
     two_same,
 )
 from tests.proxy.fuzzing import check_shape, fuzz, on_a_thread
-from tests.proxy.saboteur import Plan, Saboteur
 from tests.proxy.test_fuzz_upstream import PLANS, session_on, settle
 
 pytestmark = pytest.mark.vllm
@@ -59,6 +59,7 @@ def served(vllm_fleet: list[Running]) -> Iterator[Served]:
                                {"name": other.name, "url": other.url, "model": MODEL}],
                   "policy": {"name": "session"},
                   "upstream": {"read_timeout_s": 2.0, "first_byte_timeout_s": 10.0},
+                  "outliers": {"failures": 0},  # every case is the saboteur's first
                   "migration": {"warm_prefill": False, "pace_slowdown": 0}}
         with running_proxy(config, log_path=Path(tmp) / "proxy.log") as proxy:
             settle(proxy.url, timeout_s=30)
@@ -104,3 +105,57 @@ def test_a_broken_real_vllm_answer_reaches_the_client_whole_or_as_its_refusal(
             read_stream(moved, lines, chat)
             assert_spliced_exactly(moved, reference)
     settle(served.url, timeout_s=30)
+
+
+def _proxy_metric(url: str, name: str, backend: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith(f'{name}{{backend="{backend}"')]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
+def _described(url: str, name: str) -> dict[str, object]:
+    listed = httpx.get(f"{url}/admin/backends", timeout=10).json()["backends"]
+    return next(b for b in listed if b["name"] == name)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("plan", [Plan(status=500), Plan(disruption=Disruption("cut", 0.5))],
+                         ids=["5xx", "stream-cut"])
+def test_a_real_vllm_failing_its_generations_is_ejected_then_back(
+        vllm_fleet: list[Running], plan: Plan) -> None:
+    """Passive health with real vLLM: behind the saboteur, one server's generations
+    fail (a 500, or the stream cut half-way) while its /metrics pass through. After
+    three failures no request goes there, and every client gets the whole answer (the
+    unmoved one); once the ejection ends and the server is mended, it serves again."""
+    source, other = two_same(vllm_fleet)
+    payload = body(True, True, ignore_eos=True, max_tokens=24)
+    reference = ask(source.url, True, tied(True, payload))
+    with on_a_thread(lambda: Saboteur(source.url).serving()) as (saboteur, _), \
+            tempfile.TemporaryDirectory() as tmp:
+        config = {"backends": [{"name": "bad", "url": saboteur.url, "model": MODEL},
+                               {"name": other.name, "url": other.url, "model": MODEL}],
+                  "policy": {"name": "round_robin"},
+                  "outliers": {"failures": 3, "window_s": 60, "eject_s": 3},
+                  "migration": {"warm_prefill": False, "pace_slowdown": 0}}
+        log = Path(tmp) / "proxy.log"
+        with running_proxy(config, log_path=log) as proxy:
+            settle(proxy.url, timeout_s=30)
+            saboteur.plan = plan
+            for _ in range(10):
+                assert_spliced_exactly(ask(proxy.url, True, payload), reference)
+            assert saboteur.hits == 3  # the third failure ejected it
+            assert _proxy_metric(proxy.url, "laneway_backend_ejections_total", "bad") == 1
+            described = _described(proxy.url, "bad")
+            assert described["healthy"] is False and described["ejected_for_s"] > 0
+            saboteur.plan = None  # mended
+            settle(proxy.url, timeout_s=30)  # back by its first good scrape after 3 s
+            served_by = []
+            for _ in range(6):
+                answer = ask(proxy.url, True, payload)
+                assert_spliced_exactly(answer, reference)
+                served_by.append(answer.backend)
+            assert served_by.count("bad") == 3, served_by  # round robin again
+            assert _described(proxy.url, "bad")["healthy"] is True
+            assert _proxy_metric(proxy.url, "laneway_backend_ejections_total", "bad") == 1
+        text = log.read_text(errors="replace")
+        assert "backend bad ejected for 3 s: 3 of its" in text, text[-3000:]
+        assert " ERROR " not in text and "Traceback" not in text, text[-3000:]

@@ -4,12 +4,10 @@ tests/integration/test_fuzz_vllm.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
@@ -18,6 +16,8 @@ import httpx
 import orjson
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+from bench.threaded import in_a_thread
 
 MODEL = "fake"  # the model the bodies name unless told another (the fakes' name)
 
@@ -194,32 +194,12 @@ def on_a_thread(setup: Callable[[], AbstractAsyncContextManager[T]]
     """Enter `setup()` (a proxy and its backends) on an event loop in a thread of its
     own, so that hypothesis's cases are plain calls to it; yield what it gives and an
     `Errors` handler on the root logger meanwhile. Exited when the block ends."""
-    up, stop, failed = threading.Event(), threading.Event(), []
-    given: list[T] = []
-
-    async def serve() -> None:
-        async with setup() as entered:
-            given.append(entered)
-            up.set()
-            await asyncio.to_thread(stop.wait)
-
-    def run() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:  # reported below
-            failed.append(exc)
-            up.set()
-
     errors = Errors()
     logging.getLogger().addHandler(errors)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
     try:
-        assert up.wait(30) and not failed, failed
-        yield given[0], errors
+        with in_a_thread(setup) as entered:
+            yield entered, errors
     finally:
-        stop.set()
-        thread.join(30)
         logging.getLogger().removeHandler(errors)
 
 

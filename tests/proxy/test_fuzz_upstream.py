@@ -34,9 +34,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.fake_vllm import FakeConfig, serve_fake
+from bench.saboteur import Disruption, Plan, Saboteur
 from tests.proxy.fakes import fleet
 from tests.proxy.fuzzing import Errors, check_shape, fuzz, on_a_thread
-from tests.proxy.saboteur import Disruption, Plan, Saboteur
 
 JUNK = [b"{", b"", b"nul", b"[1, 2", b"\xff\xfe", b'{"choices": 5}',
         b'{"choices": [{"delta": 7}]}', b'{"choices": [{"text": ["x"], "index": 0}]}',
@@ -91,6 +91,7 @@ def serving(migration: dict[str, Any]) -> Iterator[Served]:
                       extra_backends=[{"name": "bad", "url": saboteur.url, "model": "fake"}],
                       server={"header_timeout_s": 5},
                       upstream={"read_timeout_s": 0.3, "first_byte_timeout_s": 1.0},
+                      outliers={"failures": 0},  # every case is the saboteur's first
                       migration=migration) as (proxy, fakes):
             yield proxy.url, fakes[0].url, saboteur
 

@@ -1,0 +1,200 @@
+"""Passive health (proxy/outliers.py): the counting and the ejection's length, on a
+test clock; the poller keeping an ejected backend out; and the proxy in front of fake
+backends that fail what they are sent while their /metrics answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from bench.fake_vllm import FakeConfig
+from proxy.config import OutliersConfig, PollerConfig
+from proxy.outliers import Outliers
+from proxy.poller import Poller
+from proxy.registry import Registry
+from proxy.types import Backend
+from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.test_poller import MetricsServer, serving
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def outliers(**cfg: float) -> tuple[Outliers, Clock, list[tuple[str, float]]]:
+    clock, ejected = Clock(), []
+    config = OutliersConfig(**cfg)  # type: ignore[arg-type]
+    made = Outliers(lambda: config, lambda name, for_s: ejected.append((name, for_s)),
+                    clock)
+    return made, clock, ejected
+
+
+def attempts(o: Outliers, backend: str, n: int, fail: bool) -> None:
+    for _ in range(n):
+        o.sent(backend)
+        if fail:
+            o.failed(backend, "status")
+
+
+def test_ejects_after_enough_failures_that_are_most_of_the_attempts() -> None:
+    o, clock, ejected = outliers()
+    attempts(o, "a", 4, fail=True)
+    attempts(o, "b", 20, fail=False)
+    assert ejected == [] and o.ejected_for("a") == 0.0
+    attempts(o, "a", 1, fail=True)
+    assert ejected == [("a", 30.0)] and o.ejected_for("a") == 30.0
+    clock.now += 10
+    assert o.ejected_for("a") == 20.0 and o.ejected_for("b") == 0.0
+    attempts(o, "a", 10, fail=True)  # its open requests failing over: not counted
+    assert ejected == [("a", 30.0)] and o.ejections == 1
+
+
+def test_a_busy_backend_with_a_few_failures_stays() -> None:
+    o, _, ejected = outliers()
+    for _ in range(8):  # 8 failures among 24 attempts: a third, under the ratio
+        attempts(o, "a", 2, fail=False)
+        attempts(o, "a", 1, fail=True)
+    assert ejected == []
+    attempts(o, "a", 7, fail=True)  # 15 of 31: still under half
+    assert ejected == []
+    attempts(o, "a", 1, fail=True)  # 16 of 32
+    assert ejected == [("a", 30.0)]
+
+
+def test_failures_older_than_the_window_do_not_count() -> None:
+    o, clock, ejected = outliers(window_s=10.0)
+    attempts(o, "a", 4, fail=True)
+    clock.now += 10.5  # every slice of those four is out of the window
+    attempts(o, "a", 4, fail=True)
+    assert ejected == []
+    clock.now += 5  # the second four are still in it
+    attempts(o, "a", 1, fail=True)
+    assert ejected == [("a", 30.0)]
+
+
+def test_ejections_in_a_row_double_up_to_the_longest_then_start_again() -> None:
+    o, clock, ejected = outliers(eject_s=30.0, max_eject_s=100.0)
+    for _ in range(4):
+        attempts(o, "a", 5, fail=True)
+        clock.now += o.ejected_for("a") + 1  # back, and failing again at once
+    assert [for_s for _, for_s in ejected] == [30.0, 60.0, 100.0, 100.0]
+    for _ in range(2000):  # flapping for days: still the longest, no overflow
+        attempts(o, "a", 5, fail=True)
+        clock.now += o.ejected_for("a") + 1
+    assert ejected[-1] == ("a", 100.0) and o.ejections == 2004
+    clock.now += 101  # a longer good spell than the longest ejection
+    attempts(o, "a", 5, fail=True)
+    assert ejected[-1] == ("a", 30.0)
+
+
+def test_a_returned_backend_starts_with_a_fresh_count() -> None:
+    o, clock, ejected = outliers()
+    attempts(o, "a", 5, fail=True)
+    clock.now += 31
+    attempts(o, "a", 4, fail=True)
+    assert len(ejected) == 1
+
+
+def test_off_with_failures_zero_and_forget() -> None:
+    o, _, ejected = outliers(failures=0)
+    attempts(o, "a", 50, fail=True)
+    assert ejected == [] and o.ejected_for("a") == 0.0
+    o, _, ejected = outliers()
+    attempts(o, "a", 5, fail=True)
+    o.forget("a")
+    assert o.ejected_for("a") == 0.0
+
+
+async def test_the_poller_keeps_an_ejected_backend_out_until_the_ejection_ends(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("proxy.poller.time.monotonic", lambda: clock[0])
+    async with serving(MetricsServer()) as (_, url):
+        registry = Registry([Backend("a", url, "m")])
+        poller = Poller(registry, PollerConfig(interval_s=0.01, timeout_s=0.5))
+        try:
+            await poller.poll_once()
+            assert registry.stats["a"].healthy
+            poller.eject("a", 30.0)
+            assert not registry.stats["a"].healthy
+            clock[0] += 10
+            await poller.poll_once()  # not due: nothing scraped
+            assert not registry.stats["a"].healthy
+            poller._health["a"].next_probe_at = 0.0  # a scrape already under way
+            await poller.poll_once()
+            assert not registry.stats["a"].healthy and registry.stats["a"].running == 2
+            assert poller._health["a"].next_probe_at == 130.0
+            clock[0] += 21
+            await poller.poll_once()
+            assert registry.stats["a"].healthy
+        finally:
+            await poller.scraper.close()
+
+
+async def metric(proxy_url: str, name: str, backend: str) -> float:
+    async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as http:
+        text = (await http.get("/metrics")).text
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{backend="{backend}"') and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def admin_backend(proxy_url: str, name: str) -> dict[str, object]:
+    async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as http:
+        listed = (await http.get("/admin/backends")).json()["backends"]
+    return next(b for b in listed if b["name"] == name)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("broken", [FakeConfig(fail_status=500),
+                                    FakeConfig(die_after_tokens=3)],
+                         ids=["5xx", "stream-cut"])
+async def test_a_backend_that_fails_every_request_is_ejected_then_tried_again(
+    broken: FakeConfig
+) -> None:
+    outliers_cfg = {"failures": 3, "eject_s": 1.0, "window_s": 30.0}
+    async with fleet(broken, FakeConfig(), outliers=outliers_cfg,
+                     poller={"interval_s": 0.02}) as (proxy, fakes):
+        bad, good = fakes[0].app.stats, fakes[1].app.stats
+        stream = {**CHAT, "stream": True, "max_tokens": 8}
+        for _ in range(12):  # round robin: every other one is f0's while it is in
+            answer = await post(proxy, stream)
+            assert answer.status_code == 200 and "data: [DONE]" in answer.text
+            assert "error" not in answer.text
+        tried = bad.requests
+        assert tried == 3  # its third failure ejected it; nothing more went there
+        assert await metric(proxy.url, "laneway_backend_ejections_total", "f0") == 1.0
+        described = await admin_backend(proxy.url, "f0")
+        assert described["healthy"] is False and 0 < described["ejected_for_s"] <= 1.0
+        assert good.requests >= 12
+        deadline = time.monotonic() + 5
+        while not (await admin_backend(proxy.url, "f0"))["healthy"]:
+            assert time.monotonic() < deadline, "the ejection never ended"
+            await asyncio.sleep(0.05)
+        for _ in range(6):
+            answer = await post(proxy, stream)
+            assert answer.status_code == 200 and "error" not in answer.text
+        assert bad.requests == 2 * tried  # back in the rotation, failing, and out again
+        assert await metric(proxy.url, "laneway_backend_ejections_total", "f0") == 2.0
+        assert 1.0 < (await admin_backend(proxy.url, "f0"))["ejected_for_s"] <= 2.0
+
+
+def test_refused_connections_are_attempts_but_not_failures() -> None:
+    o, _, ejected = outliers()
+    for _ in range(10):
+        o.sent("a")
+        o.failed("a", "connect")
+    assert ejected == []
+    kinds = ["timeout", "broken", "error", "status", "malformed"] * 2
+    for n, kind in enumerate(kinds, 1):
+        o.sent("a")
+        o.failed("a", kind)
+        assert (ejected == [("a", 30.0)]) == (n == 10)  # 10 of 20: half
