@@ -6,8 +6,9 @@ in front of a fake vLLM. Every request but a generation or an embedding (scrapes
 fake's answer with `plan` applied: another status; its events re-chunked, with comments
 between them, CRLF line ends or junk after `[DONE]` (all harmless to a correct reader);
 and at most one `Disruption`: the connection cut or left silent at a byte, an event the
-relay cannot use, vLLM's in-stream 400 refusal, a lying `content-length` or a broken
-chunk size. tests/proxy/test_fuzz_upstream.py states what the client must get for each.
+relay cannot use, vLLM's in-stream 400 refusal, a lying `content-length`, a broken
+chunk size, or a last event left without its blank line.
+tests/proxy/test_fuzz_upstream.py states what the client must get for each.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class Disruption:
     body for bytes), and its bytes for `garbage`:
     cut | stall (bytes), garbage | refusal (an event inserted before event `at`),
     truncate (event `at`'s payload cut to `keep` bytes), short | long (`content-length`
-    `keep` bytes off the body's), badchunk (a chunk size that is not hex at `at`)."""
+    `keep` bytes off the body's), badchunk (a chunk size that is not hex at `at`),
+    unended (the body ends cleanly, but its last event without the blank line that ends
+    it)."""
 
     kind: str
     at: float = 0.0
@@ -117,6 +120,8 @@ class Saboteur:
             payload, refused = rewrite_events(payload, plan)
             self.refusals += refused
         cut = plan.disruption
+        if cut is not None and cut.kind == "unended":
+            payload = payload.rstrip(b"\r\n")
         lying = cut is not None and cut.kind in ("short", "long")
         chunked = plan.chunked and not lying
         framing = b"transfer-encoding: chunked\r\n" if chunked else b""

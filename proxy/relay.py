@@ -43,7 +43,6 @@ _HOP_HEADERS = frozenset(
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 _ERROR_BODY_LIMIT = 64 * 1024
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # how an SSE event ends (vLLM: the first)
-_DONE_EVENT = b"data: [DONE]"
 # Whole JSON answers up to this size are parsed to check they are complete; larger ones
 # (embeddings of many inputs) only by their first and last bytes.
 _PARSED_ANSWER_LIMIT = 256 * 1024
@@ -387,12 +386,13 @@ async def _relay_stream(opened: Opened, send: Send, tally: StreamTally, read_tim
 
 
 async def _end_unended(torn: bytes, send: Send, tally: StreamTally) -> None:
-    """`[DONE]` without its blank line (the body ended, or broke, right after it): the
-    stream's end, sent whole."""
-    if torn.rstrip() == _DONE_EVENT and not tally.saw_done:
-        await send({"type": "http.response.body", "body": _DONE_EVENT + b"\n\n",
-                    "more_body": True})
-        tally.add(_DONE_EVENT + b"\n\n", time.monotonic())
+    """The stream's last event without its blank line (`[DONE]`, or the Responses or
+    Messages API's terminal event, its JSON whole; the body ended, or broke, right
+    after it): the stream's end, sent whole."""
+    if torn and not tally.saw_done and tally.is_end_event(torn):
+        event = torn.rstrip(b"\r\n") + b"\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        tally.add(event, time.monotonic())
 
 
 def _whole_events(chunk: bytes) -> int:

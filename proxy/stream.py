@@ -80,6 +80,21 @@ class StreamTally:
             return self._ended
         return self.tail.rstrip().endswith(_DONE)
 
+    def is_end_event(self, event: bytes) -> bool:
+        """Whether `event` (one event, without the blank line that would end it) is
+        this stream's last: `data: [DONE]`, or a terminal event whose data is whole
+        JSON (not one cut off inside its data)."""
+        if self._ends is None:
+            return event.rstrip() == _DONE
+        if not _has_any(event, self._ends.markers):
+            return False
+        data = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+        try:
+            orjson.loads(b"\n".join(data))
+        except orjson.JSONDecodeError:
+            return False
+        return True
+
     def usage(self, chat: bool) -> tuple[int | None, int]:
         """(prompt_tokens, completion_tokens): exact if usage was streamed, else estimated."""
         tail = self.tail

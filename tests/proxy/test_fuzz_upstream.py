@@ -46,6 +46,7 @@ JUNK = [b"{", b"", b"nul", b"[1, 2", b"\xff\xfe", b'{"choices": 5}',
 FRACTION = st.floats(0, 1, allow_nan=False)
 DISRUPTIONS = st.one_of(
     st.builds(Disruption, st.sampled_from(["cut", "stall", "badchunk"]), FRACTION),
+    st.just(Disruption("unended")),
     st.builds(Disruption, st.just("garbage"), st.integers(0, 14).map(float),
               junk=st.sampled_from(JUNK)),
     st.builds(Disruption, st.just("refusal"), st.integers(0, 14).map(float)),
@@ -250,7 +251,8 @@ def test_a_broken_backend_answer_reaches_the_client_whole_or_as_its_refusal(
 # What an untracked relay cannot judge without reading the events (it passes them on as
 # they came): only the transport is broken, and the status.
 TRANSPORT = st.builds(Disruption, st.sampled_from(["cut", "stall", "badchunk"]), FRACTION) \
-    | st.builds(Disruption, st.sampled_from(["short", "long"]), keep=st.integers(1, 200))
+    | st.builds(Disruption, st.sampled_from(["short", "long"]), keep=st.integers(1, 200)) \
+    | st.just(Disruption("unended"))
 BYTES_ONLY = {**_PLAN, "after_done": st.just(b"")}
 UNTRACKED_PLANS = st.builds(
     Plan, status=st.sampled_from([400, 404, 422, 429, 500, 502, 503, 504]), **BYTES_ONLY) \
@@ -296,6 +298,20 @@ def test_a_body_that_breaks_after_done_is_a_whole_answer(untracked: Served) -> N
         got, answer, _ = sabotaged(untracked, Plan(disruption=disruption), "completions", True, 6)
         assert (got.text, got.finish_reason, got.error) == (expected_text(6), "length", None)
         assert answer.text.count("data: [DONE]") == 1
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses", "messages"])
+@pytest.mark.parametrize("crlf", [False, True])
+def test_a_stream_whose_last_event_has_no_blank_line_is_whole(
+        untracked: Served, api: str, crlf: bool) -> None:
+    """The body ended cleanly right after its last event, `[DONE]` or the Responses or
+    Messages API's terminal event, but without the blank line that ends an event.
+    (Before: for the Responses and Messages APIs, the tokens and an error event.)"""
+    _, reference = ask(untracked.direct, api, True, 5)
+    got, answer, _ = sabotaged(untracked, Plan(crlf=crlf, disruption=Disruption("unended")),
+                               api, True, 5)
+    assert got == said(api, True, reference) and got.error is None, answer.text
+    assert answer.text.endswith("\n\n") and not answer.text.endswith("\n\n\n")
 
 
 def test_a_whole_answer_cut_short_or_stuck_is_retried_not_relayed(untracked: Served) -> None:
