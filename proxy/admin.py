@@ -8,7 +8,8 @@ DELETE /admin/backends/{name}          stop routing to it, move its tracked stre
 POST   /admin/backends/{name}/drain    no new requests go to `name`; its tracked
                                        streams move elsewhere (`{"migrate": false}`:
                                        they finish where they are)
-POST   /admin/backends/{name}/undrain  route to `name` again
+POST   /admin/backends/{name}/undrain  route to `name` again (an ejection by passive
+                                       health ends too: back on its next good scrape)
 GET    /admin/policy                   {"name", "params"}
 PUT    /admin/policy                   switch policy and/or params: {"name", "params"?}
 POST   /admin/reload                   re-read the config file (as SIGHUP does)
@@ -173,8 +174,12 @@ async def _drain(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
 async def _undrain(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
     name = _existing(rt, parts[1])
     rt.registry.undrain(name)
-    log.info("backend %s undrained", name)
-    return 200, {"backend": name, "draining": False}
+    ejected = rt.outliers.ejected_for(name) > 0
+    if ejected:  # an operator who mended it need not wait out its ejection
+        rt.outliers.forget(name)
+        rt.poller.readmit(name)
+    log.info("backend %s undrained%s", name, "; its ejection ended" if ejected else "")
+    return 200, {"backend": name, "draining": False, "ejection_ended": ejected}
 
 
 async def _get_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:

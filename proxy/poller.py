@@ -101,6 +101,11 @@ class Poller:
             self._arrived[name] = replace(last, healthy=False)
             self._flush()
 
+    def readmit(self, name: str) -> None:
+        """End `name`'s ejection: healthy again on its next good scrape, due now."""
+        state = self._state(name)
+        state.ejected_until = state.next_probe_at = 0.0
+
     def forget(self, name: str) -> None:
         """`name` left the fleet: a backend added under its name starts afresh."""
         self._health.pop(name, None)

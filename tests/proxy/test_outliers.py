@@ -5,6 +5,7 @@ backends that fail what they are sent while their /metrics answer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import httpx
@@ -198,3 +199,25 @@ def test_refused_connections_are_attempts_but_not_failures() -> None:
         o.sent("a")
         o.failed("a", kind)
         assert (ejected == [("a", 30.0)]) == (n == 10)  # 10 of 20: half
+
+
+async def test_undrain_ends_an_ejection_for_a_mended_backend() -> None:
+    async with fleet(FakeConfig(fail_status=500), FakeConfig(),
+                     outliers={"failures": 2, "eject_s": 300.0},
+                     poller={"interval_s": 0.02}) as (proxy, fakes):
+        for _ in range(6):
+            assert (await post(proxy, CHAT)).status_code == 200
+        assert (await admin_backend(proxy.url, "f0"))["ejected_for_s"] > 200
+        fakes[0].app.config = dataclasses.replace(fakes[0].app.config, fail_status=None)
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
+            undrained = (await http.post("/admin/backends/f0/undrain")).json()
+            again = (await http.post("/admin/backends/f0/undrain")).json()
+        assert undrained == {"backend": "f0", "draining": False, "ejection_ended": True}
+        assert again["ejection_ended"] is False
+        deadline = time.monotonic() + 5
+        while not (await admin_backend(proxy.url, "f0"))["healthy"]:
+            assert time.monotonic() < deadline, "not back after its ejection ended"
+            await asyncio.sleep(0.02)
+        answers = [await post(proxy, CHAT) for _ in range(4)]
+        assert [a.headers["x-laneway-backend"] for a in answers].count("f0") == 2
+        assert all(a.status_code == 200 for a in answers)
