@@ -141,6 +141,12 @@ class PollerConfig(_Section):
         "LoRA adapters), and its context length (the bound of a moved request "
         "without max_tokens); 0: only each backend's configured model, and such "
         "requests do not move")
+    require_listed_model: bool = Field(
+        True, description="a backend whose /v1/models (read every `models_interval_s`) "
+        "does not list its configured model gets no requests for it until it does: vLLM "
+        "answers each with a 404 (a server restarted with another model, a wrong "
+        "--served-model-name); false: route there anyway (a server that takes names it "
+        "does not list)")
 
 
 class OutliersConfig(_Section):

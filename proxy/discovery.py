@@ -10,7 +10,10 @@ tells the registry, so a request for an adapter goes to the backends that have i
 and names the adapter there (Registry.model_on). A backend that does not answer, answers
 with an error (a server that wants an API key) or with something else than a model list
 keeps what it was last known to serve; an adapter unloaded from every backend is a 404
-`model_not_found` from the next read on.
+`model_not_found` from the next read on. A backend whose list omits its configured
+model (a server restarted with another one, or a wrong `--served-model-name`) gets no
+requests for that model until it lists it (vLLM would answer each with a 404), unless
+`poller.require_listed_model` is off.
 
 When this replica changes what backends serve (`/admin/lora_adapters`), it `announce`s
 them; through the shared state (the `discovery` table) every other replica reads those
@@ -38,8 +41,11 @@ MAX_NAMES = 1000  # names kept per backend
 
 class ModelDiscovery:
     def __init__(self, registry: Registry, upstream: Upstream, interval_s: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, require_listed: bool = True) -> None:
+        """`require_listed`: a backend whose list omits its configured model gets no
+        requests for it (`poller.require_listed_model`)."""
         self._registry, self._upstream = registry, upstream
+        self.require_listed = require_listed
         self.interval_s, self._timeout_s = interval_s, timeout_s
         self._slots = asyncio.Semaphore(_CONCURRENT)
         self._announced: list[str] = []  # backends whose lists this replica changed
@@ -60,7 +66,9 @@ class ModelDiscovery:
         changed = 0
         for backend, listed in zip(up, lists, strict=True):
             if listed is not None:
-                changed += self._registry.set_served(backend.name, model_ids(listed))
+                own = not self.require_listed or any(
+                    m.get("id") == backend.model for m in listed)
+                changed += self._registry.set_served(backend.name, model_ids(listed), own)
                 self._registry.set_context(backend.name, context_length(listed))
         return changed
 

@@ -89,7 +89,7 @@ async def unload(rt: Runtime, name: str, req: UnloadAdapter) -> tuple[int, dict[
     for backend in targets:  # no new request goes to it while it is unloaded
         served = rt.registry.served_by(backend.name)
         if name in served and name != backend.model:
-            rt.registry.set_served(backend.name, served - {name})
+            rt.registry.set_served(backend.name, served - {name}, backend.model in served)
     body = orjson.dumps({"lora_name": name})
     results = await _each(rt, targets, "/v1/unload_lora_adapter", body, req.timeout_s,
                           done="unloaded", idle="not_loaded",

@@ -46,6 +46,7 @@ class Registry:
         self.stats: Mapping[str, BackendStats] = MappingProxyType({})
         self._draining: set[str] = set()
         self._extra: dict[str, frozenset[str]] = {}  # backend -> names besides its model
+        self._unlisted: set[str] = set()  # backends whose /v1/models omits their model
         self._context: dict[str, int] = {}  # backend -> max_model_len, once listed
         self._served: frozenset[str] = frozenset()  # models and groups a backend serves
         self._healthy_by_model: dict[str, tuple[Backend, ...]] = {}
@@ -68,24 +69,42 @@ class Registry:
         backend = self._backends.pop(name)
         self._draining.discard(name)
         self._extra.pop(name, None)
+        self._unlisted.discard(name)
         self._context.pop(name, None)
         self._membership_changed = True
         self._rederive()
         return backend
 
-    def set_served(self, name: str, models: Iterable[str]) -> bool:
+    def set_served(self, name: str, models: Iterable[str], own: bool = True) -> bool:
         """`name` serves `models` besides its configured model (what its `/v1/models`
-        lists); True when that changed."""
+        lists), and its configured model only if `own` (False: its list omits it, so
+        vLLM would answer every request for it with a 404: a server restarted with
+        another model); True when that changed."""
         backend = self._backends.get(name)
         if backend is None:
             return False
         extra = frozenset(models) - {backend.model}
-        if extra == self._extra.get(name, frozenset()):
+        if extra == self._extra.get(name, frozenset()) and (not own) == (name in self._unlisted):
             return False
-        log.info("backend %s serves %s", name, ", ".join([backend.model, *sorted(extra)]))
+        if not own and name not in self._unlisted:
+            log.warning("backend %s does not serve its configured model %s (its /v1/models "
+                        "lists %s): no requests for %s go there until it does", name,
+                        backend.model, ", ".join(sorted(extra)) or "nothing", backend.model)
+            self._unlisted.add(name)
+        elif own and name in self._unlisted:
+            log.info("backend %s serves its configured model %s again", name, backend.model)
+            self._unlisted.discard(name)
+        if extra != self._extra.get(name, frozenset()):
+            log.info("backend %s serves %s", name, ", ".join(self._names(backend)))
         self._extra[name] = extra
         self._rederive()
         return True
+
+    def _names(self, backend: Backend) -> tuple[str, ...]:
+        """The models `backend` takes requests for: its configured one (unless its list
+        omits it) and the other names it lists."""
+        extra = sorted(self._extra.get(backend.name, ()))
+        return tuple(extra) if backend.name in self._unlisted else (backend.model, *extra)
 
     def set_context(self, name: str, tokens: int | None) -> None:
         """Backend `name`'s context length (`max_model_len`), when its list has one."""
@@ -105,8 +124,7 @@ class Registry:
     def served_by(self, name: str) -> frozenset[str]:
         """Every model name backend `name` serves: its configured model and the names its
         `/v1/models` listed."""
-        backend = self._backends[name]
-        return self._extra.get(name, frozenset()) | {backend.model}
+        return frozenset(self._names(self._backends[name]))
 
     def model_on(self, backend: Backend, requested: str) -> str:
         """The model a request for `requested` names on `backend`: `requested` when the
@@ -219,7 +237,7 @@ class Registry:
         healthy: dict[str, list[Backend]] = {}
         scraped: dict[str, list[Backend]] = {}  # not draining, health known
         for backend in self._backends.values():
-            models = (backend.model, *sorted(self._extra.get(backend.name, ())))
+            models = self._names(backend)
             buckets = [healthy.setdefault(model, []) for model in models]
             if backend.name in self._draining or backend.name not in self.stats:
                 continue

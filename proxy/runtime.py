@@ -95,7 +95,8 @@ class Runtime:
         self.flow = FlowControl(lambda: self.settings, self.registry, self.metrics)
         self.discovery = ModelDiscovery(self.registry, self.upstream,
                                         settings.poller.models_interval_s,
-                                        settings.poller.timeout_s)
+                                        settings.poller.timeout_s,
+                                        settings.poller.require_listed_model)
         self._discover_task: asyncio.Task[None] | None = None
         self._poll_task: asyncio.Task[None] | None = None
         self.started_at_wall = time.time()

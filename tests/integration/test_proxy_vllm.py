@@ -202,6 +202,33 @@ def test_no_healthy_backend_is_503_with_retry_after(vllm_fleet: Any) -> None:
     assert health.status_code == 503 and health.json()["backends"]["dead"]["healthy"] is False
 
 
+def test_a_server_of_another_model_gets_none_of_the_configured_models_requests(
+        vllm_fleet: Any, tmp_path: Path) -> None:
+    """The large server listed as a backend of the small model (as after a server was
+    restarted with another model): real vLLM answers such requests with 404 `The model
+    ... does not exist`; the proxy reads its /v1/models and sends them elsewhere."""
+    small = next(b for b in vllm_fleet if b.model == SMALL)
+    large = next(b for b in vllm_fleet if b.model == LARGE)
+    backends = [{"name": "small", "url": small.url, "model": SMALL},
+                {"name": "swapped", "url": large.url, "model": SMALL}]
+    body = {"model": SMALL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    direct = httpx.post(f"{large.url}/v1/chat/completions", json=body, timeout=30)
+    assert direct.status_code == 404, direct.text  # what the clients would have got
+    log = tmp_path / "proxy.log"
+    with running_proxy({"backends": backends, "policy": {"name": "round_robin"}},
+                       log_path=log) as proxy:
+        answers = [httpx.post(f"{proxy.url}/v1/chat/completions", json=body, timeout=60)
+                   for _ in range(6)]
+        large_answer = httpx.post(f"{proxy.url}/v1/chat/completions", timeout=60,
+                                  json={**body, "model": LARGE})
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    assert {a.headers["x-laneway-backend"] for a in answers} == {"small"}
+    assert large_answer.status_code == 200  # the model it does serve still goes there
+    assert large_answer.headers["x-laneway-backend"] == "swapped"
+    assert (f"backend swapped does not serve its configured model {SMALL} (its "
+            f"/v1/models lists {LARGE})") in log.read_text()
+
+
 def test_prefix_aware_keeps_a_shared_prefix_together(vllm_fleet: Any) -> None:
     prefix = "You are a careful assistant. " * 30
     with running_proxy(fleet_config(vllm_fleet, "prefix_aware")) as proxy:

@@ -8,7 +8,7 @@ import dataclasses
 
 import httpx
 
-from bench.fake_vllm import FakeConfig
+from bench.fake_vllm import FakeConfig, serve_fake
 from proxy.discovery import context_length, model_ids, model_list
 from tests.proxy.fakes import CHAT, fleet, post
 from tests.proxy.test_migration import (
@@ -121,3 +121,37 @@ async def test_another_replicas_notice_reads_the_backends_it_names() -> None:
         answers = [await post(proxy, SQL) for _ in range(2)]
         assert discovery.export_updates() == []  # merged notices are not sent back
     assert [a.headers["x-laneway-backend"] for a in answers] == ["f1", "f1"]  # f0 not read
+
+
+async def test_a_backend_that_does_not_list_its_configured_model_gets_none_of_its_requests(
+) -> None:
+    """A server restarted with another model (or a wrong --served-model-name): vLLM would
+    answer each request for the configured model with a 404, which the proxy would
+    relay as the backend's own error."""
+    async with serve_fake(FakeConfig(model="other")) as wrong, \
+            fleet(FakeConfig(), extra_backends=[{"name": "wrong", "url": wrong.url,
+                                                 "model": "fake"}]) as (proxy, _):
+        answers = [await post(proxy, {**CHAT, "max_tokens": 2}) for _ in range(6)]
+        other = await post(proxy, {**CHAT, "model": "other", "max_tokens": 2})
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            described = (await http.get("/admin/backends")).json()["backends"]
+        assert [a.status_code for a in answers] == [200] * 6
+        assert {a.headers["x-laneway-backend"] for a in answers} == {"f0"}
+        assert wrong.app.stats.requests == 1  # the one for the model it does serve
+        assert other.status_code == 200 and other.headers["x-laneway-backend"] == "wrong"
+        assert [b["serves"] for b in described] == [["fake"], ["other"]]
+        wrong.app.config = dataclasses.replace(wrong.app.config, aliases=("fake",))
+        await proxy.app.runtime.discovery.once()  # (its next read)
+        served = {(await post(proxy, {**CHAT, "max_tokens": 2})).headers["x-laneway-backend"]
+                  for _ in range(4)}
+        assert served == {"f0", "wrong"}
+
+
+async def test_with_require_listed_model_off_such_a_backend_is_routed_to() -> None:
+    async with serve_fake(FakeConfig(model="other")) as wrong, \
+            fleet(FakeConfig(), poller={"require_listed_model": False},
+                  extra_backends=[{"name": "wrong", "url": wrong.url, "model": "fake"}]
+                  ) as (proxy, _):
+        statuses = {(await post(proxy, {**CHAT, "max_tokens": 2})).status_code
+                    for _ in range(6)}
+    assert statuses == {200, 404}  # the fake's own 404 for a model it does not serve
