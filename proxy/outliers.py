@@ -91,7 +91,8 @@ class Outliers:
         return 0.0 if record is None else max(0.0, record.back_at - self._clock())
 
     def forget(self, backend: str) -> None:
-        """`backend` was removed from the fleet."""
+        """Start `backend` afresh: it was removed from the fleet, or an operator ended
+        its ejection (undrain)."""
         self._records.pop(backend, None)
 
     def _slice(self, backend: str, window_s: float) -> list[int]:

@@ -83,23 +83,26 @@ class Poller:
 
     def report_failure(self, name: str, why: str) -> None:
         """The relay could not reach `name`: stop routing there until a probe succeeds."""
-        state = self._state(name)
-        last = self._registry.stats.get(name, UNKNOWN_STATS)
-        if last.healthy:
+        if self._take_out(name):
             log.warning("backend %s marked unhealthy: %s", name, why)
-            self._arrived[name] = replace(last, healthy=False)
-            self._flush()
-        self._back_off(state, time.monotonic())
+        self._back_off(self._state(name), time.monotonic())
 
     def eject(self, name: str, for_s: float) -> None:
         """Passive health: route nothing to `name` for `for_s`, though it answers its
         scrapes."""
         state = self._state(name)
         state.ejected_until = state.next_probe_at = time.monotonic() + for_s
+        self._take_out(name)
+
+    def _take_out(self, name: str) -> bool:
+        """Publish `name` unhealthy now (its latest stats otherwise); whether it was
+        healthy."""
         last = self._arrived.get(name) or self._registry.stats.get(name, UNKNOWN_STATS)
-        if last.healthy:
-            self._arrived[name] = replace(last, healthy=False)
-            self._flush()
+        if not last.healthy:
+            return False
+        self._arrived[name] = replace(last, healthy=False)
+        self._flush()
+        return True
 
     def readmit(self, name: str) -> None:
         """End `name`'s ejection: healthy again on its next good scrape, due now."""
