@@ -79,6 +79,7 @@ class FakeStats:
     tokenized: list[dict[str, Any]] = field(default_factory=list)  # /tokenize bodies
     # Authorization (else "x-api-key <key>") of each /v1/* request, None without either
     credentials: list[str | None] = field(default_factory=list)
+    traceparents: list[str | None] = field(default_factory=list)  # ... their traceparent
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
@@ -86,10 +87,13 @@ class FakeStats:
     def last_body(self) -> dict[str, Any] | None:
         return self.bodies[-1] if self.bodies else None
 
-    def record_credentials(self, authorization: str | None) -> None:
+    def record_credentials(self, authorization: str | None,
+                           traceparent: str | None = None) -> None:
         if self.keep_bodies:
             del self.credentials[:-_BODIES_KEPT]
             self.credentials.append(authorization)
+            del self.traceparents[:-_BODIES_KEPT]
+            self.traceparents.append(traceparent)
 
     def record(self, body: dict[str, Any]) -> None:
         self.requests += 1

@@ -141,9 +141,11 @@ class FakeVllm:
         if path.startswith(_GUARDED):
             headers = dict(scope["headers"])
             authorization, api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
+            traceparent = headers.get(b"traceparent")
             self.stats.record_credentials(
                 authorization.decode() if authorization is not None
-                else None if api_key is None else f"x-api-key {api_key.decode()}")
+                else None if api_key is None else f"x-api-key {api_key.decode()}",
+                None if traceparent is None else traceparent.decode())
             if self.config.api_key is not None and authorization != (
                     b"Bearer " + self.config.api_key.encode()):
                 await send_json(send, 401, {"error": "Unauthorized"})  # as vLLM's

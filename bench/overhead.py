@@ -19,15 +19,17 @@ import asyncio
 import contextlib
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 
 from bench.overhead_load import cpu_seconds, latency_legs, stream_legs, throughput
-from bench.overhead_procs import fake_process, minimal_relay, proxy_for
+from bench.overhead_procs import fake_process, minimal_relay, otlp_sink, proxy_for
 from bench.results import publish
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,26 +143,34 @@ def table(result: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def system_under_test(target_url: str | None, fast: str, paced: str, tracking: bool
-                      ) -> Iterator[tuple[str, str, int | None]]:
-    """(URL for model `fast`, URL for model `paced`, pid or None)."""
+def system_under_test(target_url: str | None, fast: str, paced: str, tracking: bool,
+                      tracing: bool = False
+                      ) -> Iterator[tuple[str, str, int | None, str | None]]:
+    """(URL for model `fast`, URL for model `paced`, pid or None, the OTLP receiver's URL
+    or None)."""
     if target_url is None:
-        with proxy_for(fast, paced, tracking) as proxy:
-            yield proxy.url, proxy.url, proxy.pid
+        with contextlib.ExitStack() as stack:
+            traces = stack.enter_context(otlp_sink()) if tracing else None
+            proxy = stack.enter_context(proxy_for(fast, paced, tracking, traces))
+            yield proxy.url, proxy.url, proxy.pid, traces
     elif target_url == "direct":
-        yield fast, paced, None
+        yield fast, paced, None, None
     else:
-        yield target_url, target_url, None
+        yield target_url, target_url, None, None
 
 
-def run(plan: Plan, target_url: str | None, target_pid: int | None, tracking: bool = True
-        ) -> dict[str, Any]:
+def run(plan: Plan, target_url: str | None, target_pid: int | None, tracking: bool = True,
+        tracing: bool = False) -> dict[str, Any]:
     with fake_process(0, "fast") as fast, fake_process(plan.tpot_ms, "paced") as paced, \
             minimal_relay(paced) as (floor, floor_pid), \
-            system_under_test(target_url, fast, paced, tracking) as (
-                target_fast, target_paced, pid):
+            system_under_test(target_url, fast, paced, tracking, tracing) as (
+                target_fast, target_paced, pid, traces):
         legs = Legs(fast, paced, target_fast, target_paced, pid or target_pid, floor, floor_pid)
-        return asyncio.run(measure(legs, plan))
+        result = asyncio.run(measure(legs, plan))
+        if traces is not None:  # what reached the receiver (the last batch may be on its way)
+            time.sleep(2)
+            result["spans_received"] = httpx.get(f"{traces}/health", timeout=5).json()
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-url", help="measure this server instead of laneway")
     parser.add_argument("--no-tracking", action="store_true",
                         help="laneway with migration.enabled=false (plain byte relay)")
+    parser.add_argument("--tracing", action="store_true",
+                        help="laneway tracing every request to an OTLP receiver")
     parser.add_argument("--target-pid", type=int, help="its pid, for CPU per token")
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "overhead.json")
     args = parser.parse_args(argv)
@@ -183,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = QUICK
     # SIGTERM must unwind the `with` blocks so that every child process is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    result = run(plan, args.target_url, args.target_pid, tracking=not args.no_tracking)
+    result = run(plan, args.target_url, args.target_pid, tracking=not args.no_tracking,
+                 tracing=args.tracing)
     result |= {"targets": TARGETS, "meets_targets": verdict(result),
                "target": args.target_url or "laneway",
                "tracking": args.target_url is None and not args.no_tracking,
+               "tracing": args.target_url is None and args.tracing,
                "command": "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None
                                                                  else argv)}
     publish(args.json, result, table(result))

@@ -62,17 +62,30 @@ def minimal_relay(upstream: str) -> Iterator[tuple[str, int]]:
 
 
 @contextlib.contextmanager
-def proxy_for(fast: str, paced: str, tracking: bool = True) -> Iterator[ProxyProcess]:
+def otlp_sink() -> Iterator[str]:
+    """An OTLP/HTTP receiver in a process of its own (bench/otlp_sink.py): its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with child(["-m", "bench.otlp_sink", "--port", str(port), "--quiet"], f"{url}/health"):
+        yield url
+
+
+@contextlib.contextmanager
+def proxy_for(fast: str, paced: str, tracking: bool = True, traces_url: str | None = None
+              ) -> Iterator[ProxyProcess]:
     """`laneway serve` routing model `fast` and model `paced` to their fakes.
 
     `tracking`: streams are tracked for migration (the default config: every event
-    decoded and re-emitted); off, the proxy relays stream bytes untouched."""
+    decoded and re-emitted); off, the proxy relays stream bytes untouched. `traces_url`:
+    every request traced (`sample_ratio` 1), its spans sent there."""
     config = {"backends": [{"name": "fast", "url": fast, "model": "fast"},
                            {"name": "paced", "url": paced, "model": "paced"}],
               "policy": {"name": "round_robin", "params": {}},
               "poller": {"interval_s": 0.1},
               "server": {"log_level": "warning"},
               "migration": {"enabled": tracking}}
+    if traces_url is not None:
+        config["tracing"] = {"otlp_endpoint": f"{traces_url}/v1/traces"}
     with running_proxy(config) as proxy:
         wait_ok(f"{proxy.url}/health")  # 200 once the poller has seen both backends
         yield proxy

@@ -5,7 +5,8 @@ INFO: method, path, status (499: the client left before an answer), the whole ti
 the time to the first body byte (ms), the bytes sent, the backend that answered
 (`x-laneway-backend`), the request id, the client address, and what the handler noted
 (`note`): the request's model, the client key's name, the policy, prompt and completion
-tokens, migrations, `client_left` (a stream the client abandoned). In text format the
+tokens, migrations, `client_left` (a stream the client abandoned), `stream_failed` (a 200
+stream that ended with an error event), `trace_id` (with tracing). In text format the
 fields follow the message as `key=value`; with `server.log_format: json` every log line
 (access or not) is one JSON object, with these fields as keys, for Loki, Elasticsearch
 and the like.

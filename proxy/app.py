@@ -10,12 +10,13 @@ framework.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from policies.base import Policy
-from proxy.access import logged
+from proxy.access import Http, logged
 from proxy.admin import PREFIX as ADMIN_PREFIX
 from proxy.admin import handle_admin
 from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error, send_json
@@ -137,10 +138,14 @@ class LanewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
+                http: Http = self._http
+                tracing = self.runtime.tracing if self.runtime is not None else None
+                if tracing is not None and scope["path"].startswith("/v1/"):
+                    http = functools.partial(tracing.traced, http)
                 if self.settings.server.access_log:
-                    await logged(self._http, scope, receive, send)
+                    await logged(http, scope, receive, send)
                 else:
-                    await self._http(scope, receive, send)
+                    await http(scope, receive, send)
             except Exception:
                 await self._internal_error(scope, send)
         elif scope["type"] == "lifespan":

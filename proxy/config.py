@@ -297,6 +297,30 @@ class LengthPredictorConfig(_Section):
                                      "a key themselves; null: no prediction for them")
 
 
+class TracingConfig(_Section):
+    """OpenTelemetry traces over OTLP/HTTP (README, Tracing; proxy/tracing.py); applied
+    at start (a change needs a restart)."""
+
+    otlp_endpoint: str | None = Field(
+        None, description="the collector's OTLP/HTTP traces URL, e.g. "
+        "http://otel-collector:4318/v1/traces (Jaeger, Tempo and the OpenTelemetry "
+        "Collector take it); unset: no tracing")
+    service_name: str = Field("laneway", min_length=1, description="the spans' "
+                              "service.name")
+    sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="share of new traces recorded; a request whose "
+        "client sent a `traceparent` follows its sampled flag instead")
+    headers: dict[str, str] = Field(default_factory=dict, description="sent with each "
+                                    "export, e.g. the collector's auth")
+    timeout_s: float = Field(5.0, gt=0, description="one export's timeout, and the "
+                             "longest flush at shutdown")
+    export_interval_s: float = Field(1.0, gt=0, description="finished spans are sent "
+                                     "this often (or sooner, 512 at a time)")
+    max_queued_spans: int = Field(
+        8192, ge=1, description="spans waiting for export; more are dropped (never "
+        "the requests) while the collector is slow or down")
+
+
 class PredictorsConfig(_Section):
     length: LengthPredictorConfig = LengthPredictorConfig()
 
@@ -327,6 +351,7 @@ class Settings(BaseSettings):
     auth: AuthConfig = AuthConfig()
     state: StateConfig = StateConfig()
     responses: ResponsesConfig = ResponsesConfig()
+    tracing: TracingConfig = TracingConfig()
     debug: DebugConfig = DebugConfig()
 
     @field_validator("backends")

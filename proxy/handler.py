@@ -90,7 +90,8 @@ async def handle_completion(
         note(scope, policy=outcome.policy, prompt_tokens=outcome.prompt_tokens,
              completion_tokens=outcome.completion_tokens,
              migrations=outcome.migrations or None, predicted_tokens=None
-             if exchange.predicted_tokens is None else round(exchange.predicted_tokens))
+             if exchange.predicted_tokens is None else round(exchange.predicted_tokens),
+             stream_failed=outcome.status == 502 or None)  # (after a 200: an error event)
     note(scope, client_left=exchange.client_gone or None, queued_ms=wait_ms(exchange.queued_s))
 
 

@@ -131,6 +131,9 @@ class Metrics:
             "previous_response_id, GET or cancel), by how the backend holding it was "
             "found: remembered (relayed here or told by another replica), asked (the "
             "backends were asked), missing (none has it)", ["found"], registry=r)
+        self.trace_spans_dropped = Counter(
+            "laneway_trace_spans_dropped", "Spans not exported (tracing): the collector "
+            "failed or the queue was full (tracing.max_queued_spans)", registry=r)
         self.state_connected = Gauge(
             "laneway_state_connected", "1 if the last exchange with the shared state "
             "store succeeded", registry=r)

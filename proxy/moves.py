@@ -226,6 +226,7 @@ class Moves:
         """Continue on another backend after the current one failed mid-stream."""
         leg = self.leg
         assert leg is not None
+        leg.opened.fail(exc.kind, exc.detail)
         if exc.refusal is None:  # a refusal is the client's error, not the backend's
             self.rt.upstream_failed(UpstreamFailure(leg.backend, exc.kind, exc.detail),
                                     self.ctx.model)

@@ -9,9 +9,11 @@ request itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ from proxy.errors import (
     mid_stream_failure,
 )
 from proxy.stream import StreamTally
+from proxy.tracing import Span, Tracing, mark_failed
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.relay")
@@ -86,6 +89,7 @@ class Opened:
     response: aiohttp.ClientResponse
     head: bytes
     complete: bool
+    span: Span | None = None  # its request's span, while tracing (proxy/tracing.py)
 
     @property
     def status(self) -> int:
@@ -115,6 +119,14 @@ class Opened:
         # close(), not release(): an unfinished response must drop the connection so
         # that vLLM sees the disconnect and aborts the request.
         self.response.close()
+        if self.span is not None:
+            self.span.end()
+            self.span = None
+
+    def fail(self, kind: str, detail: str) -> None:
+        """The answer failed on the way (its span, if traced, says how)."""
+        if self.span is not None:
+            mark_failed(self.span, kind, detail)
 
 
 def forward_headers(raw: list[tuple[bytes, bytes]], credentials: bool = True
@@ -138,11 +150,14 @@ def backend_auth(api_key: str, headers: Mapping[str, str]) -> dict[str, str]:
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, cfg: UpstreamConfig,
-                 sent: Callable[[str], None] = lambda backend: None) -> None:
-        """`sent(backend name)` runs for every request sent (passive health counts them)."""
+                 sent: Callable[[str], None] = lambda backend: None,
+                 tracing: Tracing | None = None) -> None:
+        """`sent(backend name)` runs for every request sent (passive health counts them);
+        with `tracing`, each request made for a traced one is a span (proxy/tracing.py)."""
         self._session = session
         self._cfg = cfg
         self._sent = sent
+        self._tracing = tracing
         # Until the first byte, allow a long wait (queueing, prefill, or a whole
         # non-streamed generation); after it, only `read_timeout_s` between chunks.
         self._timeout = aiohttp.ClientTimeout(
@@ -154,19 +169,25 @@ class Upstream:
         stream: bool, method: str = "POST",
     ) -> Opened:
         """Send the request; return once its first body bytes are here (or raise)."""
-        try:
-            response = await self._send_fresh(method, backend, path, body, headers)
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamFailure(backend, "connect", str(exc)) from None
-        except TimeoutError:
-            raise UpstreamFailure(backend, "timeout", "no response headers in time") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailure(backend, "broken", repr(exc)) from None
-        try:
-            return await self._first_bytes(backend, response, stream)
-        except BaseException:
-            response.close()
-            raise
+        with self._attempt(backend, method, path, headers) as (span, headers):
+            try:
+                response = await self._send_fresh(method, backend, path, body, headers)
+            except aiohttp.ClientConnectorError as exc:
+                raise UpstreamFailure(backend, "connect", str(exc)) from None
+            except TimeoutError:
+                raise UpstreamFailure(backend, "timeout", "no response headers in time"
+                                      ) from None
+            except aiohttp.ClientError as exc:
+                raise UpstreamFailure(backend, "broken", repr(exc)) from None
+            try:
+                opened = await self._first_bytes(backend, response, stream)
+            except BaseException:
+                response.close()
+                raise
+        if span is not None:  # it ends when the answer is closed
+            span.set_attribute("http.response.status_code", opened.status)
+            opened.span = span
+        return opened
 
     async def call_json(
         self, backend: Backend, path: str, body: bytes, headers: dict[str, str],
@@ -187,19 +208,30 @@ class Upstream:
                     ) -> tuple[int, bytes, bytes]:
         """(status, body, content type) of a small request answered at once; raises
         UpstreamFailure when no answer came (in `timeout_s`, default the first-byte one)."""
-        try:
-            async with asyncio.timeout(timeout_s or self._cfg.first_byte_timeout_s):
-                response = await self._send_fresh(method, backend, path, body, headers)
-                async with response:
-                    payload = await response.read()
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamFailure(backend, "connect", str(exc)) from None
-        except TimeoutError:
-            raise UpstreamFailure(backend, "timeout", f"{path} did not answer") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailure(backend, "broken", repr(exc)) from None
+        with self._attempt(backend, method, path, headers) as (span, headers):
+            try:
+                async with asyncio.timeout(timeout_s or self._cfg.first_byte_timeout_s):
+                    response = await self._send_fresh(method, backend, path, body, headers)
+                    async with response:
+                        payload = await response.read()
+            except aiohttp.ClientConnectorError as exc:
+                raise UpstreamFailure(backend, "connect", str(exc)) from None
+            except TimeoutError:
+                raise UpstreamFailure(backend, "timeout", f"{path} did not answer") from None
+            except aiohttp.ClientError as exc:
+                raise UpstreamFailure(backend, "broken", repr(exc)) from None
+        if span is not None:
+            span.set_attribute("http.response.status_code", response.status)
+            span.end()
         content_type = response.headers.get("content-type", "application/json").encode()
         return response.status, payload, content_type
+
+    def _attempt(self, backend: Backend, method: str, path: str, headers: dict[str, str]
+                 ) -> AbstractContextManager[tuple[Span | None, dict[str, str]]]:
+        """(its span or None, the headers to send) of a request to `backend`."""
+        if self._tracing is None:
+            return contextlib.nullcontext((None, headers))
+        return self._tracing.attempt(backend, method, path, headers)
 
     async def _send_fresh(
         self, method: str, backend: Backend, path: str, body: bytes | None,
@@ -378,6 +410,7 @@ async def _relay_stream(opened: Opened, send: Send, tally: StreamTally, read_tim
             return
         tally.failed = True
         failed(opened.backend.name, kind)
+        opened.fail(kind, repr(exc))
         err = mid_stream_failure(opened.backend.name, kind, str(exc))
         await send({"type": "http.response.body", "body": tally.error_event(err),
                     "more_body": True})

@@ -34,6 +34,7 @@ from proxy.state import build_store, new_replica_id
 from proxy.state.replicator import Replicator
 from proxy.tasks import stop_task
 from proxy.tls import upstream_context
+from proxy.tracing import Tracing
 from proxy.types import Backend, Outcome, RequestContext
 
 log = logging.getLogger("laneway")
@@ -91,7 +92,10 @@ class Runtime:
         self.streams = ActiveStreams()
         self.poller = Poller(self.registry, settings.poller, self.tls)
         self.outliers = Outliers(lambda: self.settings.outliers, self._eject)
-        self.upstream = Upstream(self._relay_session, settings.upstream, self.outliers.sent)
+        self.tracing = None if settings.tracing.otlp_endpoint is None else Tracing(
+            settings.tracing, self.metrics.trace_spans_dropped.inc)
+        self.upstream = Upstream(self._relay_session, settings.upstream, self.outliers.sent,
+                                 self.tracing)
         self.flow = FlowControl(lambda: self.settings, self.registry, self.metrics)
         self.discovery = ModelDiscovery(self.registry, self.upstream,
                                         settings.poller.models_interval_s,
@@ -113,6 +117,8 @@ class Runtime:
 
     async def start(self) -> None:
         """Poll once so that health is known before the first request, then keep polling."""
+        if self.tracing is not None:
+            await self.tracing.start()
         await self.poller.poll_once()
         healthy = [b.name for b in self.registry.all() if self.registry.is_healthy(b.name)]
         log.info("policy %s; %d/%d backends healthy: %s", self.router.policy_name,
@@ -135,6 +141,8 @@ class Runtime:
             task.cancel()  # each closes its router's stages as it ends
         await asyncio.gather(*self._retired, return_exceptions=True)
         await self.router.close()
+        if self.tracing is not None:
+            await self.tracing.close()
 
     def replace_router(self, router: Router, grace_s: float = 60.0) -> None:
         """Route with `router` from now on; the old one's stages close after `grace_s`

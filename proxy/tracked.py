@@ -92,6 +92,7 @@ class TrackedRelay(Moves):
             if exc.refusal is not None:  # the client's error: no other backend tried
                 await self._fail(exc)
                 return
+            leg.opened.fail(exc.kind, exc.detail)
             raise UpstreamFailure(leg.backend, exc.kind, exc.detail) from None
         self.rt.streams.track(leg.backend.name, self)
         try:

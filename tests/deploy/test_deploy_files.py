@@ -54,7 +54,7 @@ def test_compose_services_ports_healthchecks_and_mounts() -> None:
     stack = compose("docker-compose.yml")
     services = stack["services"]
     assert set(services) == {"redis", "laneway-1", "laneway-2", "lb", "prometheus",
-                             "grafana", *VLLM_SERVICES}
+                             "grafana", "jaeger", *VLLM_SERVICES}
     for name, service in services.items():
         assert service["healthcheck"]["test"][0] == "CMD", f"{name}: no healthcheck"
         assert "image" in service, name
@@ -100,6 +100,28 @@ def test_mounted_laneway_configs_load_and_point_at_compose_services() -> None:
             assert urlsplit(settings.state.redis_url).hostname in stack["services"]
             hosts = {urlsplit(str(b.url)).hostname for b in settings.backends}
             assert hosts == VLLM_SERVICES, file
+
+
+def test_proxies_and_every_vllm_send_their_traces_to_the_stacks_collector() -> None:
+    """The proxies' tracing endpoint and each vLLM's --otlp-traces-endpoint (GPU, CPU
+    override, other nodes) are Jaeger's published OTLP/HTTP port, in its protocol."""
+    stack, cpu = compose("docker-compose.yml"), compose("docker-compose.cpu.yml")
+    assert "4318:4318" in stack["services"]["jaeger"]["ports"]
+    for file, services in ((stack, stack["services"]), (cpu, cpu["services"])):
+        for name in ("laneway-1", "laneway-2"):
+            (source, _), = bind_mounts(services[name])
+            endpoint = load_settings(REPO / source).tracing.otlp_endpoint
+            assert endpoint is not None, source
+            assert (urlsplit(endpoint).hostname, urlsplit(endpoint).port) == ("jaeger", 4318)
+        for name in VLLM_SERVICES:
+            command = services[name]["command"]
+            url = command[command.index("--otlp-traces-endpoint") + 1]
+            assert url == "http://jaeger:4318/v1/traces", file
+    node = compose("deploy/compose/gpu-node.yml")["services"]
+    for service in (*node.values(), *(stack["services"][n] for n in VLLM_SERVICES)):
+        assert service["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+        assert urlsplit(service["command"][service["command"].index(
+            "--otlp-traces-endpoint") + 1].replace("${OTLP_TRACES_URL:-", "")).port == 4318
 
 
 def test_cpu_override_replaces_gpus_with_vllm_cpu_builds() -> None:
