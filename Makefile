@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 EXTRAS := backends,bench,dev,predictors
 
-.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-overhead-tracing bench-memory bench-chaos bench-peers bench-migration bench-outliers bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-tracing bench-memory bench-chaos bench-peers bench-migration bench-outliers bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
 
 install: $(STAMP)
 
@@ -66,11 +66,10 @@ lint: install
 bench-overhead: install
 	$(PY) -m bench.overhead
 
-# the same with every request traced (OTLP/HTTP to a receiver process), then without,
-# in one go: what tracing costs (README, Benchmarks, Proxy overhead)
-bench-overhead-tracing: install
-	$(PY) -m bench.overhead --tracing --json docs/results/overhead_tracing.json
-	$(PY) -m bench.overhead --json docs/results/overhead_tracing_off.json
+# what tracing every request costs: a traced and an untraced proxy, A/B in one run
+# → docs/results/tracing.json (README, Benchmarks, Tracing)
+bench-tracing: install
+	$(PY) -m bench.tracing_ab
 
 # the proxy's memory per open stream and its growth over mixed requests, beside a bare
 # relay (README, Benchmarks) -> docs/results/memory.json

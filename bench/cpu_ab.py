@@ -31,15 +31,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def proxy_from(checkout: Path, fast: str, paced: str, tracking: bool
-               ) -> Iterator[ProxyProcess]:
+def proxy_from(checkout: Path, fast: str, paced: str, tracking: bool,
+               traces_url: str | None = None) -> Iterator[ProxyProcess]:
     """`proxy_for` with `checkout`'s code: the child starts in it (`python -m` puts its
     working directory first on sys.path) with it first on PYTHONPATH too."""
     before, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
     os.environ["PYTHONPATH"] = str(checkout)
     os.chdir(checkout)
     try:
-        running = proxy_for(fast, paced, tracking)
+        running = proxy_for(fast, paced, tracking, traces_url)
         proxy = running.__enter__()
     finally:
         os.chdir(cwd)

@@ -315,10 +315,11 @@ class TracingConfig(_Section):
     timeout_s: float = Field(5.0, gt=0, description="one export's timeout, and the "
                              "longest flush at shutdown")
     export_interval_s: float = Field(1.0, gt=0, description="finished spans are sent "
-                                     "this often (or sooner, 512 at a time)")
+                                     "this often (64 per export request)")
     max_queued_spans: int = Field(
         8192, ge=1, description="spans waiting for export; more are dropped (never "
-        "the requests) while the collector is slow or down")
+        "the requests) while the collector is slow or down (an export that failed is "
+        "dropped too: laneway_trace_spans_dropped_total)")
 
 
 class PredictorsConfig(_Section):

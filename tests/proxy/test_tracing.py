@@ -4,14 +4,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from bench.fake_vllm import FakeConfig
 from bench.otlp_sink import OtlpSink, SpanSeen, serve_sink
+from proxy.server import RunningProxy
 from proxy.tracing import SpanContext, parse_traceparent
 from tests.proxy.fakes import CHAT, fleet, post
 
@@ -161,7 +164,6 @@ async def test_background_requests_to_backends_are_not_traced() -> None:
 
 @pytest.mark.parametrize("collector", ["refused", "silent"])
 async def test_a_collector_that_is_down_costs_the_requests_nothing(collector: str) -> None:
-    import asyncio
     silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # never answers
     port = silent.sockets[0].getsockname()[1]
     if collector == "refused":
@@ -173,9 +175,29 @@ async def test_a_collector_that_is_down_costs_the_requests_nothing(collector: st
         for _ in range(20):
             answer = await post(proxy, STREAM)
             assert answer.status_code == 200 and "data: [DONE]" in answer.text
+        served_s = time.monotonic() - started
+        await asyncio.sleep(1.0)  # an export or two failed meanwhile
+        assert await dropped(proxy) > 0
     # requests and the proxy's shutdown (one flush of at most timeout_s) are not held
-    assert time.monotonic() - started < 5.0
+    assert served_s < 2.0 and time.monotonic() - started < 5.0
     silent.close()
+
+
+async def dropped(proxy: RunningProxy) -> float:
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        text = (await http.get("/metrics")).text
+    (line,) = [x for x in text.splitlines() if x.startswith("laneway_trace_spans_dropped_total")]
+    return float(line.split()[-1])
+
+
+async def test_spans_over_the_queues_bound_are_dropped_and_counted() -> None:
+    async with serve_sink() as (sink, url), fleet(FakeConfig(), tracing=traced(
+            url, export_interval_s=60.0, max_queued_spans=3)) as (proxy, _):
+        for _ in range(5):
+            assert (await post(proxy, STREAM)).status_code == 200
+        assert await dropped(proxy) == 2 * 5 - 3
+    # the three kept were sent at shutdown
+    assert len(sink.spans) == 3 and not sink.refused
 
 
 async def test_the_access_line_names_the_trace_and_a_failed_stream(
