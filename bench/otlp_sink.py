@@ -41,8 +41,9 @@ class SpanSeen:
     parent_id: str  # "" for a root span
     attributes: dict[str, Any]
     error: bool  # its status is ERROR
-    events: tuple[str, ...]  # their names (laneway: the log lines)
+    events: tuple[str, ...]  # their names (laneway: the log lines, "routed")
     duration_s: float
+    event_attributes: tuple[dict[str, Any], ...] = ()  # each event's, in order
 
 
 @dataclass
@@ -81,7 +82,9 @@ class OtlpSink:
                         attributes={a.key: _value(a.value) for a in span.attributes},
                         error=span.status.code == 2,
                         events=tuple(e.name for e in span.events),
-                        duration_s=(span.end_time_unix_nano - span.start_time_unix_nano) / 1e9))
+                        duration_s=(span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
+                        event_attributes=tuple({a.key: _value(a.value) for a in e.attributes}
+                                               for e in span.events)))
         with self._lock:
             self.spans.extend(seen)
             self.exports += 1

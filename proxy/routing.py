@@ -13,6 +13,7 @@ from policies.base import Policy, Rerouting
 from predictors.base import Prediction
 from proxy.metrics import Metrics
 from proxy.stages import ModelOn, Stage, base_model, stages_for
+from proxy.tracing import current_span
 from proxy.types import ClusterView, Decision, Outcome, Progress, RequestContext
 
 log = logging.getLogger("laneway.routing")
@@ -50,7 +51,13 @@ class Router:
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         started = time.perf_counter()
         decision = self.policy.pick(ctx, pred, view)
-        self._timer.observe(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        self._timer.observe(took)
+        if (span := current_span()) is not None:  # traced: why this backend
+            span.add_event("routed", {
+                "laneway.backend": decision.backend.name, "laneway.policy": self.policy_name,
+                "laneway.reason": decision.drop or decision.reason,
+                "laneway.candidates": len(view.candidates), "laneway.decision_us": took * 1e6})
         if log.isEnabledFor(self._log_level):
             log.log(self._log_level, "request %s model=%s -> %s (%s; %d candidates)",
                     ctx.request_id, ctx.model, decision.backend.name, decision.reason,

@@ -131,6 +131,12 @@ class Span:
 _current: ContextVar[Span | SpanContext | None] = ContextVar("laneway_span", default=None)
 
 
+def current_span() -> Span | None:
+    """The recorded span of the request being served, if there is one (for an event)."""
+    span = _current.get()
+    return span if isinstance(span, Span) else None
+
+
 class Tracing:
     """The spans of one proxy process and their export (started by `start`)."""
 

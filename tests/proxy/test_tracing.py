@@ -58,6 +58,10 @@ async def test_a_request_is_a_span_under_the_callers_with_its_backend_request_un
     assert request.attributes["gen_ai.usage.output_tokens"] == 8
     assert request.attributes["laneway.policy"] == "round_robin"
     assert not request.error
+    (routed,) = [a for e, a in zip(request.events, request.event_attributes, strict=True)
+                 if e == "routed"]  # the policy's decision and why
+    assert routed["laneway.backend"] == "f0" and routed["laneway.reason"] == "round robin"
+    assert routed["laneway.candidates"] == 1 and routed["laneway.decision_us"] > 0
     assert upstream.parent_id == request.span_id
     assert upstream.attributes["laneway.backend"] == "f0"
     assert upstream.attributes["http.response.status_code"] == 200
@@ -85,6 +89,8 @@ async def test_a_retry_elsewhere_is_a_second_backend_span_and_the_failure_an_eve
     assert {failed.parent_id, served.parent_id} == {request.span_id}
     assert not request.error and request.attributes["laneway.backend"] == "f1"
     assert any(e.startswith("attempt on f0 failed (status)") for e in request.events)
+    assert [a["laneway.backend"] for e, a in zip(request.events, request.event_attributes,
+                                                 strict=True) if e == "routed"] == ["f0", "f1"]
     assert fakes[1].app.stats.traceparents[-1] == f"00-{TRACE}-{served.span_id}-01"
 
 
