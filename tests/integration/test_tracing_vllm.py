@@ -56,24 +56,28 @@ def config(backends: list[Running], sink_url: str) -> dict[str, Any]:
     }
 
 
-def stream(proxy: str, trace_id: str, **headers: str) -> tuple[str, dict[str, Any]]:
-    """A greedy streamed chat under the caller's span: (its text, its usage)."""
+def stream(proxy: str, trace_id: str, **headers: str
+           ) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """A greedy streamed chat under the caller's span: (its text, its usage, its moves as
+    the proxy announced them with `x-laneway-events`)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}],
             "max_tokens": 24, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    text, usage = "", {}
+    text, usage, moves = "", {}, []
     with httpx.stream("POST", f"{proxy}/v1/chat/completions", json=body, timeout=60,
-                      headers={"traceparent": f"00-{trace_id}-{CALLER}-01", **headers}
-                      ) as answer:
+                      headers={"traceparent": f"00-{trace_id}-{CALLER}-01",
+                               "x-laneway-events": "1", **headers}) as answer:
         assert answer.status_code == 200
         for line in answer.iter_lines():
+            if line.startswith(": laneway "):
+                moves.append(orjson.loads(line[len(": laneway "):]))
             if line.startswith("data: {"):
                 event = orjson.loads(line[6:])
                 assert "error" not in event, event
                 usage = event.get("usage") or usage
                 for choice in event["choices"]:
                     text += choice["delta"].get("content") or ""
-    return text, usage
+    return text, usage, moves
 
 
 def spans_of(sink: OtlpSink, trace_id: str, engine_spans: int, clients: int
@@ -93,7 +97,7 @@ def test_one_trace_from_the_caller_through_the_proxy_into_the_engine(
 ) -> None:
     trace_id = "a1" * 16
     with running_proxy(config([traced_backend], sink[1])) as proxy:
-        _, usage = stream(proxy.url, trace_id)
+        _, usage, _ = stream(proxy.url, trace_id)
         spans = spans_of(sink[0], trace_id, engine_spans=1, clients=1)
     (request,) = [s for s in spans if s.service == "laneway" and s.kind == "server"]
     (upstream,) = [s for s in spans if s.service == "laneway" and s.kind == "client"]
@@ -119,7 +123,7 @@ def test_a_migrated_stream_is_one_trace_with_the_engine_span_of_its_continuation
     trace_id = "b2" * 16
     untraced = next(b for b in vllm_fleet if b.model == MODEL)
     with running_proxy(config([untraced, traced_backend], sink[1])) as proxy:
-        text, usage = stream(proxy.url, trace_id, **{"x-laneway-migrate-after": "6"})
+        text, usage, moves = stream(proxy.url, trace_id, **{"x-laneway-migrate-after": "6"})
         spans = spans_of(sink[0], trace_id, engine_spans=1, clients=2)
     assert text and usage["completion_tokens"] == 24
     (request,) = [s for s in spans if s.service == "laneway" and s.kind == "server"]
@@ -133,5 +137,10 @@ def test_a_migrated_stream_is_one_trace_with_the_engine_span_of_its_continuation
     assert {s.parent_id for s in legs} == {request.span_id}
     (engine,) = [s for s in spans if s.name == ENGINE_SPAN]
     assert engine.parent_id == continued.span_id
-    # the continuation generated the tokens the first server had not
-    assert engine.attributes["gen_ai.usage.completion_tokens"] == 24 - 6
+    # the continuation generated the tokens the first server had not (from the 6th on, or
+    # a little later: a move is due once a chunk brings the 6th token, and a chunk may
+    # bring several)
+    (moved,) = moves
+    assert moved["to"] == "traced" and moved["continued_from"] >= 6
+    assert engine.attributes["gen_ai.usage.completion_tokens"] == \
+        24 - moved["continued_from"]
