@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         received = httpx.get(f"{traces}/health", timeout=5).json()
     micro = in_process_us()
     untraced_s, traced_s = summary(a), summary(b)
-    added = {key: traced_s[f"{key[6:]}"] - untraced_s[f"{key[6:]}"] for key in TARGETS}
+    added = {key: traced_s[key.removeprefix("added_")] - untraced_s[key.removeprefix("added_")]
+             for key in TARGETS}
     result = {"untraced": untraced_s, "traced": traced_s, "added": added, "targets": TARGETS,
               "traced_from": str(args.traced_from),
               "in_process_cpu_us_per_request": micro,

@@ -30,7 +30,7 @@ from proxy.errors import (
     mid_stream_failure,
 )
 from proxy.stream import StreamTally
-from proxy.tracing import Span, Tracing, mark_failed
+from proxy.tracing import Span, Tracing
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.relay")
@@ -126,7 +126,7 @@ class Opened:
     def fail(self, kind: str, detail: str) -> None:
         """The answer failed on the way (its span, if traced, says how)."""
         if self.span is not None:
-            mark_failed(self.span, kind, detail)
+            self.span.fail(kind, detail)
 
 
 def forward_headers(raw: list[tuple[bytes, bytes]], credentials: bool = True

@@ -52,8 +52,9 @@ from proxy.tasks import stop_task
 from proxy.types import Backend
 
 log = logging.getLogger("laneway")
-_EVENTS_FROM = "laneway"  # the logger whose records become the request span's events
-_NOT_EVENTS = "laneway.access"  # (its line is written after the span has ended)
+# The logger whose records become the request span's events (not the access log's:
+# its line is written once the span has ended and is no longer current).
+_EVENTS_FROM = "laneway"
 # Access log fields that have a standard attribute name (semantic conventions).
 _STANDARD = {"model": "gen_ai.request.model", "prompt_tokens": "gen_ai.usage.input_tokens",
              "completion_tokens": "gen_ai.usage.output_tokens", "client": "client.address"}
@@ -151,7 +152,6 @@ class Tracing:
         self._task: asyncio.Task[None] | None = None
         self._failing_since: float | None = None
         self._events = _SpanEvents()
-        self.exported = 0  # spans the collector took
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -290,7 +290,6 @@ class Tracing:
             log.warning("tracing: the collector takes spans again (after %.0f s)",
                         time.monotonic() - self._failing_since)
             self._failing_since = None
-        self.exported += len(batch)
         return True
 
 
@@ -303,11 +302,6 @@ def _propagated(context: SpanContext) -> dict[str, str]:
     if context.state:
         headers["tracestate"] = context.state
     return headers
-
-
-def mark_failed(span: Span, kind: str, detail: str) -> None:
-    """An upstream request's span: the request failed (`kind` as in UpstreamFailure)."""
-    span.fail(kind, detail)
 
 
 def _finish(span: Span, status: int, notes: Mapping[str, Any]) -> None:
@@ -375,6 +369,6 @@ class _SpanEvents(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         span = _current.get()
-        if isinstance(span, Span) and not record.name.startswith(_NOT_EVENTS):
+        if isinstance(span, Span):
             span.add_event(record.getMessage(), {"log.severity": record.levelname,
                                                  "log.logger": record.name})
