@@ -53,6 +53,7 @@ class OtlpSink:
     refused: list[str] = field(default_factory=list)  # exports it could not decode
     counting: bool = False  # only count the spans of JSON exports (benchmarks: cheap)
     counted: int = 0
+    stalled: int = 0  # exports held back (`serve_sink(stall_first_s=...)`)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, payload: bytes, json: bool = False) -> None:
@@ -123,14 +124,20 @@ def _value(value: AnyValue) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def serve_sink(port: int = 0, counting: bool = False
+async def serve_sink(port: int = 0, counting: bool = False, stall_first_s: float = 0.0
                      ) -> AsyncIterator[tuple[OtlpSink, str]]:
     """(the sink, its traces URL: what `otlp_endpoint` and vLLM's
-    `--otlp-traces-endpoint` take) while the block runs."""
+    `--otlp-traces-endpoint` take) while the block runs. `stall_first_s`: the first
+    export is held that long before it is read (a collector slow to answer; tests)."""
     sink = OtlpSink(counting=counting)
+    closing = asyncio.Event()  # a held export stops waiting when the sink stops
 
     async def traces(request: web.Request) -> web.Response:
         json = request.content_type == "application/json"
+        if stall_first_s and not sink.stalled:
+            sink.stalled += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closing.wait(), stall_first_s)
         try:
             sink.add(await request.read(), json)
         except (json_format.ParseError, ValueError) as exc:  # as a collector refuses it
@@ -157,6 +164,7 @@ async def serve_sink(port: int = 0, counting: bool = False
     try:
         yield sink, f"http://127.0.0.1:{bound}/v1/traces"
     finally:
+        closing.set()
         await runner.cleanup()
 
 

@@ -30,7 +30,7 @@ from proxy.errors import (
     mid_stream_failure,
 )
 from proxy.stream import StreamTally
-from proxy.tracing import Span, Tracing
+from proxy.tracing import Span, Tracing, answered
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.relay")
@@ -185,7 +185,7 @@ class Upstream:
                 response.close()
                 raise
         if span is not None:  # it ends when the answer is closed
-            span.set_attribute("http.response.status_code", opened.status)
+            answered(span, opened.status)
             opened.span = span
         return opened
 
@@ -221,7 +221,7 @@ class Upstream:
             except aiohttp.ClientError as exc:
                 raise UpstreamFailure(backend, "broken", repr(exc)) from None
         if span is not None:
-            span.set_attribute("http.response.status_code", response.status)
+            answered(span, response.status)
             span.end()
         content_type = response.headers.get("content-type", "application/json").encode()
         return response.status, payload, content_type

@@ -170,6 +170,9 @@ class Tracing:
             async with asyncio.timeout(self.cfg.timeout_s):
                 while self._queue and await self._export():
                     pass
+        if self._queue:  # the collector did not take them in time: counted as dropped
+            self._dropped(len(self._queue))
+            self._queue = []
         if self._session is not None:
             await self._session.close()
 
@@ -278,6 +281,9 @@ class Tracing:
                 if answer.status >= 300:
                     raise aiohttp.ClientResponseError(answer.request_info, (),
                                                       status=answer.status)
+        except asyncio.CancelledError:  # stopped mid-export (`close`): sent again there
+            self._queue[:0] = batch
+            raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             self._dropped(len(batch))
             if self._failing_since is None:
@@ -302,6 +308,14 @@ def _propagated(context: SpanContext) -> dict[str, str]:
     if context.state:
         headers["tracestate"] = context.state
     return headers
+
+
+def answered(span: Span, status: int) -> None:
+    """A CLIENT span's answer: an error from 400 up, as OpenTelemetry's HTTP conventions
+    have it for a client (a SERVER span's only from 500: `_finish`)."""
+    span.set_attribute("http.response.status_code", status)
+    if status >= 400:
+        span.fail(str(status), f"HTTP {status}")
 
 
 def _finish(span: Span, status: int, notes: Mapping[str, Any]) -> None:

@@ -157,6 +157,37 @@ async def test_without_tracing_the_callers_traceparent_is_forwarded_as_it_came()
     assert fakes[0].app.stats.traceparents[-1] == parent
 
 
+async def test_a_backends_client_error_marks_its_span_not_the_requests() -> None:
+    """OpenTelemetry's HTTP conventions: a 4xx is an error of the CLIENT span that got it,
+    and not of the SERVER span that relayed it (the caller's mistake, not the proxy's)."""
+    async with serve_sink() as (sink, url), fleet(
+            FakeConfig(fail_status=400), tracing=traced(url)) as (proxy, _):
+        answer = await post(proxy, STREAM, headers={"traceparent": f"00-{TRACE}-{CALLER}-01"})
+        assert answer.status_code == 400
+        spans = await spans_of(sink, TRACE)
+    request, upstream = one(spans, "server"), one(spans, "client")
+    assert upstream.error and upstream.attributes["http.response.status_code"] == 400
+    assert upstream.attributes["error.type"] == "400"
+    assert not request.error and request.attributes["http.response.status_code"] == 400
+
+
+async def test_spans_in_an_export_cut_by_the_shutdown_are_sent_again() -> None:
+    """The proxy stops while an export waits on a slow collector: that batch is not lost
+    (sent again by the shutdown's flush)."""
+    async with serve_sink(stall_first_s=30.0) as (sink, url):
+        async with fleet(FakeConfig(), tracing=traced(url, timeout_s=2.0)) as (proxy, _):
+            answer = await post(proxy, STREAM, headers={
+                "traceparent": f"00-{TRACE}-{CALLER}-01"})
+            assert answer.status_code == 200
+            deadline = time.monotonic() + 5
+            while not sink.stalled:  # the export is on its way
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert await dropped(proxy) == 0
+        assert sorted(s.kind for s in sink.trace(TRACE)) == ["client", "server"]
+        assert not sink.refused
+
+
 async def test_background_requests_to_backends_are_not_traced() -> None:
     """Discovery's /v1/models (outside any client request) makes no span."""
     async with serve_sink() as (sink, url), fleet(
