@@ -61,7 +61,7 @@ class Plan:
 class Saboteur:
     upstream: str  # the fake vLLM's URL
     plan: Plan | None = None  # applied to every generation request until changed
-    hits: int = 0  # generation requests answered under a plan
+    hits: int = 0  # generation requests that arrived under a plan
     refusals: int = 0  # ... of them with a refusal before the event that finishes
     url: str = ""
     _http: aiohttp.ClientSession | None = field(default=None, repr=False)
@@ -94,19 +94,22 @@ class Saboteur:
         length = int(next((v for k, v in headers.items()
                            if k.lower() == "content-length"), "0"))
         body = await reader.readexactly(length)
+        # the plan in force when the request arrived: the caller may give up on it (a
+        # slow upstream) and change the plan before the upstream has answered
+        plan = self.plan if path.split("?")[0] in GENERATION else None
+        if plan is not None:
+            self.hits += 1
         assert self._http is not None
         async with self._http.request(
                 method, self.upstream + path, data=body,
                 headers={k: v for k, v in headers.items() if k.lower() not in _HOP}) as got:
             status, payload = got.status, await got.read()
             content_type = got.headers.get("content-type", "application/json")
-        plan = self.plan if path.split("?")[0] in GENERATION else None
         if plan is None:
             writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
                          % (status, content_type.encode(), len(payload), payload))
             await writer.drain()
             return True
-        self.hits += 1
         await self._sabotage(reader, writer, plan, status, content_type, payload)
         return False
 
