@@ -125,7 +125,9 @@ def test_a_real_vllm_failing_its_generations_is_ejected_then_back(
     """Passive health with real vLLM: behind the saboteur, one server's generations
     fail (a 500, or the stream cut half-way) while its /metrics pass through. After
     three failures no request goes there, and every client gets the whole answer (the
-    unmoved one); once the ejection ends and the server is mended, it serves again."""
+    unmoved one); once the server is mended and its ejection ended (by the admin API's
+    undrain: an ejection long enough for a slow machine's requests would make the test
+    wait for it), it serves again."""
     source, other = two_same(vllm_fleet)
     payload = body(True, True, ignore_eos=True, max_tokens=24)
     reference = ask(source.url, True, tied(True, payload))
@@ -134,7 +136,7 @@ def test_a_real_vllm_failing_its_generations_is_ejected_then_back(
         config = {"backends": [{"name": "bad", "url": saboteur.url, "model": MODEL},
                                {"name": other.name, "url": other.url, "model": MODEL}],
                   "policy": {"name": "round_robin"},
-                  "outliers": {"failures": 3, "window_s": 60, "eject_s": 3},
+                  "outliers": {"failures": 3, "window_s": 600, "eject_s": 300},
                   "migration": {"warm_prefill": False, "pace_slowdown": 0}}
         log = Path(tmp) / "proxy.log"
         with running_proxy(config, log_path=log) as proxy:
@@ -147,7 +149,9 @@ def test_a_real_vllm_failing_its_generations_is_ejected_then_back(
             described = _described(proxy.url, "bad")
             assert described["healthy"] is False and described["ejected_for_s"] > 0
             saboteur.plan = None  # mended
-            settle(proxy.url, timeout_s=30)  # back by its first good scrape after 3 s
+            undrained = httpx.post(f"{proxy.url}/admin/backends/bad/undrain", timeout=10)
+            assert undrained.json()["ejection_ended"] is True, undrained.text
+            settle(proxy.url, timeout_s=30)  # back by its first good scrape
             served_by = []
             for _ in range(6):
                 answer = ask(proxy.url, True, payload)
@@ -157,5 +161,5 @@ def test_a_real_vllm_failing_its_generations_is_ejected_then_back(
             assert _described(proxy.url, "bad")["healthy"] is True
             assert _proxy_metric(proxy.url, "laneway_backend_ejections_total", "bad") == 1
         text = log.read_text(errors="replace")
-        assert "backend bad ejected for 3 s: 3 of its" in text, text[-3000:]
+        assert "backend bad ejected for 300 s: 3 of its" in text, text[-3000:]
         assert " ERROR " not in text and "Traceback" not in text, text[-3000:]

@@ -6,7 +6,7 @@ import asyncio
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,25 +260,32 @@ def test_session_affinity(vllm_fleet: Any) -> None:
 def test_least_request_avoids_the_busy_backend(vllm_fleet: Any) -> None:
     with running_proxy(fleet_config(vllm_fleet, "least_request")) as proxy:
         url = proxy.url
+        sdk = client(url)
         busy: dict[str, str] = {}
-        started = threading.Event()
+        started, stop, ended = threading.Event(), threading.Event(), threading.Event()
 
         def long_stream() -> None:
+            # as long as the context allows: it must outlast the short requests below on
+            # a slow machine too (at 400 tokens a CI machine finished it before them);
+            # closed early once they are done
             with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
-                    "model": SMALL, "prompt": "long", "max_tokens": 400, "ignore_eos": True,
+                    "model": SMALL, "prompt": "long", "max_tokens": 1000, "ignore_eos": True,
                     "stream": True}) as resp:
                 busy["name"] = resp.headers["x-laneway-backend"]
                 started.set()
                 for _ in resp.iter_bytes():
-                    pass
+                    if stop.is_set():
+                        return
+                ended.set()
 
         worker = threading.Thread(target=long_stream)
         worker.start()
         assert started.wait(60)
-        sdk = client(url)
         chosen = [sdk.completions.with_raw_response.create(
             model=SMALL, prompt="short", max_tokens=2).headers["x-laneway-backend"]
             for _ in range(4)]
+        assert not ended.is_set(), "the long stream ended before the short requests did"
+        stop.set()
         worker.join(timeout=120)
     assert busy["name"] not in chosen
 
@@ -721,13 +728,29 @@ def test_flow_control_holds_requests_and_serves_priority_first(vllm_fleet: Any) 
             extra_headers={"x-laneway-priority": str(priority)})
         finished.append(name)
 
+    def queued() -> float:
+        text = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+        found = re.search(r"^laneway_flow_queued_requests (\S+)$", text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    def start_and_wait(thread: threading.Thread, until: Callable[[], bool]) -> None:
+        # each one in the proxy's queue before the next (a loaded machine may take
+        # longer than any fixed pause to send one)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not until():
+            assert time.monotonic() < deadline and thread.is_alive(), finished
+            time.sleep(0.02)
+
     with running_proxy(config) as proxy:
-        threads = [threading.Thread(target=ask, args=("busy", 150))]
+        # long enough to hold the one slot while the others queue behind it
+        threads = [threading.Thread(target=ask, args=("busy", 600))]
         threads += [threading.Thread(target=ask, args=(f"low{i}", 20)) for i in range(3)]
         threads.append(threading.Thread(target=ask, args=("high", 20, 5)))
-        for thread in threads:
-            thread.start()
-            time.sleep(0.1)
+        start_and_wait(threads[0], lambda: running_on(large.url) == 1)
+        for waiting, thread in enumerate(threads[1:], 1):
+            start_and_wait(thread, lambda n=waiting: queued() == n)
+        assert not finished, "the busy request ended before the others queued"
         while any(t.is_alive() for t in threads):
             peak[0] = max(peak[0], running_on(large.url)
                           + parse_samples(httpx.get(f"{large.url}/metrics", timeout=5).text)
