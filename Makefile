@@ -53,8 +53,9 @@ services:
 stack-local: install services
 	$(PY) -m bench.stack_local --shared $(SHARED)
 
+# the real-vLLM tests and the rest as two pytest processes at once (tests/run_split.sh)
 test: install services
-	$(PY) -m pytest -q -ra
+	tests/run_split.sh $(PY)
 
 test-fast: install services
 	$(PY) -m pytest -q -ra -m "not vllm"

@@ -13,6 +13,7 @@ import random
 import socket
 
 SINGLE_PORTS = range(10000, 20000)
+RANGE_PORTS = range(20000, 32768)
 _given: set[int] = set()  # this process's picks, not bound yet by their server maybe
 
 
@@ -25,9 +26,12 @@ def free_port() -> int:
             return port
 
 
-def free_port_range(count: int, start: int = 20000) -> int:
-    """A base port with `count` free ports above it, below the ephemeral range."""
-    base = start
+def free_port_range(count: int, start: int | None = None) -> int:
+    """A base port with `count` free ports above it, below the ephemeral range: from
+    `start` up, or by default from a random port of 20000-32767, so that processes
+    picking at once (the suite's workers) rarely step on each other."""
+    base = start if start is not None else random.randrange(RANGE_PORTS.start,
+                                                            RANGE_PORTS.stop - 4 * count)
     while True:
         taken = next((p for p in range(base, base + count) if not bindable(p)), None)
         if taken is None:

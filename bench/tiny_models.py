@@ -91,7 +91,10 @@ def ensure_model(variant: str, shared: Path = DEFAULT_SHARED, root: Path | None 
     scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     build(VARIANTS[variant], shared, scratch)
-    shutil.rmtree(target, ignore_errors=True)  # a stale partial build from older code
+    if not (target / "laneway-build.json").exists():
+        # a stale partial build from older code (never one another process finished:
+        # its vLLM may be loading it)
+        shutil.rmtree(target, ignore_errors=True)
     try:
         scratch.rename(target)
     except OSError:  # another process finished first; its build is identical

@@ -383,7 +383,7 @@ def test_calibration_against_real_vllm_at_reduced_size(tmp_path: Path) -> None:
     profile = tmp_path / "tiny-llama-small.yaml"
     result = calibrate_variant("small", profile, refit=True, url=None, model="tiny-llama",
                                load=CheckLoad(requests_per_worker=3, passes=2, min_requests=0),
-                               rounds=4)
+                               rounds=2)
     fitted = load_profile(str(profile))
     assert fitted.fit is not None and fitted.kv_blocks > 0 and fitted.step.base_s > 0
     assert [level["concurrency"] for level in result["levels"]] == [1, 4, 16]

@@ -30,3 +30,9 @@ def test_free_port_range_steps_over_a_taken_port() -> None:
         moved = free_port_range(4, start=base)
     assert moved == base + 3
     assert all(bindable(p) for p in range(moved, moved + 4))
+
+
+def test_free_port_ranges_start_anywhere_below_the_ephemeral_range() -> None:
+    bases = {free_port_range(8) for _ in range(20)}
+    assert len(bases) > 1  # two processes asking at once rarely get the same
+    assert all(20000 <= b and b + 8 <= 32768 for b in bases)
