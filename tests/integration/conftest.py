@@ -32,6 +32,18 @@ def vllm_fleet() -> Iterator[list[Running]]:
         stop(servers)
 
 
+@pytest.fixture(scope="session")
+def store_server() -> Iterator[Running]:
+    """A `tiny-llama` server that stores responses (VLLM_ENABLE_RESPONSES_API_STORE=1),
+    for the Responses API tests of one proxy and of two replicas (one start for both)."""
+    servers = start([Spec("store", "small", "tiny-llama", free_port(),
+                          env=(("VLLM_ENABLE_RESPONSES_API_STORE", "1"),))], timeout_s=240)
+    try:
+        yield servers[0]
+    finally:
+        stop(servers)
+
+
 @pytest.fixture
 def throwaway_backend() -> Iterator[Running]:
     """One more `tiny-llama` backend that a test may kill."""

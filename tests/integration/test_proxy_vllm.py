@@ -413,41 +413,34 @@ def test_embeddings_and_tokenize_route_by_model(vllm_fleet: Any) -> None:
         assert got["embedding"] == pytest.approx(want["embedding"], abs=1e-6)
 
 
-def test_responses_api_streams_and_follows_stored_responses(vllm_fleet: Any) -> None:
+def test_responses_api_streams_and_follows_stored_responses(vllm_fleet: Any,
+                                                            store_server: Any) -> None:
     """The SDK's Responses API through the proxy: whole and streamed answers from the
     fleet, and a conversation by `previous_response_id` that stays on the one server
     that stores responses (VLLM_ENABLE_RESPONSES_API_STORE=1) among three."""
-    from bench.backends import Spec, start, stop
-    from bench.ports import free_port
-
-    store = start([Spec("store", "small", SMALL, free_port(),
-                        env=(("VLLM_ENABLE_RESPONSES_API_STORE", "1"),))], timeout_s=240)
-    try:
-        config = fleet_config([b for b in vllm_fleet if b.model == SMALL])
-        config["backends"].append({"name": "store", "url": store[0].url, "model": SMALL})
-        with running_proxy(config) as proxy:
-            sdk = client(proxy.url)
-            whole = sdk.responses.create(model=SMALL, input="Say hi", max_output_tokens=6)
-            events = list(sdk.responses.create(model=SMALL, input="Count",
-                                               max_output_tokens=6, stream=True))
-            homes = [sdk.responses.with_raw_response.create(
-                model=SMALL, input="Start", max_output_tokens=4) for _ in range(3)]
-            stored = next(r for r in homes if r.headers["x-laneway-backend"] == "store")
-            chain = [stored.parse()]
-            for _ in range(3):  # round robin alone would leave the store server
-                raw = sdk.responses.with_raw_response.create(
-                    model=SMALL, input="Go on", max_output_tokens=4,
-                    previous_response_id=chain[-1].id)
-                assert raw.headers["x-laneway-backend"] == "store"
-                chain.append(raw.parse())
-            fetched = sdk.responses.retrieve(chain[-1].id)
-            # vLLM replays the events of a response made in the background and streamed
-            background = list(sdk.responses.create(  # pinned to the store by its chain
-                model=SMALL, input="Go on", max_output_tokens=8, background=True,
-                stream=True, previous_response_id=chain[-1].id))
-            replay = list(sdk.responses.retrieve(background[0].response.id, stream=True))
-    finally:
-        stop(store)
+    config = fleet_config([b for b in vllm_fleet if b.model == SMALL])
+    config["backends"].append({"name": "store", "url": store_server.url, "model": SMALL})
+    with running_proxy(config) as proxy:
+        sdk = client(proxy.url)
+        whole = sdk.responses.create(model=SMALL, input="Say hi", max_output_tokens=6)
+        events = list(sdk.responses.create(model=SMALL, input="Count",
+                                           max_output_tokens=6, stream=True))
+        homes = [sdk.responses.with_raw_response.create(
+            model=SMALL, input="Start", max_output_tokens=4) for _ in range(3)]
+        stored = next(r for r in homes if r.headers["x-laneway-backend"] == "store")
+        chain = [stored.parse()]
+        for _ in range(3):  # round robin alone would leave the store server
+            raw = sdk.responses.with_raw_response.create(
+                model=SMALL, input="Go on", max_output_tokens=4,
+                previous_response_id=chain[-1].id)
+            assert raw.headers["x-laneway-backend"] == "store"
+            chain.append(raw.parse())
+        fetched = sdk.responses.retrieve(chain[-1].id)
+        # vLLM replays the events of a response made in the background and streamed
+        background = list(sdk.responses.create(  # pinned to the store by its chain
+            model=SMALL, input="Go on", max_output_tokens=8, background=True,
+            stream=True, previous_response_id=chain[-1].id))
+        replay = list(sdk.responses.retrieve(background[0].response.id, stream=True))
     assert whole.usage is not None and whole.usage.output_tokens == 6
     assert whole.output_text
     kinds = [e.type for e in events]

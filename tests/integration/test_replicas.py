@@ -235,22 +235,14 @@ def test_replicas_agree_on_real_vllm(redis_url: str, vllm_fleet: list[Running]) 
 
 
 @pytest.mark.vllm
-def test_replicas_share_response_homes_on_real_vllm(redis_url: str,
-                                                    vllm_fleet: list[Running]) -> None:
-    from bench.backends import Spec, start, stop
-    from bench.ports import free_port
-
-    store = start([Spec("store", "small", "tiny-llama", free_port(),
-                        env=(("VLLM_ENABLE_RESPONSES_API_STORE", "1"),))], timeout_s=240)
-    try:
-        small = next(s for s in vllm_fleet if s.model == "tiny-llama")
-        fleet = [{"name": small.name, "url": f"http://127.0.0.1:{small.port}",
-                  "model": "tiny-llama"},
-                 {"name": "store", "url": store[0].url, "model": "tiny-llama"}]
-        with two_replicas(config(redis_url, fleet, "round_robin")) as (a, b):
-            conversation_across_replicas(a, b, "tiny-llama", "store")
-    finally:
-        stop(store)
+def test_replicas_share_response_homes_on_real_vllm(redis_url: str, vllm_fleet: list[Running],
+                                                    store_server: Running) -> None:
+    small = next(s for s in vllm_fleet if s.model == "tiny-llama")
+    fleet = [{"name": small.name, "url": f"http://127.0.0.1:{small.port}",
+              "model": "tiny-llama"},
+             {"name": "store", "url": store_server.url, "model": "tiny-llama"}]
+    with two_replicas(config(redis_url, fleet, "round_robin")) as (a, b):
+        conversation_across_replicas(a, b, "tiny-llama", "store")
 
 
 @pytest.mark.vllm
