@@ -83,6 +83,11 @@ class FlowControl:
         self.on_short: Callable[[], None] | None = None  # strict: a request waits
         registry.on_release = self._released
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for room now."""
+        return self._queued
+
     async def view(self, model: str, exclude: list[str], place: Place = ANYONE
                    ) -> ClusterView:
         """The routable backends of `model` (not in `exclude`) that have room, waiting

@@ -54,13 +54,27 @@ def _chat(text: str, **more: Any) -> dict[str, Any]:
     return {**CHAT, "messages": [{"role": "user", "content": text}], **more}
 
 
-async def _send_in_order(proxy: Any, requests: list[tuple[str, dict[str, str]]]
+async def _send_in_order(proxy: Any, fakes: list[RunningFake],
+                         requests: list[tuple[str, dict[str, str]]], first_tokens: int = 100
                          ) -> list[httpx.Response]:
-    """Send each (text, headers) 20 ms after the previous one; all their answers."""
-    tasks = []
+    """Send each (text, headers) once the one before is at a backend, in the proxy's
+    queue or answered; all their answers. The first asks for `first_tokens` (2 s at
+    SLOW's pace), so that it holds its room while the others line up (at the fakes'
+    16, ~0.3 s, it ended before them on a loaded machine), and it must not have ended
+    before they did."""
+    assert proxy.app.runtime is not None
+    flow = proxy.app.runtime.flow
+    tasks: list[asyncio.Task[httpx.Response]] = []
     for text, headers in requests:
-        tasks.append(asyncio.create_task(post(proxy, _chat(text), headers=headers)))
-        await asyncio.sleep(0.02)
+        before = sum(f.app.stats.requests for f in fakes) + flow.queued
+        body = _chat(text, max_tokens=first_tokens) if not tasks else _chat(text)
+        tasks.append(asyncio.create_task(post(proxy, body, headers=headers)))
+        while True:
+            arrived = sum(f.app.stats.requests for f in fakes) + flow.queued > before
+            if arrived or tasks[-1].done():
+                break
+            await asyncio.sleep(0.002)
+    assert not tasks[0].done(), "the first request ended before the others lined up"
     return list(await asyncio.gather(*tasks))
 
 
@@ -91,7 +105,7 @@ async def test_without_a_limit_every_request_goes_at_once() -> None:
 
 async def test_higher_priority_leaves_the_queue_first() -> None:
     async with fleet(SLOW, flow_control=_limit(1)) as (proxy, fakes):
-        answers = await _send_in_order(proxy, [
+        answers = await _send_in_order(proxy, fakes, [
             ("busy", {}), ("low1", {}), ("low2", {}),
             ("high", {"x-laneway-priority": "3"}), ("low3", {"x-laneway-priority": "-1"}),
             ("low4", {})])
@@ -102,7 +116,7 @@ async def test_higher_priority_leaves_the_queue_first() -> None:
 async def test_keys_take_turns_and_a_keys_priority_counts() -> None:
     a, b, vip = ({"authorization": f"Bearer sk-{k}"} for k in ("a", "b", "vip"))
     async with fleet(SLOW, flow_control=_limit(1), auth=KEYS) as (proxy, fakes):
-        answers = await _send_in_order(proxy, [
+        answers = await _send_in_order(proxy, fakes, [
             ("a0", a), ("a1", a), ("a2", a), ("a3", a), ("b1", b), ("b2", b),
             ("vip", vip), ("p", a | {"x-laneway-priority": "9"})])  # header ignored
     assert {r.status_code for r in answers} == {200}
@@ -114,7 +128,8 @@ async def test_a_full_queue_and_a_long_wait_are_overloaded_503s(
     caplog.set_level(logging.WARNING, "laneway")
     async with fleet(FakeConfig(tpot_s=0.1), flow_control=_limit(
             1, max_queued=2, queue_timeout_s=0.5)) as (proxy, fakes):
-        answers = await _send_in_order(proxy, [(f"r{i}", {}) for i in range(4)])
+        answers = await _send_in_order(proxy, fakes, [(f"r{i}", {}) for i in range(4)],
+                                       first_tokens=16)  # 1.6 s at 0.1 s a token
         async with httpx.AsyncClient(base_url=proxy.url) as http:
             metrics = (await http.get("/metrics")).text
     statuses = [a.status_code for a in answers]
@@ -258,13 +273,13 @@ async def test_the_access_log_says_how_long_a_request_queued(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "laneway.access")
     async with fleet(SLOW, flow_control=_limit(1), server={"access_log": True}
-                     ) as (proxy, _):
-        answers = await _send_in_order(proxy, [("busy", {}), ("queued", {})])
+                     ) as (proxy, fakes):
+        answers = await _send_in_order(proxy, fakes, [("busy", {}), ("queued", {})])
     assert {a.status_code for a in answers} == {200}
     queued = [r.fields.get("queued_ms") for r in caplog.records  # type: ignore[attr-defined]
               if r.name == "laneway.access"]
     assert len(queued) == 2 and queued.count(None) == 1
-    assert min(q for q in queued if q is not None) > 100  # "busy" runs ~0.3 s
+    assert min(q for q in queued if q is not None) > 100  # "busy" runs ~2 s
 
 
 # -- a running stream's moves (it was admitted: it never waits in line) ------------
