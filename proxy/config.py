@@ -168,6 +168,11 @@ class OutliersConfig(_Section):
         "each ejection that follows within `max_eject_s` of the end of the one before; "
         "then its next good scrape brings it back")
     max_eject_s: float = Field(300.0, gt=0, description="the longest ejection")
+    max_ejection_percent: float = Field(
+        10.0, ge=0, le=100, description="at most this share of the backends of a model "
+        "are out by passive health at once, but one always may be (Envoy's "
+        "max_ejection_percent): requests that fail on every backend (a prompt that "
+        "crashes vLLM, sent again and again) must not take the fleet out")
 
 
 class MigrationConfig(_Section):

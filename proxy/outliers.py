@@ -15,7 +15,11 @@ refusal of the request, which is the client's error) are counted over the last
 window, and at least `failure_ratio` of its attempts there, ejects the backend: it is
 unhealthy for `eject_s`, doubled for each ejection that follows within `max_eject_s`
 of the end of the one before, up to `max_eject_s`. Then its next good scrape brings it
-back, with a fresh count. When every backend of a model is out, panic mode
+back, with a fresh count. At most `max_ejection_percent` of the backends of a model are
+out at once (one always may be): a backend that reaches the count while they are stays
+in, its count kept, until one comes back. Requests that fail on every backend (a prompt
+that crashes vLLM, sent again and again) count against all of them, and without that
+bound would take every one out; when every backend of a model is out, panic mode
 (`poller.route_when_all_unhealthy`) routes among them all again.
 """
 
@@ -25,7 +29,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from proxy.config import OutliersConfig
@@ -40,16 +44,20 @@ class _Record:
     slices: deque[list[int]] = field(default_factory=deque)  # [slice, attempts, failures]
     streak: int = 0  # ejections, each within max_eject_s of the end of the one before
     back_at: float = -math.inf  # when the last ejection ends
+    held: bool = False  # due for ejection, kept in by max_ejection_percent (logged once)
 
 
 class Outliers:
     def __init__(self, cfg: Callable[[], OutliersConfig],
                  eject: Callable[[str, float], None],
+                 peers: Callable[[str], Sequence[str]],
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`cfg`: the current settings (they change on reload); `eject(backend, for_s)`
-        takes a backend out (the poller's)."""
+        takes a backend out (the poller's); `peers(backend)`: the backends of its model,
+        itself among them."""
         self._cfg = cfg
         self._eject = eject
+        self._peers = peers
         self._clock = clock
         self._records: dict[str, _Record] = {}
         self.ejections = 0  # since start
@@ -74,7 +82,11 @@ class Outliers:
         attempts = sum(s[1] for s in record.slices)
         failures = sum(s[2] for s in record.slices)
         if failures < cfg.failures or failures < cfg.failure_ratio * max(attempts, failures):
+            record.held = False
             return
+        if self._at_the_bound(backend, record, cfg):
+            return
+        record.held = False
         record.streak = record.streak + 1 if now - record.back_at <= cfg.max_eject_s else 0
         for_s = min(cfg.eject_s * 2.0 ** min(record.streak, 64), cfg.max_eject_s)
         record.back_at = now + for_s
@@ -84,6 +96,22 @@ class Outliers:
                f"{cfg.window_s:g} s failed (the last: {kind})")
         log.warning("backend %s ejected for %.0f s: %s", backend, for_s, why)
         self._eject(backend, for_s)
+
+    def _at_the_bound(self, backend: str, record: _Record, cfg: OutliersConfig) -> bool:
+        """Whether ejecting `backend` would put more of its model's backends out than
+        `max_ejection_percent` allows (logged once while it stays so)."""
+        peers = self._peers(backend)
+        out = [p for p in peers if p != backend and self.ejected_for(p) > 0]
+        allowed = max(1, math.floor(cfg.max_ejection_percent / 100 * len(peers)))
+        if len(out) < allowed:
+            return False
+        if not record.held:
+            record.held = True
+            log.warning("backend %s not ejected, though it fails: %d of the %d backends of "
+                        "its model are out already (%s; outliers.max_ejection_percent %g)",
+                        backend, len(out), len(peers), ", ".join(sorted(out)),
+                        cfg.max_ejection_percent)
+        return True
 
     def ejected_for(self, backend: str) -> float:
         """Seconds until `backend`'s ejection ends (0: not ejected)."""

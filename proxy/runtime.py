@@ -91,7 +91,7 @@ class Runtime:
         )
         self.streams = ActiveStreams()
         self.poller = Poller(self.registry, settings.poller, self.tls)
-        self.outliers = Outliers(lambda: self.settings.outliers, self._eject)
+        self.outliers = Outliers(lambda: self.settings.outliers, self._eject, self._peers)
         self.tracing = None if settings.tracing.otlp_endpoint is None else Tracing(
             settings.tracing, self.metrics.trace_spans_dropped.inc)
         self.upstream = Upstream(self._relay_session, settings.upstream, self.outliers.sent,
@@ -280,6 +280,12 @@ class Runtime:
         """A backend failed a request (`kind`: connect, timeout, status, broken, error)."""
         self.metrics.upstream_errors.labels(backend, kind).inc()
         self.outliers.failed(backend, kind)
+
+    def _peers(self, backend: str) -> list[str]:
+        """The backends of `backend`'s model (itself among them)."""
+        own = self.registry.get(backend)
+        model = own.model if own is not None else None
+        return [b.name for b in self.registry.all() if b.model == model] or [backend]
 
     def _eject(self, backend: str, for_s: float) -> None:
         self.metrics.ejections.labels(backend).inc()

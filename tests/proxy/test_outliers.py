@@ -29,11 +29,19 @@ class Clock:
         return self.now
 
 
-def outliers(**cfg: float) -> tuple[Outliers, Clock, list[tuple[str, float]]]:
+def outliers(models: dict[str, list[str]] | None = None, **cfg: float
+             ) -> tuple[Outliers, Clock, list[tuple[str, float]]]:
+    """Outliers on a test clock; `models`: the backends of each model (by default each
+    backend is its model's only one)."""
     clock, ejected = Clock(), []
     config = OutliersConfig(**cfg)  # type: ignore[arg-type]
+
+    def peers(backend: str) -> list[str]:
+        return next((names for names in (models or {}).values() if backend in names),
+                    [backend])
+
     made = Outliers(lambda: config, lambda name, for_s: ejected.append((name, for_s)),
-                    clock)
+                    peers, clock)
     return made, clock, ejected
 
 
@@ -192,6 +200,64 @@ async def test_a_backend_that_fails_every_request_is_ejected_then_tried_again(
         assert bad.requests == 2 * tried  # back in the rotation, failing, and out again
         assert await metric(proxy.url, "laneway_backend_ejections_total", "f0") == 2.0
         assert 3.0 < (await admin_backend(proxy.url, "f0"))["ejected_for_s"] <= 6.0
+
+
+def test_at_most_max_ejection_percent_of_a_models_backends_are_out() -> None:
+    """Requests that fail on every backend (a poison prompt) count against each of
+    them: at 10 % only one of a model's three is out at a time, the next one due goes
+    when it comes back; other models' backends are counted apart."""
+    models = {"m": ["a", "b", "c"], "n": ["x"]}
+    o, clock, ejected = outliers(models, eject_s=10.0, window_s=60.0)
+    for backend in ("a", "b", "c", "x"):
+        attempts(o, backend, 5, fail=True)
+    assert ejected == [("a", 10.0), ("x", 10.0)]
+    assert o.ejected_for("b") == o.ejected_for("c") == 0.0
+    clock.now += 10.5  # a's ejection over: b, still failing, goes at its next failure
+    attempts(o, "c", 1, fail=False)  # (an attempt that does not fail: no evaluation)
+    assert ejected == [("a", 10.0), ("x", 10.0)]
+    attempts(o, "b", 1, fail=True)
+    assert ejected[-1] == ("b", 10.0)
+    attempts(o, "c", 1, fail=True)  # b is out now
+    assert len(ejected) == 3
+
+
+@pytest.mark.parametrize(("percent", "out"), [(0.0, 1), (10.0, 1), (50.0, 2), (100.0, 4)])
+def test_the_bound_is_a_share_of_the_models_backends_and_at_least_one(
+        percent: float, out: int) -> None:
+    o, _, ejected = outliers({"m": ["a", "b", "c", "d"]}, max_ejection_percent=percent)
+    for backend in ("a", "b", "c", "d"):
+        attempts(o, backend, 5, fail=True)
+    assert len(ejected) == out
+
+
+def test_a_held_backend_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    o, _, _ = outliers({"m": ["a", "b"]})
+    attempts(o, "a", 5, fail=True)
+    attempts(o, "b", 8, fail=True)
+    held = [r.getMessage() for r in caplog.records if "not ejected" in r.getMessage()]
+    assert held == ["backend b not ejected, though it fails: 1 of the 2 backends of its "
+                    "model are out already (a; outliers.max_ejection_percent 10)"]
+
+
+async def test_requests_failing_on_every_backend_take_out_only_one(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """What a prompt that crashes every vLLM does, sent again and again: each attempt
+    fails, on every backend in turn. With the default bound (10 % of a model's
+    backends, at least one) one of the three is ejected and the other two stay."""
+    broken = FakeConfig(fail_status=500)
+    async with fleet(broken, broken, broken, outliers={"failures": 3},
+                     poller={"interval_s": 0.02}) as (proxy, fakes):
+        for _ in range(6):
+            answer = await post(proxy, CHAT)
+            assert answer.status_code >= 500  # no backend could answer it
+        assert all(f.app.stats.requests >= 3 for f in fakes)  # each failed it
+        healthy = [(await admin_backend(proxy.url, f"f{i}"))["healthy"] for i in range(3)]
+        ejections = [await metric(proxy.url, "laneway_backend_ejections_total", f"f{i}")
+                     for i in range(3)]
+    assert sorted(healthy) == [False, True, True] and sorted(ejections) == [0, 0, 1]
+    held = {r.getMessage().split()[1] for r in caplog.records
+            if "not ejected" in r.getMessage()}
+    assert len(held) == 2 and healthy[int(held.pop()[1])] is True
 
 
 def test_refused_connections_are_attempts_but_not_failures() -> None:
