@@ -11,8 +11,9 @@ open.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,3 +164,36 @@ def test_a_real_vllm_failing_its_generations_is_ejected_then_back(
         text = log.read_text(errors="replace")
         assert "backend bad ejected for 300 s: 3 of its" in text, text[-3000:]
         assert " ERROR " not in text and "Traceback" not in text, text[-3000:]
+
+
+def test_real_vllms_failing_every_request_are_not_all_ejected(
+        vllm_fleet: list[Running]) -> None:
+    """Both real servers of a model behind saboteurs that answer every generation with
+    a 500 (as a prompt that crashes vLLM would, on every server): each request fails on
+    both, and passive health takes one of them out, not both (max_ejection_percent)."""
+    first, second = two_same(vllm_fleet)
+
+    @contextlib.asynccontextmanager
+    async def saboteurs() -> AsyncIterator[tuple[Saboteur, Saboteur]]:
+        async with Saboteur(first.url).serving() as a, Saboteur(second.url).serving() as b:
+            yield a, b
+
+    with on_a_thread(saboteurs) as ((a, b), _), tempfile.TemporaryDirectory() as tmp:
+        config = {"backends": [{"name": "a", "url": a.url, "model": MODEL},
+                               {"name": "b", "url": b.url, "model": MODEL}],
+                  "policy": {"name": "round_robin"}, "outliers": {"failures": 3}}
+        log = Path(tmp) / "proxy.log"
+        with running_proxy(config, log_path=log) as proxy:
+            settle(proxy.url, timeout_s=30)
+            a.plan = b.plan = Plan(status=500)
+            statuses = [httpx.post(f"{proxy.url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 4}).status_code
+                for _ in range(6)]
+            healthy = {name: _described(proxy.url, name)["healthy"] for name in "ab"}
+            ejections = [_proxy_metric(proxy.url, "laneway_backend_ejections_total", name)
+                         for name in "ab"]
+        text = log.read_text(errors="replace")
+    assert all(status >= 500 for status in statuses), statuses  # nowhere to answer it
+    assert a.hits >= 3 and b.hits >= 3  # each failed its share
+    assert sorted(healthy.values()) == [False, True] and sorted(ejections) == [0, 1]
+    assert "not ejected, though it fails: 1 of the 2 backends" in text, text[-3000:]
