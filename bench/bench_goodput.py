@@ -67,6 +67,7 @@ from typing import Any
 from bench import compare
 from bench.compare import Fleet, Plan, SoloTier, Variant
 from bench.report import Summary, git_commit
+from bench.solo import SLO_BASES
 from bench.tiny_models import DEFAULT_SHARED, REPO, laneway_home
 
 BASELINES = ("random", "round_robin", "least_request", "lowest_tpm", "prefix_aware")
@@ -307,7 +308,7 @@ def attainment_table(attainment: Mapping[str, Mapping[str, float]], scales: Sequ
 
 
 def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], out: Path,
-         title: str, tier: SoloTier = "mid") -> None:
+         title: str, tier: SoloTier = "mid", slo_base: str = "request") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -318,7 +319,8 @@ def plot(goodput: Mapping[str, Mapping[str, float]], scales: Sequence[float], ou
         style = "-o" if label.startswith("goodput") else "--."
         ax.plot(list(scales), [points[scale_key(s)] for s in scales], style, label=label)
     base = "fastest" if tier == "fastest" else "mid-tier"
-    ax.set_xlabel(f"SLO scale (x solo latency on the {base} backend)")
+    what = "the median solo latency" if slo_base == "median" else "solo latency"
+    ax.set_xlabel(f"SLO scale (x {what} on the {base} backend)")
     ax.set_ylabel("goodput (req/s)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
@@ -370,7 +372,7 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
         rep.mkdir(parents=True, exist_ok=True)
         order = plan.variants if r % 2 == 0 else plan.variants[::-1]
         files = compare.run_all(dataclasses.replace(plan, variants=order), fleet, rep)
-        summaries = compare.summaries(files, rep / "solo.jsonl", plan.scales)
+        summaries = compare.summaries(files, rep / "solo.jsonl", plan.scales, plan.slo_base)
         runs.append({v.label: per_scale(v.label, summaries[v.label], plan.scales)
                      for v in plan.variants})
         attained.append({v.label: per_scale(v.label, summaries[v.label], plan.scales,
@@ -383,7 +385,8 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
     baselines = [v.label for v in plan.variants if not v.per_scale]
     out_dir = plan.out_dir / name
     out_dir.mkdir(parents=True, exist_ok=True)
-    compare.report(files, rep / "solo.jsonl", out_dir / "baselines")  # the last repeat's
+    compare.report(files, rep / "solo.jsonl", out_dir / "baselines",  # the last repeat's
+                   plan.slo_base)
     text = table(goodput, {v.label: summaries[v.label] for v in plan.variants}, plan.scales)
     attainment = median_cells(attained)
     text += "\n\n" + attainment_table(attainment, plan.scales)
@@ -392,7 +395,8 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
                 "and errors: the last repeat.\n\n" + text)
     (out_dir / "table.md").write_text(text + "\n")
     print(text, flush=True)
-    plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name, plan.solo_tier)
+    plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name, plan.solo_tier,
+         plan.slo_base)
     variants_ = {v.label: repeated_ratios(runs, baselines, v.label, plan.scales)
                  for v in plan.variants if v.per_scale}
     # the same ratio on attainment, which a run's last completion does not move (docs/goodput.md:
@@ -402,7 +406,8 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
             "goodput_ratio_vs_best_baseline"] for v in plan.variants if v.per_scale}
     extra = {"repeats": repeats, "goodput_rps_per_repeat": runs} if repeats > 1 else {}
     return {"fleet": name, "workload": plan.workload, "solo_tier": plan.solo_tier,
-            "goodput_rps": goodput, "slo_attainment": attainment, **extra,
+            "slo_base": plan.slo_base, "goodput_rps": goodput, "slo_attainment": attainment,
+            **extra,
             "attainment_ratio_vs_best_baseline": attainment_ratios,
             "variants": variants_, **variants_["goodput"]}
 
@@ -464,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solo-tier", choices=("mid", "fastest"), default="mid",
                         help="the backend whose solo latency is the SLO base: mid-tier "
                         "(the paper's) or the fastest (before 2026-11-24)")
+    parser.add_argument("--slo-base", choices=SLO_BASES, default="request",
+                        help="request: each request's SLO is scale x its own solo latency; "
+                        "median: scale x the median of the solo latencies, one deadline "
+                        "for every request (the paper's 'median request execution time', "
+                        "docs/goodput.md); the fleet's name gets -median-slo")
     parser.add_argument("--time-limit", type=float, default=120.0,
                         help="s of wall time per run (times --time-dilation)")
     parser.add_argument("--time-dilation", type=float, default=1.0,
@@ -531,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.fleet or ["emulated:64"]:
         name = spec.replace(":", "-").replace(",", "-").replace("@", "-")
         name += f"-dilated{dilation:g}" if dilation != 1 else ""
+        name += "-median-slo" if args.slo_base == "median" else ""
         workload = args.workload or default_workload(spec, args.shared, dilation)
         if args.hide_length is not None:
             workload = [*workload, "--hide-length", str(args.hide_length)]
@@ -541,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan(workload, chosen, list(SCALES), Path(args.out).parent / "goodput",
                     args.solo_requests, args.time_limit * dilation,
                     artifact if use_predictor else None, solo_tier=args.solo_tier,
-                    decision_logs=args.keep is not None)
+                    decision_logs=args.keep is not None, slo_base=args.slo_base)
         fleet_spec = spec.partition("@")[0]
         with work_dir(args.keep, name) as work, \
                 open_fleet(fleet_spec, Path(args.shared), dilation) as f:

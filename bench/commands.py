@@ -79,10 +79,12 @@ def target(url: str, args: argparse.Namespace) -> Target:
                   args.hide_length)
 
 
-def read_solo(paths: Sequence[str]) -> SoloLatencies | None:
+def read_solo(paths: Sequence[str], base: str = "request") -> SoloLatencies | None:
+    """The solo latencies in `paths` under SLO base `base` (bench/solo.py)."""
     if not paths:
         return None
-    return SoloLatencies.from_results(r for p in paths for r in results.read(Path(p)).results)
+    solo = SoloLatencies.from_results(r for p in paths for r in results.read(Path(p)).results)
+    return solo.based_on(base)
 
 
 @contextlib.contextmanager
@@ -118,7 +120,7 @@ def _send(requests: Sequence[WorkloadRequest], targets: Sequence[Target],
 def run(args: argparse.Namespace) -> int:
     built = load_workload(args)
     requests: Sequence[WorkloadRequest] = built.requests
-    solo = read_solo(args.solo)
+    solo = read_solo(args.solo, args.slo_base)
     if solo is not None:
         requests = with_slos(requests, solo, args.slo_scale)
     limits = loadgen.Limits(args.max_requests, args.duration, args.time_limit, args.concurrency)
@@ -145,7 +147,7 @@ def solo(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
     runs = [results.read(Path(p)) for p in args.results]
-    solo_latencies = read_solo(args.solo)
+    solo_latencies = read_solo(args.solo, args.slo_base)
     scales = [float(s) for s in args.scales.split(",")]
     expert_map = dict(item.split("=", 1) for item in args.expert_map)
     qos_config = QosConfig(args.qos_latency_ms / 1000, expert_map)

@@ -157,6 +157,7 @@ class Plan:
     artifact: Path | None
     expert: str = "gpt-3.5-turbo-1106"
     solo_tier: SoloTier = "fastest"  # the backend whose solo latency is the SLO base
+    slo_base: str = "request"  # each request's own solo latency, or their median (solo.py)
     decision_logs: bool = False  # each run's proxy log, with every decision, as <run>.log
 
 
@@ -192,7 +193,8 @@ def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
                 log = ["--proxy-log", str(work / f"{name}.log")]
             config.write_text(yaml.safe_dump(settings))
             out = work / f"{name}.jsonl"
-            slo = ["--solo", str(solo), "--slo-scale", str(scale or 2.0)]
+            slo = ["--solo", str(solo), "--slo-scale", str(scale or 2.0),
+                   "--slo-base", plan.slo_base]
             cli("bench", "run", *plan.workload, "--config", str(config), "--label", name,
                 "--out", str(out), "--time-limit", str(plan.time_limit_s), "--no-progress",
                 *slo, *log)
@@ -209,13 +211,14 @@ def run_peer(plan: Plan, fleet_: Fleet, variant: Variant, solo: Path, work: Path
     with vllm_router(*(b["url"] for b in fleet_.backends), policy=variant.policy) as (url, _):
         cli("bench", "run", *plan.workload, "--target", url, "--policy", variant.policy,
             "--label", variant.label, "--out", str(out), "--time-limit",
-            str(plan.time_limit_s), "--no-progress", "--solo", str(solo), "--slo-scale", "2")
+            str(plan.time_limit_s), "--no-progress", "--solo", str(solo), "--slo-scale", "2",
+            "--slo-base", plan.slo_base)
     return out
 
 
-def summaries(files: dict[str, list[Path]], solo: Path, scales: Sequence[float]
-              ) -> dict[str, list[Summary]]:
-    solo_latencies = read_solo([str(solo)])
+def summaries(files: dict[str, list[Path]], solo: Path, scales: Sequence[float],
+              slo_base: str = "request") -> dict[str, list[Summary]]:
+    solo_latencies = read_solo([str(solo)], slo_base)
     return {label: [summarize(results.read(p), solo_latencies, scales) for p in paths]
             for label, paths in files.items()}
 
@@ -232,7 +235,9 @@ def attainment_at(summary: Summary, scale: float) -> float:
     return 0.0 if met is None else met
 
 
-def report(files: dict[str, list[Path]], solo: Path, out_dir: Path) -> None:
+def report(files: dict[str, list[Path]], solo: Path, out_dir: Path,
+           slo_base: str = "request") -> None:
     """`laneway bench report` over the single-run variants: report.md, summary.json, PNGs."""
     single = [str(p[0]) for p in files.values() if len(p) == 1]
-    cli("bench", "report", *single, "--solo", str(solo), "--out-dir", str(out_dir))
+    cli("bench", "report", *single, "--solo", str(solo), "--out-dir", str(out_dir),
+        "--slo-base", slo_base)

@@ -94,6 +94,22 @@ def test_solo_is_the_median_of_repeats_and_a_fit_for_unmeasured_requests() -> No
     assert SoloLatencies.from_results(samples[:2]).estimate("new", 100, 10) is None
 
 
+def test_a_median_slo_base_gives_every_request_one_deadline() -> None:
+    """The paper's 'median request execution time' reading: one base for all, the
+    median of the measured solo latencies (0.5 of 0.5, 1.5, 0.5), measured or not."""
+    median = SOLO.based_on("median")
+    assert [median.estimate(k, None, None) for k in ("a", "b", "never")] == [0.5] * 3
+    assert SOLO.based_on("request") is SOLO
+    s = summarize(RUN, median, scales=(1.0, 2.0, 4.0))
+    # e2e 1, 2, 0.5 against 0.5 x scale; b now misses at 2 (it met its own 1.5 x 2)
+    assert s.slo_requests == 4
+    assert [p.attainment for p in s.slo] == [0.25, 0.5, 0.75]
+    with pytest.raises(ValueError, match="unknown SLO base"):
+        SOLO.based_on("mean")
+    with pytest.raises(ValueError, match="no solo latency measured"):
+        SoloLatencies({}).based_on("median")
+
+
 def test_inflight_series_follows_requests_and_migrations() -> None:
     series = inflight_series(RESULTS)
     assert series["b1"] == [(0.0, 1), (1.0, 0), (2.0, 1), (2.25, 0)]
@@ -143,6 +159,12 @@ def test_report_command_writes_tables_and_pngs(tmp_path: Path,
     assert (out / "report.md").read_text().strip() in printed
     summary = orjson.loads((out / "summary.json").read_bytes())
     assert summary[0]["qos"] == pytest.approx(0.4) and summary[1]["requests"] == 3
+    median = main(["bench", "report", str(tmp_path / "least.jsonl"), "--solo",
+                   str(tmp_path / "solo.jsonl"), "--scales", "1,2", "--slo-base", "median",
+                   "--out-dir", str(tmp_path / "median")])
+    # one deadline of 0.5 x scale: of e2e 1, 2, 0.5 (and a failure) 1 met at 1, 2 at 2
+    assert median == 0 and "| least | least_request | 4 | 0.143 (25) | 0.286 (50) |" \
+        in capsys.readouterr().out
     pngs = ["ttft_cdf", "tpot_cdf", "backend_load", "goodput_vs_slo_scale", "goodput_vs_load"]
     for name in pngs:
         data = (out / f"{name}.png").read_bytes()
