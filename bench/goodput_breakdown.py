@@ -50,7 +50,7 @@ from bench.compare import split_run_name
 from bench.plots import inflight_series
 from bench.report import meets_slo
 from bench.results import RequestResult
-from bench.solo import SoloLatencies
+from bench.solo import SLO_BASES, SoloLatencies
 from bench.tiny_models import DEFAULT_SHARED
 
 
@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("run_dir", help="a kept repeat directory (bench_goodput --keep)")
     parser.add_argument("--scale", type=float, default=2.0)
+    parser.add_argument("--slo-base", choices=SLO_BASES, default="request",
+                        help="as the run's (bench_goodput --slo-base): each request's own "
+                        "solo latency, or their median for all")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--length-predictor", default=None, metavar="ARTIFACT",
                         help="add predicted / true length per tier (met / missed)")
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(args.run_dir)
     if not (directory / "solo.jsonl").exists():
         parser.error(f"no solo.jsonl in {directory}")
-    solo = read_solo([str(directory / "solo.jsonl")])
+    solo = read_solo([str(directory / "solo.jsonl")], args.slo_base)
     assert solo is not None
     try:
         files = run_files(directory, args.scale)

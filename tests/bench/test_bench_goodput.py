@@ -179,16 +179,18 @@ def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
     from bench.compare import Plan, Variant
 
     plan = Plan([], [Variant("rr", "round_robin"), Variant("goodput", "goodput", {}, True)],
-                SCALES, tmp_path / "out", 1, 1.0, None)
+                SCALES, tmp_path / "out", 1, 1.0, None, slo_base="median")
     orders: list[list[str]] = []
     repeat = iter(range(10))
+    bases: list[str] = []
 
     def run_all(p: Plan, fleet: object, work: Path) -> dict[str, list[Path]]:
         orders.append([v.label for v in p.variants])
         return {v.label: [work / v.label] for v in p.variants}
 
-    def summaries(files: dict[str, list[Path]], solo: Path, scales: list[float]
-                  ) -> dict[str, list[Summary]]:
+    def summaries(files: dict[str, list[Path]], solo: Path, scales: list[float],
+                  slo_base: str) -> dict[str, list[Summary]]:
+        bases.append(slo_base)  # every repeat judged on the plan's SLO base
         r = next(repeat)
         return {"rr": [_summary("rr", {1.0: 0.2 + r / 10, 2.0: 0.5})],
                 "goodput": [_summary("g@1", {1.0: 0.4, 2.0: 0.0}),
@@ -199,6 +201,7 @@ def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
     monkeypatch.setattr(compare, "report", lambda *a: None)
     out = bench_goodput.evaluate("f", object(), plan, tmp_path / "work", repeats=3)  # type: ignore[arg-type]
     assert orders == [["rr", "goodput"], ["goodput", "rr"], ["rr", "goodput"]]
+    assert bases == ["median"] * 3 and out["slo_base"] == "median"
     assert out["repeats"] == 3 and len(out["goodput_rps_per_repeat"]) == 3
     assert out["goodput_rps"] == {"rr": {"1": 0.3, "2": 0.5}, "goodput": {"1": 0.4, "2": 0.6}}
     # ratios 2.0, 4/3, 4/3... at scale 1: 0.4/0.2, 0.4/0.3, 0.4/0.4 → median 4/3

@@ -182,3 +182,16 @@ def test_the_breakdown_reads_the_lines_the_router_logs(caplog: pytest.LogCapture
     rows = decisions(caplog.text, [record], tiers, SOLO, scale=2.0)
     assert [(r.event, r.kind, r.source, r.tier, r.count) for r in rows] == [
         ("arrival", "feasible", "", "slow", 1), ("move", "feasible", "slow", "mid", 1)]
+
+
+def test_the_slo_base_judges_as_the_run_did(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`--slo-base median`: b (solo 0.5 s, 1.5 s end to end) misses its own 2 x 0.5 s
+    but meets 2 x the median solo latency (1 s of 1, 0.5, 1, 1), as its run judged it."""
+    _write(tmp_path, "solo", [_r(k, "h-0", 0.0, 0.5 if k == "b" else 1.0) for k in "abcd"])
+    _write(tmp_path, "least_request", RUN)
+    t4 = "| least_request | t4 | 1 | 50% | {} | 50% | 1 | 1 (0) | 2.0 / 2 |"
+    assert goodput_breakdown.main([str(tmp_path), "--scale", "2"]) == 0
+    assert t4.format("0%") in capsys.readouterr().out
+    assert goodput_breakdown.main([str(tmp_path), "--scale", "2", "--slo-base", "median"]) == 0
+    assert t4.format("50%") in capsys.readouterr().out
