@@ -177,7 +177,7 @@ bench-goodput: install
 	# latency; docs/goodput.md: One deadline for every request), 64 GPUs at 24 req/s and the
 	# real fleet
 	$(PY) -m bench.bench_goodput --fleet emulated:64 --slo-base median --hide-length 512 \
-		--heldout-prompts --only goodput-capability-headroom,goodput-oracle,goodput-quantile \
+		--heldout-prompts --only goodput-capability-headroom,goodput-oracle,goodput-quantile,goodput-quantile-checks \
 		--shared $(SHARED) --workload --workload poisson --rate 24 --requests 360 \
 		--max-output 512 --shared $(SHARED)
 	$(PY) -m bench.bench_goodput --fleet real:small,small,large --slo-base median --hide-length 512 \
