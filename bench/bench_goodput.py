@@ -65,9 +65,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import compare
+from bench.cli import slo_base_option
 from bench.compare import Fleet, Plan, SoloTier, Variant
 from bench.report import Summary, git_commit
-from bench.solo import SLO_BASES
 from bench.tiny_models import DEFAULT_SHARED, REPO, laneway_home
 
 BASELINES = ("random", "round_robin", "least_request", "lowest_tpm", "prefix_aware")
@@ -469,11 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solo-tier", choices=("mid", "fastest"), default="mid",
                         help="the backend whose solo latency is the SLO base: mid-tier "
                         "(the paper's) or the fastest (before 2026-11-24)")
-    parser.add_argument("--slo-base", choices=SLO_BASES, default="request",
-                        help="request: each request's SLO is scale x its own solo latency; "
-                        "median: scale x the median of the solo latencies, one deadline "
-                        "for every request (the paper's 'median request execution time', "
-                        "docs/goodput.md); the fleet's name gets -median-slo")
+    slo_base_option(parser, "; the fleet's name gets -median-slo")
     parser.add_argument("--time-limit", type=float, default=120.0,
                         help="s of wall time per run (times --time-dilation)")
     parser.add_argument("--time-dilation", type=float, default=1.0,

@@ -89,15 +89,18 @@ def _run_parser(sub: Any) -> None:
     run.add_argument("--solo", action="append", default=[],
                      help="solo file: send each request's SLO (x-laneway-slo-ms)")
     run.add_argument("--slo-scale", type=float, default=2.0, help="SLO = scale x solo")
-    _slo_base_option(run)
+    slo_base_option(run)
     run.set_defaults(func=_command("run"))
 
 
-def _slo_base_option(parser: argparse.ArgumentParser) -> None:
+def slo_base_option(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """`--slo-base` (bench/solo.py), for every command that sets or judges SLOs; `note`
+    ends its help."""
     parser.add_argument("--slo-base", choices=SLO_BASES, default="request",
                         help="request: each request's SLO is scale x its own solo latency; "
                         "median: scale x the median solo latency, one deadline for all "
-                        "(bench/solo.py)")
+                        "(the paper's 'median request execution time', bench/solo.py)"
+                        + note)
 
 
 def _solo_parser(sub: Any) -> None:
@@ -117,7 +120,7 @@ def _report_parser(sub: Any) -> None:
     report.add_argument("results", nargs="+", help="result files of `laneway bench run`")
     report.add_argument("--solo", action="append", default=[], help="solo file(s)")
     report.add_argument("--scales", default="1,1.5,2,2.5,3", help="SLO scales")
-    _slo_base_option(report)
+    slo_base_option(report)
     report.add_argument("--load-scale", type=float, default=2.0,
                         help="SLO scale of the goodput-vs-load plot")
     report.add_argument("--qos-latency-ms", type=float, default=30.0,

@@ -45,12 +45,13 @@ from pathlib import Path
 import yaml
 
 from bench import results
+from bench.cli import slo_base_option
 from bench.commands import read_solo
 from bench.compare import split_run_name
 from bench.plots import inflight_series
 from bench.report import meets_slo
 from bench.results import RequestResult
-from bench.solo import SLO_BASES, SoloLatencies
+from bench.solo import SoloLatencies
 from bench.tiny_models import DEFAULT_SHARED
 
 
@@ -254,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("run_dir", help="a kept repeat directory (bench_goodput --keep)")
     parser.add_argument("--scale", type=float, default=2.0)
-    parser.add_argument("--slo-base", choices=SLO_BASES, default="request",
-                        help="as the run's (bench_goodput --slo-base): each request's own "
-                        "solo latency, or their median for all")
+    slo_base_option(parser, "; as the run's (bench_goodput --slo-base)")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--length-predictor", default=None, metavar="ARTIFACT",
                         help="add predicted / true length per tier (met / missed)")
