@@ -6,21 +6,24 @@ weights beside it. Greedy streams: whatever the plan breaks, the client's answer
 the unmoved one (tests/integration/test_migration_vllm.py's `assert_spliced_exactly`,
 near ties after a splice told by the reference's two best log-probabilities), or the
 backend's 4xx, or vLLM's refusal; the proxy logs nothing at ERROR, and leaves nothing
-open.
+open. Once more with migration off, in the chat, completions, Responses and Messages
+APIs (vLLM's own bytes relayed as they came): the other server's same answer, or a
+stream ending with the tokens it had and an error event.
 """
 
 from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from bench.backends import Running
@@ -37,7 +40,16 @@ from tests.integration.test_migration_vllm import (
     two_same,
 )
 from tests.proxy.fuzzing import check_shape, fuzz, on_a_thread
-from tests.proxy.test_fuzz_upstream import PLANS, session_on, settle
+from tests.proxy.test_fuzz_upstream import (
+    PLANS,
+    UNTRACKED_PLANS,
+    said,
+    session_on,
+    settle,
+)
+from tests.proxy.test_fuzz_upstream import (
+    ask as ask_any,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -51,8 +63,9 @@ class Served:
     session: str
 
 
-@pytest.fixture(scope="module")
-def served(vllm_fleet: list[Running]) -> Iterator[Served]:
+def _serving(vllm_fleet: list[Running], migration: dict[str, Any]) -> Iterator[Served]:
+    """The saboteur in front of one real server and a second of the same weights, behind
+    `laneway serve` with these migration settings."""
     source, other = two_same(vllm_fleet)
     with on_a_thread(lambda: Saboteur(source.url).serving()) as (saboteur, _), \
             tempfile.TemporaryDirectory() as tmp:
@@ -61,28 +74,34 @@ def served(vllm_fleet: list[Running]) -> Iterator[Served]:
                   "policy": {"name": "session"},
                   "upstream": {"read_timeout_s": 2.0, "first_byte_timeout_s": 10.0},
                   "outliers": {"failures": 0},  # every case is the saboteur's first
-                  "migration": {"warm_prefill": False, "pace_slowdown": 0}}
+                  "migration": migration}
         with running_proxy(config, log_path=Path(tmp) / "proxy.log") as proxy:
             settle(proxy.url, timeout_s=30)
             yield Served(proxy.url, source.url, saboteur, Path(tmp) / "proxy.log",
                          session_on(proxy.url, "bad", MODEL))
 
 
-@fuzz(40)
-@given(PLANS, st.booleans())
-def test_a_broken_real_vllm_answer_reaches_the_client_whole_or_as_its_refusal(
-        served: Served, plan: Plan, chat: bool) -> None:
-    payload = body(chat, True, ignore_eos=True, max_tokens=24)
-    reference = ask(served.direct, chat, tied(chat, payload))
+@pytest.fixture(scope="module")
+def served(vllm_fleet: list[Running]) -> Iterator[Served]:
+    """Streams tracked: they may move."""
+    yield from _serving(vllm_fleet, {"warm_prefill": False, "pace_slowdown": 0})
+
+
+@pytest.fixture(scope="module")
+def untracked(vllm_fleet: list[Running]) -> Iterator[Served]:
+    """Migration off: vLLM's own bytes relayed as they came, in every generation API."""
+    yield from _serving(vllm_fleet, {"enabled": False})
+
+
+def sabotaged(served: Served, plan: Plan, send: Callable[[], tuple[str, httpx.Response]]
+              ) -> httpx.Response:
+    """`send` through the proxy with `plan` on the saboteur, which the case must reach;
+    fails on an answer out of the API's shape, or anything the proxy logged at ERROR."""
     settle(served.url, timeout_s=30)
-    saboteur, logged = served.saboteur, served.log.stat().st_size
-    hits, refusals = saboteur.hits, saboteur.refusals
+    saboteur, logged, hits = served.saboteur, served.log.stat().st_size, served.saboteur.hits
     saboteur.plan = plan
-    path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
-        with httpx.Client(base_url=served.url, timeout=60) as http:
-            answer = http.post(path, json=payload, headers={
-                "x-session-id": served.session, "x-laneway-events": "1"})
+        path, answer = send()
     finally:
         saboteur.plan = None
     assert saboteur.hits > hits, "the case never reached the saboteur"
@@ -91,6 +110,25 @@ def test_a_broken_real_vllm_answer_reaches_the_client_whole_or_as_its_refusal(
         new = log.read().decode(errors="replace")
     assert " ERROR " not in new and "Traceback" not in new, new[-3000:]
     check_shape(path, answer)
+    return answer
+
+
+@fuzz(40)
+@given(PLANS, st.booleans())
+def test_a_broken_real_vllm_answer_reaches_the_client_whole_or_as_its_refusal(
+        served: Served, plan: Plan, chat: bool) -> None:
+    payload = body(chat, True, ignore_eos=True, max_tokens=24)
+    reference = ask(served.direct, chat, tied(chat, payload))
+    refusals = served.saboteur.refusals
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+
+    def send() -> tuple[str, httpx.Response]:
+        with httpx.Client(base_url=served.url, timeout=60) as http:
+            return path, http.post(path, json=payload, headers={
+                "x-session-id": served.session, "x-laneway-events": "1"})
+
+    answer = sabotaged(served, plan, send)
+    saboteur = served.saboteur
     if plan.status is not None and plan.status < 500:
         assert answer.status_code == plan.status, answer.text
     else:
@@ -106,6 +144,40 @@ def test_a_broken_real_vllm_answer_reaches_the_client_whole_or_as_its_refusal(
             read_stream(moved, lines, chat)
             assert_spliced_exactly(moved, reference)
     settle(served.url, timeout_s=30)
+
+
+# Greedy, so both servers of the same weights give one answer
+GREEDY = {"temperature": 0}
+REAL_APIS = st.tuples(st.sampled_from(["chat", "completions", "responses", "messages"]),
+                      st.booleans(), st.integers(1, 16))
+
+
+@fuzz(40)
+@given(UNTRACKED_PLANS, REAL_APIS)
+@example(Plan(disruption=Disruption("cut", 0.5)), ("responses", True, 16))  # inside an event
+@example(Plan(disruption=Disruption("cut", 0.5)), ("messages", True, 16))
+def test_an_untracked_real_vllm_answer_broken_in_transport_is_retried_or_ends_with_an_error(
+        untracked: Served, plan: Plan, request: tuple[str, bool, int]) -> None:
+    """tests/proxy/test_fuzz_upstream.py's untracked property on vLLM's own bytes, in the
+    four generation APIs: before the first byte reaches the client the request is
+    retried on the other server (the same answer); after it, the stream ends with the
+    tokens it had, an error event and [DONE]; a 4xx is the client's."""
+    api, stream, n = request
+    expected = said(api, stream, ask_any(untracked.direct, api, stream, n, model=MODEL,
+                                         extra=GREEDY)[1])
+    assert expected.status == 200 and expected.text, expected
+    answer = sabotaged(untracked, plan, lambda: ask_any(
+        untracked.url, api, stream, n, {"x-session-id": untracked.session}, MODEL, GREEDY))
+    got = said(api, stream, answer)
+    if plan.status is not None and plan.status < 500:
+        assert got.status == plan.status, answer.text
+    elif got.error is not None:
+        assert stream and got.status == 200, answer.text
+        assert expected.text.startswith(got.text), (got, expected)
+    else:
+        assert (got.status, got.text, got.finish_reason) == (
+            200, expected.text, expected.finish_reason), answer.text
+    settle(untracked.url, timeout_s=30)
 
 
 def _proxy_metric(url: str, name: str, backend: str) -> float:

@@ -188,8 +188,10 @@ def said(api: str, stream: bool, answer: httpx.Response) -> Said:
     return out
 
 
-def ask(url: str, api: str, stream: bool, n: int, headers: dict[str, str] | None = None
+def ask(url: str, api: str, stream: bool, n: int, headers: dict[str, str] | None = None,
+        model: str = "fake", extra: dict[str, Any] | None = None
         ) -> tuple[str, httpx.Response]:
+    """`n` tokens of the API's answer to "hi" (`extra`: more body fields, e.g. greedy)."""
     bodies: dict[str, dict[str, Any]] = {
         "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": n},
         "completions": {"prompt": "hi", "max_tokens": n},
@@ -200,7 +202,7 @@ def ask(url: str, api: str, stream: bool, n: int, headers: dict[str, str] | None
     if api != "embeddings":
         body["stream"] = stream
     with httpx.Client(base_url=url, timeout=20) as http:
-        return PATHS[api], http.post(PATHS[api], json={"model": "fake", **body},
+        return PATHS[api], http.post(PATHS[api], json={"model": model, **body, **(extra or {})},
                                      headers=headers or {})
 
 
