@@ -23,7 +23,13 @@ a stream by its backend's EMA d_g rather than its own TPOT), `goodput-load`
 that pushes a request already on the backend past its deadline), `goodput-quantile`
 (`length_quantile: 0.8`: routing on the 80th percentile of the true lengths of recent
 requests predicted alike), `goodput-quantile-checks` (the τ check reading the same
-calibration), `goodput-quantile-checks-protect` (both, with `protect`),
+calibration), `goodput-quantile-prior` and `goodput-quantile-checks-prior` (the same
+two starting from the length artifact's out-of-fold prior, `calibration_prior`; the
+other calibrated variants learn online only, as before the prior existed),
+`goodput-capability-quantile-checks-prior` and
+`goodput-capability-headroom-quantile-checks-prior` (that with `selection: capability`,
+and with `headroom: 0.25` too),
+`goodput-quantile-checks-protect` (both, with `protect`),
 `goodput-quantile-checks-protect-fallback` (the same, routing a request no backend
 meets D_r for at its calibrated length on its predicted length),
 `goodput-quantile-checks-protect-rescue` (the same with `rescue_only`),
@@ -127,7 +133,9 @@ def default_workload(spec: str, shared: str, time_dilation: float = 1.0) -> list
 
 # routing on the calibrated 80th percentile of the length; 20 samples a bucket, as a
 # benchmark run is a few hundred requests per proxy
-QUANTILE = {"length_quantile": 0.8, "calibration_min_samples": 20}
+# calibrated lengths learned online only, as measured before the artifact's prior
+QUANTILE = {"length_quantile": 0.8, "calibration_min_samples": 20, "calibration_prior": False}
+PRIOR = {**QUANTILE, "calibration_prior": True}
 QUANTILE_PROTECT = {**QUANTILE, "calibrate_checks": True, "protect": True}
 QUANTILE_PROTECT_RESCUE = {**QUANTILE_PROTECT, "rescue_only": True}
 LEAST_LOADED = {"infeasible": "least_loaded"}
@@ -158,6 +166,15 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-quantile", "goodput", QUANTILE, True, with_predictor),
                Variant("goodput-quantile-checks", "goodput",
                        {**QUANTILE, "calibrate_checks": True}, True, with_predictor),
+               Variant("goodput-quantile-prior", "goodput", PRIOR, True, with_predictor),
+               Variant("goodput-quantile-checks-prior", "goodput",
+                       {**PRIOR, "calibrate_checks": True}, True, with_predictor),
+               Variant("goodput-capability-quantile-checks-prior", "goodput",
+                       {**PRIOR, "calibrate_checks": True, "selection": "capability"}, True,
+                       with_predictor),
+               Variant("goodput-capability-headroom-quantile-checks-prior", "goodput",
+                       {**PRIOR, "calibrate_checks": True, "selection": "capability",
+                        "headroom": 0.25}, True, with_predictor),
                Variant("goodput-quantile-checks-protect", "goodput", QUANTILE_PROTECT, True,
                        with_predictor),
                Variant("goodput-quantile-checks-protect-fallback", "goodput",
@@ -212,7 +229,11 @@ def dilated_variants(chosen: list[Variant], factor: float) -> list[Variant]:
 # variants that answered one question and run only when named in --only (docs/goodput.md)
 ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protect",
                         "goodput-capability-headroom-protect", "goodput-quantile",
-                        "goodput-quantile-checks", "goodput-quantile-checks-protect",
+                        "goodput-quantile-checks", "goodput-quantile-prior",
+                        "goodput-quantile-checks-prior",
+                        "goodput-capability-quantile-checks-prior",
+                        "goodput-capability-headroom-quantile-checks-prior",
+                        "goodput-quantile-checks-protect",
                         "goodput-quantile-checks-protect-fallback",
                         "goodput-quantile-checks-protect-rescue",
                         "goodput-capability-quantile-checks-protect-rescue",

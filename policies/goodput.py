@@ -83,6 +83,12 @@ requests), Algorithm 1's fallback sends the request to the least overrun, the fa
 backend, and every such request lands there; `quantile_fallback: prediction` then
 runs Algorithm 1 on the point prediction instead, if some backend meets D_r for that
 (the quantile a margin where one fits, not a veto).
+With `calibration_prior` (on by default; a deviation, as the rest of this paragraph)
+a replica does not start blind: when the length artifact was trained with
+`--calibration-folds`, each prediction carries its out-of-fold (predicted, true)
+lengths of the training prompts (`predictors.base.LengthPrior`), and the first
+request of each predictor key records them as if they had finished here; the
+replica's own outcomes then replace them in each bucket's window.
 
 `infeasible: least_loaded` (off by default) changes that fallback for every request no
 backend meets D_r for: it goes to the backend with the fewest requests in flight
@@ -100,6 +106,7 @@ the hopeless streams to it anyway; nor with `speed_at_load` beside it (docs/good
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -117,6 +124,8 @@ from policies.speed import Floats, Speed, SpeedModel
 from predictors.base import Prediction
 from predictors.calibration import LengthCalibration
 from proxy.types import Backend, ClusterView, Decision, Outcome, Progress, RequestContext
+
+log = logging.getLogger("laneway")
 
 MAX_WINDOWS = 100_000  # running streams remembered for window samples
 
@@ -226,6 +235,9 @@ class GoodputParams(BaseModel):
                                 "stays where it is (false: a move is optional)")
     calibration_window: int = Field(500, gt=0, description="length_quantile: finished "
                                     "requests remembered per prediction bucket")
+    calibration_prior: bool = Field(True, description="length_quantile: start each "
+                                    "bucket from the length artifact's out-of-fold (predicted, "
+                                    "true) lengths, when it has them (false: from nothing)")
     calibration_min_samples: int = Field(50, gt=0, description="length_quantile: a bucket "
                                          "routes on the prediction until it has this many")
 
@@ -534,6 +546,10 @@ class Goodput:
         if (self._calibration is None or pred.output_tokens is None
                 or self._given_length(ctx) is not None):
             return tokens  # no calibration, or L_out is not the predictor's
+        if self._p.calibration_prior and pred.length_prior is not None \
+                and self._calibration.prime(pred.length_prior):
+            log.info("goodput: length calibration primed with %d out-of-fold answers of "
+                     "predictor key %s", len(pred.length_prior.samples), pred.length_prior.key)
         self._predicted[ctx.request_id] = tokens
         while len(self._predicted) > MAX_WINDOWS:  # requests whose outcome never came
             self._predicted.popitem(last=False)

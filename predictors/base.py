@@ -12,6 +12,19 @@ if TYPE_CHECKING:
     from proxy.types import RequestContext
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class LengthPrior:
+    """What a length predictor's arrival predictions are worth, from its artifact: the
+    (predicted, true) output lengths of answers the predicting model was not trained
+    on (`laneway train length --calibration-folds`: each training prompt predicted by a
+    model fitted on the other folds). A policy that calibrates lengths
+    (`predictors/calibration.py`) starts from these instead of from nothing. One object
+    per predictor key, shared by every prediction of that key."""
+
+    key: str
+    samples: tuple[tuple[float, int], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """A request's predicted cost. Empty when no predictor is configured.
@@ -22,6 +35,8 @@ class Prediction:
     """
 
     output_tokens: float | None = None
+    # the length predictor's out-of-fold (predicted, true) lengths, when its artifact has them
+    length_prior: LengthPrior | None = None
     # ELDR: the request's expert signature (unit vector, predictors/experts.py), known
     # after a prefill leg on an MoE backend with the laneway_eldr plugin.
     expert_signature: tuple[float, ...] | None = None

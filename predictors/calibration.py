@@ -17,6 +17,12 @@ At a τ check the same samples answer how much further a stream is likely to run
 the `quantile`-th of what they ran beyond it, a length distribution conditioned on
 what the stream has already shown.
 
+A new replica need not start blind: `prime` records a `LengthPrior` (the length
+artifact's out-of-fold predictions and true lengths, carried on each prediction) as
+if those requests had finished here, once per predictor key. They fill the buckets'
+windows first, so the replica's own outcomes replace them as they come (after
+`window` of its own in a bucket, none of the prior's is left there).
+
 Quantiles are recomputed lazily: at most once per `refresh` new samples in a bucket,
 so a routing decision reads a cached float.
 """
@@ -28,6 +34,8 @@ from collections import deque
 
 import numpy as np
 import numpy.typing as npt
+
+from predictors.base import LengthPrior
 
 SURVIVORS_MIN = 10  # requests that ran past a stream's tokens, to read its remaining
 
@@ -47,6 +55,7 @@ class LengthCalibration:
         self._samples: dict[int, deque[int]] = {}
         self._cached: dict[int, float] = {}  # bucket -> quantile of its samples
         self._stale: dict[int, int] = {}  # bucket -> samples since its quantile
+        self._primed: set[str] = set()  # predictor keys whose prior is recorded
 
     def bucket(self, predicted: float) -> int:
         return int(math.log(max(predicted, 1.0)) // self._log_ratio)
@@ -57,6 +66,15 @@ class LengthCalibration:
         samples = self._samples.setdefault(b, deque(maxlen=self.window))
         samples.append(actual)
         self._stale[b] = self._stale.get(b, self._refresh) + 1
+
+    def prime(self, prior: LengthPrior) -> bool:
+        """Record the prior's samples, the first time this key's prior is seen (True)."""
+        if prior.key in self._primed:
+            return False
+        self._primed.add(prior.key)
+        for predicted, actual in prior.samples:
+            self.record(predicted, actual)
+        return True
 
     def adjust(self, predicted: float) -> float:
         """The `quantile`-th true length of recent requests predicted in the same

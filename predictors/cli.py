@@ -56,7 +56,7 @@ def _train(args: argparse.Namespace) -> int:
     from predictors.features import Featurizer
     from predictors.length import save_artifact
     from predictors.length_moe import MoEConfig
-    from predictors.length_train import train_moe
+    from predictors.length_train import cross_fit, train_moe
 
     torch.set_num_threads(args.threads)
     counter = token_counter(args.tokenizer)
@@ -66,17 +66,24 @@ def _train(args: argparse.Namespace) -> int:
     meta = {"tau": args.tau, "windows": args.windows, "seed": args.seed}
     featurizer = Featurizer.fit([f"{s.prompt}\n{s.output}" for s in samples
                                  if not is_heldout(s.id)])
-    trained = {}
+    trained, priors = {}, {}
     for key in keys:
         started = time.monotonic()
-        trained[key] = train_moe(training_rows(samples, counter, key, meta), featurizer, config)
+        rows = training_rows(samples, counter, key, meta)
+        trained[key] = train_moe(rows, featurizer, config)
         print(f"trained {key}: {time.monotonic() - started:.0f} s, "
               f"phase-1 rows per expert {trained[key].subset_sizes}", flush=True)
+        if args.calibration_folds:
+            started = time.monotonic()
+            priors[key] = cross_fit(rows, featurizer, config, args.calibration_folds)
+            print(f"cross-fitted {key} over {args.calibration_folds} folds: "
+                  f"{time.monotonic() - started:.0f} s, {len(priors[key])} answers", flush=True)
     digest = hashlib.sha256(args.data.read_bytes()).hexdigest()[:16]
     version = f"{time.strftime('%Y%m%dT%H%M%S')}-{digest}"
     save_artifact(args.out, featurizer, trained, {
         "version": version, "data": str(args.data), "data_sha256_16": digest,
-        "unit": counter.unit, "heldout": "id % 5 == 0", **meta}, config)
+        "unit": counter.unit, "heldout": "id % 5 == 0",
+        "calibration_folds": args.calibration_folds, **meta}, config, priors)
     print(f"wrote {args.out} (version {version}, lengths in {counter.unit})")
     return 0
 
@@ -173,6 +180,11 @@ def add_cli(subparsers: Any) -> None:
     length.add_argument("--tau", type=int, default=50, help="re-estimate every τ tokens")
     length.add_argument("--seed", type=int, default=0)
     length.add_argument("--threads", type=int, default=1)
+    length.add_argument("--calibration-folds", type=int, default=2, choices=[0, *range(2, 11)],
+                        help="also predict each training answer with a model trained on the "
+                        "other folds and keep (predicted, true) as the artifact's length "
+                        "prior (calibration.json), which goodput's calibrated lengths start "
+                        "from; ~1x the training time more at 2 folds; 0: none")
     length.set_defaults(func=_train)
     from predictors import eldr_cli  # ELDR's decode centroids (issue 9)
 

@@ -274,7 +274,10 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
         v.label for v in every if v.label not in (
             "goodput-risk-estimate", "goodput-load", "goodput-protect",
             "goodput-capability-headroom-protect", "goodput-quantile",
-            "goodput-quantile-checks", "goodput-quantile-checks-protect",
+            "goodput-quantile-checks", "goodput-quantile-prior",
+            "goodput-quantile-checks-prior", "goodput-capability-quantile-checks-prior",
+            "goodput-capability-headroom-quantile-checks-prior",
+            "goodput-quantile-checks-protect",
             "goodput-quantile-checks-protect-fallback",
             "goodput-quantile-checks-protect-rescue",
             "goodput-capability-quantile-checks-protect-rescue",
@@ -288,24 +291,31 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
         "risk_speed": "estimate"}
     assert select_variants(every, "goodput-load")[-1].params == {"speed_at_load": True}
     assert select_variants(every, "goodput-quantile")[-1].params == {
-        "length_quantile": 0.8, "calibration_min_samples": 20}
+        "length_quantile": 0.8, "calibration_min_samples": 20, "calibration_prior": False}
+    assert select_variants(every, "goodput-quantile-checks-prior")[-1].params == {
+        "length_quantile": 0.8, "calibration_min_samples": 20, "calibration_prior": True,
+        "calibrate_checks": True}
     assert select_variants(every, "goodput-capability-quantile-checks-protect-rescue")[
         -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
-                       "calibrate_checks": True, "protect": True, "rescue_only": True,
+                       "calibration_prior": False, "calibrate_checks": True, "protect": True,
+                       "rescue_only": True,
                        "selection": "capability"}
     assert select_variants(every, "goodput-least-loaded")[-1].params == {
         "infeasible": "least_loaded"}
     assert select_variants(every, "goodput-quantile-checks-protect-rescue-load-least-loaded")[
         -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
-                       "calibrate_checks": True, "protect": True, "rescue_only": True,
+                       "calibration_prior": False, "calibrate_checks": True, "protect": True,
+                       "rescue_only": True,
                        "speed_at_load": True, "infeasible": "least_loaded"}
     assert select_variants(every, "goodput-quantile-checks-protect-rescue-load-stay")[
         -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
-                       "calibrate_checks": True, "protect": True, "rescue_only": True,
+                       "calibration_prior": False, "calibrate_checks": True, "protect": True,
+                       "rescue_only": True,
                        "speed_at_load": True, "harmful_moves": False}
     assert select_variants(every, "goodput-capability-quantile-checks-protect-rescue-stay")[
         -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
-                       "calibrate_checks": True, "protect": True, "rescue_only": True,
+                       "calibration_prior": False, "calibrate_checks": True, "protect": True,
+                       "rescue_only": True,
                        "selection": "capability", "harmful_moves": False}
     chosen = [v.label for v in select_variants(every, "goodput-headroom")]
     assert chosen == [*BASELINES, "goodput", "goodput-headroom"]  # goodput: the headline

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from policies.goodput import Goodput, GoodputParams
-from predictors.base import NO_PREDICTION, Prediction
+from predictors.base import NO_PREDICTION, LengthPrior, Prediction
 from proxy.types import Backend, BackendStats, Outcome, Progress, RequestContext
 from tests.policies.helpers import backends, ctx, outcome, view
 
@@ -495,6 +495,18 @@ def test_length_quantile_routes_on_what_requests_predicted_alike_ran_to() -> Non
     assert "L_out 300: the q0.9 of requests predicted like its 100" in decision.reason
     capped = dataclasses.replace(long, request_id="y", max_tokens=150)  # 150 tokens: b1
     assert good.pick(capped, HUNDRED, fleet).backend.name == "b1"
+
+
+@pytest.mark.parametrize(("prior", "chosen"), [(True, "b0"), (False, "b2")])
+def test_a_length_prior_calibrates_the_first_request(prior: bool, chosen: str) -> None:
+    """The artifact's out-of-fold answers predicted at 100 ran to 300: with
+    `calibration_prior` the first request already routes on 300 (b0 alone meets 4.5 s),
+    without it on the prediction (Algorithm 1: b2)."""
+    good = policy(length_quantile=0.9, calibration_min_samples=3, calibration_prior=prior)
+    first = Prediction(output_tokens=100,
+                       length_prior=LengthPrior("m", tuple((100.0, 300) for _ in range(5))))
+    long = dataclasses.replace(request(4.5, max_tokens=1000), request_id="x")
+    assert good.pick(long, first, view(FLEET, stats=stats())).backend.name == chosen
 
 
 @pytest.mark.parametrize(("fallback", "chosen"), [("overrun", "b0"), ("prediction", "b1")])

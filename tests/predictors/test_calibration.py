@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from predictors.base import LengthPrior
 from predictors.calibration import LengthCalibration
 
 
@@ -58,3 +59,17 @@ def test_remaining_is_conditioned_on_what_the_stream_has_run() -> None:
     assert cal.remaining(100, 105) == pytest.approx(50)
     assert cal.remaining(100, 110) is None  # nine ran further: too few to say
     assert cal.remaining(400, 0) is None  # no samples in that bucket
+
+
+def test_a_prior_calibrates_from_the_first_request_once_per_key_then_gives_way() -> None:
+    cal = LengthCalibration(0.5, window=20, min_samples=10, refresh=1)
+    prior = LengthPrior("m", tuple((100.0, 400) for _ in range(20)))
+    assert cal.adjust(100) == 100  # nothing seen: the prediction
+    assert cal.prime(prior)
+    assert cal.adjust(100) == 400  # before any request finished here
+    assert not cal.prime(prior)  # the same key's prior again: not recorded twice
+    assert cal.counts() == {6: 20}
+    assert cal.prime(LengthPrior("other", ((1000.0, 50),)))  # another key's is its own
+    for _ in range(20):  # the replica's own outcomes fill the window
+        cal.record(100, 150)
+    assert cal.adjust(100) == 150

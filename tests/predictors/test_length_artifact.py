@@ -78,6 +78,24 @@ def test_window_prediction_is_total_and_grows_with_progress(
         assert total is not None and total >= generated + 1
 
 
+def test_the_prior_round_trips_and_rides_on_its_keys_predictions(
+        artifact: tuple[Path, dict[str, Trained]], tmp_path: Path) -> None:
+    """An artifact trained without cross-fitting has no prior; one with it gives each
+    prediction its key's (predicted, true) pairs, one shared object per key."""
+    plain = load_artifact(artifact[0]).predict(ctx("user: hi"))
+    assert plain.output_tokens is not None and plain.length_prior is None
+    featurizer = Featurizer.from_state(json.loads((artifact[0] / "featurizer.json").read_text()))
+    priors = {"any": [(120.456, 300), (80.0, 40)], "big-model": [(500.0, 900)]}
+    save_artifact(tmp_path / "with-prior", featurizer, artifact[1],
+                  {"version": "t", "unit": "words"}, SMALL, priors)
+    loaded = load_artifact(tmp_path / "with-prior", {"served-name": "big-model"})
+    first, second = (loaded.predict(ctx(p, model="served-name")) for p in ("user: a", "user: b"))
+    assert first.length_prior is not None and first.length_prior is second.length_prior
+    assert (first.length_prior.key, first.length_prior.samples) == ("big-model", ((500.0, 900),))
+    fallback = loaded.predict_window(ctx("user: hi", model="unknown"), "so far", 2).length_prior
+    assert fallback is not None and fallback.samples == ((120.46, 300), (80.0, 40))
+
+
 def test_loader_without_artifact_predicts_nothing(artifact: tuple[Path, dict[str, Trained]]
                                                   ) -> None:
     none = load_length_predictor(None, {}, "any")

@@ -12,7 +12,7 @@ from predictors.length import KeyModel
 from predictors.length_data import arrival_rows, is_heldout, load_samples, samples_for
 from predictors.length_eval import moe_method
 from predictors.length_moe import FusedMoE, MoEConfig
-from predictors.length_train import train_moe
+from predictors.length_train import cross_fit, train_moe
 from tests.predictors.helpers import counter
 
 DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
@@ -41,3 +41,23 @@ def test_moe_beats_the_mean_on_heldout_mae(tmp_path: Path) -> None:
     moe_mae = float(np.mean(np.abs(moe(arrival_rows(test)) - truth)))
     mean_mae = float(np.mean(np.abs(mean - truth)))
     assert moe_mae < 0.97 * mean_mae, (moe_mae, mean_mae)
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
+def test_cross_fitted_predictions_are_out_of_fold() -> None:
+    """The prior's predictions come from models that never saw the answer: on the
+    training prompts they miss by more than the full model's own predictions of them
+    (which it was fitted to), one (predicted, true) per training answer."""
+    samples = samples_for(load_samples(DATA, counter()), KEY)
+    train = [s for s in samples if not is_heldout(s.id)]
+    rows = arrival_rows(train)
+    featurizer = Featurizer.fit([f"{s.prompt}\n{s.output}" for s in train])
+    config = MoEConfig(epochs=60)
+    pairs = cross_fit(rows, featurizer, config, folds=2)
+    assert [true for _, true in pairs] == [s.output_tokens for s in train]
+    trained = train_moe(rows, featurizer, config)
+    fitted = moe_method(KeyModel(FusedMoE(trained.model), trained.scale), featurizer)(rows)
+    truth = np.array([s.output_tokens for s in train], dtype=float)
+    out_of_fold = float(np.mean(np.abs(np.array([p for p, _ in pairs]) - truth)))
+    in_sample = float(np.mean(np.abs(fitted - truth)))
+    assert out_of_fold > 1.1 * in_sample, (out_of_fold, in_sample)
