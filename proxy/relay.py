@@ -273,7 +273,11 @@ class Upstream:
                     raise UpstreamFailure(backend, "broken", "incomplete JSON answer: "
                                           f"{payload[-100:].decode(errors='replace')!r}")
                 return Opened(backend, response, payload, complete=True)
-            head = await response.content.readany()
+            # bounded here too: aiohttp's `sock_read` does not fire when its C parser
+            # stops on a chunk size that is not hex (`_read_body`), and the first read of
+            # a stream would then wait for ever (found by the real-vLLM backend fuzz)
+            async with asyncio.timeout(self._cfg.first_byte_timeout_s):
+                head = await response.content.readany()
         except TimeoutError:
             raise UpstreamFailure(backend, "timeout", "no first byte in time") from None
         except aiohttp.ClientError as exc:

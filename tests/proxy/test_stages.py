@@ -104,11 +104,13 @@ async def test_the_bucket_stage_fills_the_prediction() -> None:
     assert pred.expert_scores == (0.4,) and pred.expert_lengths == (4.0,)
 
 
-@pytest.mark.parametrize(("model", "said"), [(SlowModel(seconds=1.0), "timed out"),
-                                             (SlowModel(seconds=0.0, fail=True), "failed")])
+# (a predictor that fails at once gets time to: on a loaded machine 0.1 s may pass first)
+@pytest.mark.parametrize(("model", "timeout_s", "said"), [
+    (SlowModel(seconds=1.0), 0.1, "timed out"),
+    (SlowModel(seconds=0.0, fail=True), 10.0, "failed")])
 async def test_a_slow_or_broken_predictor_leaves_the_prediction_empty(
-        model: SlowModel, said: str, caplog: pytest.LogCaptureFixture) -> None:
-    stage = BucketStage(model, max_batch=8, timeout_s=0.1)
+        model: SlowModel, timeout_s: float, said: str, caplog: pytest.LogCaptureFixture) -> None:
+    stage = BucketStage(model, max_batch=8, timeout_s=timeout_s)
     with caplog.at_level(logging.WARNING, logger="laneway"):
         pred = await stage.predict(ctx("p", request_id="req-9"), {}, NO_PREDICTION, VIEW)
     await stage.close()
