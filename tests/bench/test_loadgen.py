@@ -53,11 +53,12 @@ async def test_records_ttft_every_chunk_tpot_and_usage_against_a_paced_fake() ->
     assert result.ttft_s == result.chunk_times_s[0]
     assert 0.08 <= result.ttft_s < 0.3
     # The fake paces on an absolute schedule, so a scheduling hiccup on a busy machine delays
-    # one chunk and shortens the next gap; what must hold is that every chunk got its own
-    # time stamp (batched stamps would give gaps of ~0) at the fake's pace.
+    # one chunk and shortens the gaps after it (one of 69 ms in CI left two of ~0); what
+    # must hold is that the chunks got their own time stamps at the fake's pace: stamps
+    # taken in batches would make most gaps ~0.
     gaps = [b - a for a, b in zip(result.chunk_times_s, result.chunk_times_s[1:], strict=False)]
     assert sorted(gaps)[len(gaps) // 2] == pytest.approx(0.02, abs=0.008)
-    assert sum(0.005 < g < 0.06 for g in gaps) >= len(gaps) - 2
+    assert sum(g <= 0.005 for g in gaps) <= len(gaps) // 3
     assert 0.012 <= result.tpot_s < 0.04
     assert result.e2e_s >= result.chunk_times_s[-1] >= 0.08 + 9 * 0.02 - 0.005
     assert result.backend is None and result.migrations == ()  # a bare vLLM names no backend
