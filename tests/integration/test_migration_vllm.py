@@ -342,9 +342,9 @@ def test_paced_handoff_of_a_greedy_stream_is_exact(vllm_fleet: list[Running]) ->
         (move,) = moved.moves  # inside the block: a failure shows the proxy's log
     # vLLM packs the tokens of every engine step finished since its last send into one
     # event, so the trigger sees the count at the first event at or past 20: 21 or 22 on
-    # a quiet machine, 24 once under a loaded test run; the bound still catches a
-    # trigger that fires well after its point (at the stream's end it would read 900).
-    assert 20 <= move["continued_from"] <= 30 and move["at_token"] >= move["continued_from"]
+    # a quiet machine, 24 and once 31 under a loaded test run (clean-clone CI); the bound
+    # still catches a trigger that fires well after its point (at the end it would read 900).
+    assert 20 <= move["continued_from"] <= 60 and move["at_token"] >= move["continued_from"]
 
 
 def test_killing_the_source_mid_stream_loses_nothing(
