@@ -55,8 +55,9 @@ def _train(args: argparse.Namespace) -> int:
 
     from predictors.features import Featurizer
     from predictors.length import save_artifact
+    from predictors.length_eval import cross_fit
     from predictors.length_moe import MoEConfig
-    from predictors.length_train import cross_fit, train_moe
+    from predictors.length_train import train_moe
 
     torch.set_num_threads(args.threads)
     counter = token_counter(args.tokenizer)

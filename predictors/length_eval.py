@@ -9,6 +9,7 @@ length; bucket accuracy over 10 equal-width buckets of [0, longest training answ
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,8 +19,8 @@ import torch
 from predictors.features import Featurizer
 from predictors.length import KeyModel
 from predictors.length_data import Row, Sample, arrival_rows
-from predictors.length_moe import MoEConfig, SparseBatch, SparseMLP
-from predictors.length_train import encode, fit, targets
+from predictors.length_moe import FusedMoE, MoEConfig, SparseBatch, SparseMLP
+from predictors.length_train import encode, fit, targets, train_moe
 
 BUCKETS = 10
 Method = Callable[[Sequence[Row]], np.ndarray]  # held-out rows → predicted remaining tokens
@@ -105,6 +106,28 @@ def moe_method(model: KeyModel, featurizer: Featurizer) -> Method:
         return np.array(out)
 
     return predict
+
+
+def cross_fit(rows: Sequence[Row], featurizer: Featurizer, config: MoEConfig, folds: int
+              ) -> list[tuple[float, int]]:
+    """Out-of-fold arrival predictions, for the artifact's `LengthPrior`: the prompts
+    cut into `folds` by id (a seeded permutation; every answer and window of a prompt
+    in one fold), each fold's answers predicted by `moe_method` (as the proxy predicts)
+    with a model trained (`train_moe`, the same config) on the other folds' rows.
+    (predicted total, true length) per answer, in the rows' order."""
+    if folds < 2:
+        raise ValueError("cross-fitting needs at least 2 folds")
+    ids = sorted({r.sample.id for r in rows})
+    fold_of = {i: n % folds for n, i in enumerate(random.Random(config.seed).sample(ids, len(ids)))}
+    arrivals = [r for r in rows if r.generated_tokens == 0]
+    predicted: dict[int, float] = {}  # index in arrivals -> predicted total
+    for fold in range(folds):
+        trained = train_moe([r for r in rows if fold_of[r.sample.id] != fold], featurizer,
+                            config)
+        held = [n for n, r in enumerate(arrivals) if fold_of[r.sample.id] == fold]
+        moe = moe_method(KeyModel(FusedMoE(trained.model), trained.scale), featurizer)
+        predicted.update(zip(held, moe([arrivals[n] for n in held]), strict=True))
+    return [(float(predicted[n]), r.sample.output_tokens) for n, r in enumerate(arrivals)]
 
 
 def evaluate_key(key: str, train: Sequence[Row], test: Sequence[Sample],

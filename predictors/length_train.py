@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from predictors.features import Featurizer, SparseRow
 from predictors.length_data import Row, Sample
-from predictors.length_moe import FusedMoE, MoEConfig, MoELength, SparseBatch
+from predictors.length_moe import MoEConfig, MoELength, SparseBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,32 +94,6 @@ def train_moe(rows: Sequence[Row], featurizer: Featurizer, config: MoEConfig) ->
     model.experts.requires_grad_(False)  # phase 2 must not move them
     fit_router(model, encode(phase2, featurizer), targets(phase2, scale), config)
     return Trained(model.eval(), scale, input_edges, output_edges, sizes)
-
-
-def cross_fit(rows: Sequence[Row], featurizer: Featurizer, config: MoEConfig, folds: int
-              ) -> list[tuple[float, int]]:
-    """Out-of-fold arrival predictions, for the artifact's `LengthPrior`: the prompts
-    cut into `folds` by id (a seeded permutation; every answer and window of a prompt
-    in one fold), each fold's answers predicted, at arrival and as the proxy predicts,
-    by a model trained (`train_moe`, the same config) on the other folds' rows.
-    (predicted total, true length) per answer, in the rows' order."""
-    if folds < 2:
-        raise ValueError("cross-fitting needs at least 2 folds")
-    ids = sorted({r.sample.id for r in rows})
-    fold_of = {i: n % folds for n, i in enumerate(random.Random(config.seed).sample(ids, len(ids)))}
-    predicted: dict[int, float] = {}  # row index -> predicted total
-    arrivals = [(n, r) for n, r in enumerate(rows) if r.generated_tokens == 0]
-    for fold in range(folds):
-        trained = train_moe([r for r in rows if fold_of[r.sample.id] != fold], featurizer,
-                            config)
-        fused = FusedMoE(trained.model)
-        with torch.inference_mode():
-            for n, r in arrivals:
-                if fold_of[r.sample.id] == fold:
-                    indices, weights = featurizer.encode(r.sample.prompt, "", 0)
-                    remaining = fused(torch.tensor(indices), torch.tensor(weights))
-                    predicted[n] = max(1.0, remaining * trained.scale)
-    return [(predicted[n], r.sample.output_tokens) for n, r in arrivals]
 
 
 def encode(rows: Sequence[Row], featurizer: Featurizer) -> SparseData:

@@ -10,9 +10,9 @@ from bench.tiny_models import DEFAULT_SHARED
 from predictors.features import Featurizer
 from predictors.length import KeyModel
 from predictors.length_data import arrival_rows, is_heldout, load_samples, samples_for
-from predictors.length_eval import moe_method
+from predictors.length_eval import cross_fit, moe_method
 from predictors.length_moe import FusedMoE, MoEConfig
-from predictors.length_train import cross_fit, train_moe
+from predictors.length_train import train_moe
 from tests.predictors.helpers import counter
 
 DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
