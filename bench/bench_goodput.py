@@ -418,7 +418,8 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
     print(text, flush=True)
     plot(goodput, plan.scales, out_dir / "goodput_vs_scale.png", name, plan.solo_tier,
          plan.slo_base)
-    variants_ = {v.label: repeated_ratios(runs, baselines, v.label, plan.scales)
+    variants_ = {v.label: {**repeated_ratios(runs, baselines, v.label, plan.scales),
+                           "params": v.params}
                  for v in plan.variants if v.per_scale}
     # the same ratio on attainment, which a run's last completion does not move (docs/goodput.md:
     # "Goodput per second also counts how long the last request takes")
@@ -430,7 +431,8 @@ def evaluate(name: str, fleet: Fleet, plan: Plan, work: Path, repeats: int = 1
             "slo_base": plan.slo_base, "goodput_rps": goodput, "slo_attainment": attainment,
             **extra,
             "attainment_ratio_vs_best_baseline": attainment_ratios,
-            "variants": variants_, **variants_["goodput"]}
+            "variants": variants_,
+            **{k: v for k, v in variants_["goodput"].items() if k != "params"}}
 
 
 @contextlib.contextmanager
@@ -459,13 +461,39 @@ def work_dir(keep: str | None, fleet_name: str) -> Iterator[Path]:
     yield path
 
 
-def merged_fleets(path: Path, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merged_fleets(path: Path, fresh: list[dict[str, Any]], headline_run: bool = False
+                  ) -> list[dict[str, Any]]:
     """The fleets of an earlier results file with the ones just run replaced (a run of
-    one fleet keeps the others' figures; each entry names its command and commit)."""
+    one fleet keeps the others' figures; each entry names its command and commit). A
+    `headline_run` (one with --headline) takes the headline from every older entry."""
     old = json.loads(path.read_text()).get("fleets", []) if path.exists() else []
+    if headline_run:
+        old = [{k: v for k, v in f.items() if k != "headline"} for f in old]
     by_name = {f["fleet"]: f for f in fresh}
     kept = [by_name.pop(f["fleet"], f) for f in old]
     return kept + list(by_name.values())
+
+
+def headline(fleets: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """goodput.json's headline: the fleet entry marked `headline` (the run made with
+    --headline), else the first ever written; the ratios of its headline variant
+    (`goodput`, Algorithm 1 as written, unless --headline named another), with that
+    variant's params and, when it is another, Algorithm 1's ratios on the same runs
+    beside them. The command and commit are that fleet's."""
+    primary = next((f for f in fleets if "headline" in f), fleets[0])
+    label = primary.get("headline", "goodput")
+    chosen = primary["variants"][label]
+    out = {"goodput_ratio_vs_best_baseline": chosen["goodput_ratio_vs_best_baseline"],
+           "best_baseline": chosen["best_baseline"], "primary_fleet": primary["fleet"],
+           "headline_variant": label, "headline_params": chosen.get("params", {})}
+    if "goodput_ratio_range" in chosen:
+        out["goodput_ratio_range"] = chosen["goodput_ratio_range"]
+    if label != "goodput":
+        out["algorithm1_ratio_vs_best_baseline"] = primary["goodput_ratio_vs_best_baseline"]
+    attainment = primary.get("attainment_ratio_vs_best_baseline", {}).get(label)
+    if attainment is not None:
+        out["attainment_ratio_vs_best_baseline"] = attainment
+    return {**out, "command": primary["command"], "commit": primary["commit"]}
 
 
 def side_figures() -> dict[str, Any]:
@@ -531,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="alpaca_eval workloads: only the held-out prompts (ids %% 5 == "
                         "0), which the length predictor never trained on (default: all "
                         "805, four in five of them its training prompts)")
+    parser.add_argument("--headline", default=None, metavar="VARIANT",
+                        help="this run's (first) fleet and VARIANT become goodput.json's "
+                        "headline (goodput_ratio_vs_best_baseline, with Algorithm 1's "
+                        "ratios beside it); default: the headline stays where it was, "
+                        "the first fleet ever written with goodput (Algorithm 1)")
     parser.add_argument("--side-figures-only", action="store_true",
                         help="run nothing: refresh decision_p99_ms_512 (scale.json) and the "
                         "predictor figures (length_predictor.json) in --out")
@@ -553,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     use_predictor = not args.no_predictor
     dilation = args.time_dilation
     chosen = dilated_variants(select_variants(variants(use_predictor), args.only), dilation)
+    if args.headline is not None and args.headline not in {v.label for v in chosen
+                                                           if v.per_scale}:
+        parser.error(f"--headline: {args.headline!r} is not a goodput variant this run runs")
     chosen = [*peer_variants(args.peers, parser), *chosen]
     fleets = []
     for spec in args.fleet or ["emulated:64"]:
@@ -578,13 +614,11 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.bench_goodput " + " ".join(sys.argv[1:] if argv is None else argv)
     for entry in fleets:
         entry.update(command=command.strip(), commit=commit)
-    fleets = merged_fleets(Path(args.out), fleets)
-    primary = fleets[0]  # the first fleet ever written (the make target's: emulated-64)
-    out = {"goodput_ratio_vs_best_baseline": primary["goodput_ratio_vs_best_baseline"],
-           "best_baseline": primary["best_baseline"], "primary_fleet": primary["fleet"],
-           **side_figures(), "length_predictor_loaded": use_predictor,
-           # the headline is the primary fleet's, so are its command and commit
-           "command": primary["command"], "commit": primary["commit"], "fleets": fleets}
+    if args.headline is not None:
+        fleets[0]["headline"] = args.headline
+    fleets = merged_fleets(Path(args.out), fleets, headline_run=args.headline is not None)
+    out = {**headline(fleets), **side_figures(), "length_predictor_loaded": use_predictor,
+           "fleets": fleets}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

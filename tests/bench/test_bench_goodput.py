@@ -78,6 +78,52 @@ def test_a_run_of_one_fleet_keeps_the_other_fleets_figures(tmp_path: Path) -> No
     assert bench_goodput.merged_fleets(tmp_path / "none.json", merged) == merged
 
 
+def _fleet(name: str, **extra: object) -> dict[str, object]:
+    algorithm1 = {"goodput_ratio_vs_best_baseline": {"1": 1.1}, "best_baseline": "rr"}
+    calibrated = {"goodput_ratio_vs_best_baseline": {"1": 1.6}, "best_baseline": "rr",
+                  "goodput_ratio_range": {"1": [1.5, 1.7]}, "params": {"selection": "capability"}}
+    return {"fleet": name, **algorithm1, "command": f"cmd {name}", "commit": "c",
+            "variants": {"goodput": algorithm1, "goodput-calibrated": calibrated},
+            "attainment_ratio_vs_best_baseline": {"goodput-calibrated": {"1": 1.2}},
+            **extra}
+
+
+def test_the_headline_is_algorithm_1_on_the_first_fleet_unless_a_run_named_one(
+        tmp_path: Path) -> None:
+    first, real = _fleet("emulated-64"), _fleet("real-median-slo")
+    plain = bench_goodput.headline([first, real])
+    assert (plain["primary_fleet"], plain["headline_variant"]) == ("emulated-64", "goodput")
+    assert plain["goodput_ratio_vs_best_baseline"] == {"1": 1.1}
+    assert "algorithm1_ratio_vs_best_baseline" not in plain
+
+    named = bench_goodput.headline([first, {**real, "headline": "goodput-calibrated"}])
+    assert named["primary_fleet"] == "real-median-slo"
+    assert named["goodput_ratio_vs_best_baseline"] == {"1": 1.6}
+    assert named["algorithm1_ratio_vs_best_baseline"] == {"1": 1.1}  # beside it, same runs
+    assert named["headline_params"] == {"selection": "capability"}
+    assert named["goodput_ratio_range"] == {"1": [1.5, 1.7]}
+    assert named["attainment_ratio_vs_best_baseline"] == {"1": 1.2}
+    assert named["command"] == "cmd real-median-slo"
+
+    # a later --headline run takes the mark from the older entry; a plain run keeps it
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps({"fleets": [first, {**real, "headline": "goodput"}]}))
+    fresh = _fleet("emulated-64-median-slo", headline="goodput-calibrated")
+    merged = bench_goodput.merged_fleets(path, [fresh], headline_run=True)
+    assert [f.get("headline") for f in merged] == [None, None, "goodput-calibrated"]
+    kept = bench_goodput.merged_fleets(path, [_fleet("emulated-64")])
+    assert [f.get("headline") for f in kept] == [None, "goodput"]
+
+
+def test_a_headline_must_be_a_variant_the_run_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_goodput.main(["--no-predictor", "--only", "goodput-oracle", "--headline",
+                            "goodput-capability", "--out", str(tmp_path / "g.json")])
+    assert "--headline" in capsys.readouterr().err
+    assert not (tmp_path / "g.json").exists()
+
+
 def test_a_real_fleet_gets_a_lighter_default_workload() -> None:
     real = bench_goodput.default_workload("real:small,large", "/s")
     emulated = bench_goodput.default_workload("emulated:64", "/s")
