@@ -28,7 +28,8 @@ two starting from the length artifact's out-of-fold prior, `calibration_prior`; 
 other calibrated variants learn online only, as before the prior existed),
 `goodput-capability-quantile-checks-prior` and
 `goodput-capability-headroom-quantile-checks-prior` (that with `selection: capability`,
-and with `headroom: 0.25` too),
+and with `headroom: 0.25` too; `goodput-capability-quantile-checks-prior-no-migration`:
+the first without migration, the paper's ablation on it),
 `goodput-quantile-checks-protect` (both, with `protect`),
 `goodput-quantile-checks-protect-fallback` (the same, routing a request no backend
 meets D_r for at its calibrated length on its predicted length),
@@ -172,6 +173,9 @@ def variants(with_predictor: bool) -> list[Variant]:
                Variant("goodput-capability-quantile-checks-prior", "goodput",
                        {**PRIOR, "calibrate_checks": True, "selection": "capability"}, True,
                        with_predictor),
+               Variant("goodput-capability-quantile-checks-prior-no-migration", "goodput",
+                       {**PRIOR, "calibrate_checks": True, "selection": "capability",
+                        "migrate": False}, True, with_predictor),
                Variant("goodput-capability-headroom-quantile-checks-prior", "goodput",
                        {**PRIOR, "calibrate_checks": True, "selection": "capability",
                         "headroom": 0.25}, True, with_predictor),
@@ -232,6 +236,7 @@ ON_REQUEST = frozenset({"goodput-risk-estimate", "goodput-load", "goodput-protec
                         "goodput-quantile-checks", "goodput-quantile-prior",
                         "goodput-quantile-checks-prior",
                         "goodput-capability-quantile-checks-prior",
+                        "goodput-capability-quantile-checks-prior-no-migration",
                         "goodput-capability-headroom-quantile-checks-prior",
                         "goodput-quantile-checks-protect",
                         "goodput-quantile-checks-protect-fallback",

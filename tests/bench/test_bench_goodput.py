@@ -322,6 +322,7 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
             "goodput-capability-headroom-protect", "goodput-quantile",
             "goodput-quantile-checks", "goodput-quantile-prior",
             "goodput-quantile-checks-prior", "goodput-capability-quantile-checks-prior",
+            "goodput-capability-quantile-checks-prior-no-migration",
             "goodput-capability-headroom-quantile-checks-prior",
             "goodput-quantile-checks-protect",
             "goodput-quantile-checks-protect-fallback",
@@ -341,6 +342,10 @@ def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
     assert select_variants(every, "goodput-quantile-checks-prior")[-1].params == {
         "length_quantile": 0.8, "calibration_min_samples": 20, "calibration_prior": True,
         "calibrate_checks": True}
+    assert select_variants(every, "goodput-capability-quantile-checks-prior-no-migration")[
+        -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
+                       "calibration_prior": True, "calibrate_checks": True,
+                       "selection": "capability", "migrate": False}
     assert select_variants(every, "goodput-capability-quantile-checks-protect-rescue")[
         -1].params == {"length_quantile": 0.8, "calibration_min_samples": 20,
                        "calibration_prior": False, "calibrate_checks": True, "protect": True,
