@@ -466,13 +466,13 @@ def work_dir(keep: str | None, fleet_name: str) -> Iterator[Path]:
     yield path
 
 
-def merged_fleets(path: Path, fresh: list[dict[str, Any]], headline_run: bool = False
-                  ) -> list[dict[str, Any]]:
+def merged_fleets(path: Path, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The fleets of an earlier results file with the ones just run replaced (a run of
     one fleet keeps the others' figures; each entry names its command and commit). A
-    `headline_run` (one with --headline) takes the headline from every older entry."""
+    fresh entry marked `headline` (a run with --headline) takes the mark from every
+    older one."""
     old = json.loads(path.read_text()).get("fleets", []) if path.exists() else []
-    if headline_run:
+    if any("headline" in f for f in fresh):
         old = [{k: v for k, v in f.items() if k != "headline"} for f in old]
     by_name = {f["fleet"]: f for f in fresh}
     kept = [by_name.pop(f["fleet"], f) for f in old]
@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         entry.update(command=command.strip(), commit=commit)
     if args.headline is not None:
         fleets[0]["headline"] = args.headline
-    fleets = merged_fleets(Path(args.out), fleets, headline_run=args.headline is not None)
+    fleets = merged_fleets(Path(args.out), fleets)
     out = {**headline(fleets), **side_figures(), "length_predictor_loaded": use_predictor,
            "fleets": fleets}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -109,7 +109,7 @@ def test_the_headline_is_algorithm_1_on_the_first_fleet_unless_a_run_named_one(
     path = tmp_path / "goodput.json"
     path.write_text(json.dumps({"fleets": [first, {**real, "headline": "goodput"}]}))
     fresh = _fleet("emulated-64-median-slo", headline="goodput-calibrated")
-    merged = bench_goodput.merged_fleets(path, [fresh], headline_run=True)
+    merged = bench_goodput.merged_fleets(path, [fresh])
     assert [f.get("headline") for f in merged] == [None, None, "goodput-calibrated"]
     kept = bench_goodput.merged_fleets(path, [_fleet("emulated-64")])
     assert [f.get("headline") for f in kept] == [None, "goodput"]
