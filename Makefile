@@ -3,10 +3,27 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
-SHARED ?= $(abspath ../shared)
+DATASETS ?= datasets
+ALPACA_EVAL := $(DATASETS)/data/alpaca_eval_experts.jsonl.gz
+MOONCAKE := $(DATASETS)/traces/mooncake_conversation.jsonl.gz
 EXTRAS := backends,bench,dev,predictors
 
-.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-tracing bench-memory bench-chaos bench-peers bench-migration bench-outliers bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: help install lock demo services stack-local test test-fast lint docs bench train-length evaluate-length train-buckets evaluate-buckets train-qos-drl clean
+
+help:
+	@echo "laneway: make demo | test | test-fast | lint | docs | install | lock | clean"
+	@echo "  services, stack-local: Redis/Prometheus, and a local two-replica stack"
+	@echo "  train-length, evaluate-length, train-buckets, evaluate-buckets, train-qos-drl"
+	@echo "  bench STUDY=<study>: one research study (docs: Benchmarks); studies:"
+	@echo "    $(STUDIES)"
+
+# The research studies: `make bench STUDY=<study>` runs the recipe `study-<study>` below
+# (each documented on its docs page and in a comment above its recipe).
+STUDIES = $(shell sed -n 's/^study-\([a-z0-9-]*\):.*/\1/p' $(firstword $(MAKEFILE_LIST)))
+bench:
+	@if [ -z "$(STUDY)" ]; then echo "usage: make bench STUDY=<study>; one of: $(STUDIES)"; exit 2; fi
+	@case " $(STUDIES) " in *" $(STUDY) "*) ;; *) echo "no study '$(STUDY)'; one of: $(STUDIES)"; exit 2;; esac
+	$(MAKE) study-$(STUDY)
 
 install: $(STAMP)
 
@@ -33,7 +50,7 @@ lock: install
 	$(PY) deploy/lock.py $(VENV)/lock-report.json constraints.txt
 
 demo: install
-	$(PY) -m bench.demo --shared $(SHARED)
+	$(PY) -m bench.studies.demo --shared $(DATASETS)
 
 # redis-server and prometheus (Debian packages) for the shared-state, two-replica and
 # dashboard tests and `make stack-local`; without root or apt-get it says so and those
@@ -51,7 +68,7 @@ services:
 
 # Two proxy replicas + Redis + Prometheus + two vLLM-CPU backends as local processes.
 stack-local: install services
-	$(PY) -m bench.stack_local --shared $(SHARED)
+	$(PY) -m bench.studies.stack_local --shared $(DATASETS)
 
 # the real-vLLM tests and the rest as two pytest processes at once (tests/run_split.sh)
 test: install services
@@ -60,30 +77,34 @@ test: install services
 test-fast: install services
 	$(PY) -m pytest -q -ra -m "not vllm"
 
+# ruff, mypy --strict, and the import layers (.importlinter: the product never imports
+# bench or tests; policies and predictors see the proxy only through proxy.types; no
+# import cycles between sibling packages)
 lint: install
 	$(VENV)/bin/ruff check proxy policies predictors bench tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
-bench-overhead: install
-	$(PY) -m bench.overhead
+study-overhead: install
+	$(PY) -m bench.studies.overhead
 
 # what tracing every request costs: a traced and an untraced proxy, A/B in one run
 # → docs/results/tracing.json (README, Benchmarks, Tracing)
-bench-tracing: install
-	$(PY) -m bench.tracing_ab
+study-tracing: install
+	$(PY) -m bench.studies.tracing_ab
 
 # the proxy's memory per open stream and its growth over mixed requests, beside a bare
 # relay (README, Benchmarks) -> docs/results/memory.json
-bench-memory: install
-	$(PY) -m bench.memory
+study-memory: install
+	$(PY) -m bench.studies.memory
 
 # every answer checked while backends are killed, restarted, drained, removed and the
 # config reloaded under load; three vLLM-CPU servers in float32 (README, Benchmarks:
 # Chaos) -> docs/results/chaos.json; then two replicas on one Redis, with rolling
 # restarts of a replica and kills of Redis too -> docs/results/chaos_replicas.json
-bench-chaos: install services
-	$(PY) -m bench.chaos --shared $(SHARED)
-	$(PY) -m bench.chaos --shared $(SHARED) --replicas 2 --out docs/results/chaos_replicas.json
+study-chaos: install services
+	$(PY) -m bench.studies.chaos --shared $(DATASETS)
+	$(PY) -m bench.studies.chaos --shared $(DATASETS) --replicas 2 --out docs/results/chaos_replicas.json
 
 # laneway against vLLM Router (Rust) and the LiteLLM proxy in front of the same fakes
 # (README, Proxy overhead); the peers live in their own venv → docs/results/peers.json
@@ -94,43 +115,43 @@ $(PEERS_VENV)/.installed:
 	$(PEERS_VENV)/bin/pip install -q 'vllm-router==0.1.17' 'litellm[proxy]==1.100.5'
 	touch $@
 
-bench-peers: install $(PEERS_VENV)/.installed
-	$(PY) -m bench.peers
+study-peers: install $(PEERS_VENV)/.installed
+	$(PY) -m bench.studies.peers
 	# routing quality: vLLM Router's policies as two more baselines of the goodput bench
-	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
-	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length SHARED=$(SHARED)
-	$(PY) -m bench.bench_goodput --fleet emulated:64 --hide-length 512 --heldout-prompts \
+	$(PY) -m bench backends build --variants small,large --shared $(DATASETS)
+	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length DATASETS=$(DATASETS)
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet emulated:64 --hide-length 512 --heldout-prompts \
 		--only goodput-capability-headroom --peers vllm-router:cache_aware,vllm-router:power_of_two \
-		--shared $(SHARED) --out docs/results/goodput_peers/goodput_peers.json
-	$(PY) -m bench.bench_goodput --fleet real:small,small,large --hide-length 512 --heldout-prompts \
+		--shared $(DATASETS) --out docs/results/goodput_peers/goodput_peers.json
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet real:small,small,large --hide-length 512 --heldout-prompts \
 		--only goodput-capability-headroom --peers vllm-router:cache_aware,vllm-router:power_of_two \
-		--shared $(SHARED) --out docs/results/goodput_peers/real/goodput_peers_real.json
-	$(PY) -m bench.bench_goodput --fleet emulated:4@mooncake --hide-length 512 \
+		--shared $(DATASETS) --out docs/results/goodput_peers/real/goodput_peers_real.json
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet emulated:4@mooncake --hide-length 512 \
 		--only goodput-capability-headroom --peers vllm-router:cache_aware,vllm-router:power_of_two \
-		--shared $(SHARED) --out docs/results/goodput_peers/mooncake/goodput_peers_mooncake.json
+		--shared $(DATASETS) --out docs/results/goodput_peers/mooncake/goodput_peers_mooncake.json
 
 # two vLLM-CPU servers, one core each → docs/results/migration_vllm.json; the fake-
-# backend table of the README: python -m bench.migration --fake 20,5 (→ migration.json)
-bench-migration: install
-	$(PY) -m bench.migration --pin --json docs/results/migration_vllm.json
+# backend table of the README: python -m bench.studies.migration --fake 20,5 (→ migration.json)
+study-migration: install
+	$(PY) -m bench.studies.migration --pin --json docs/results/migration_vllm.json
 
 # Passive health (README, Failure handling): one of two vLLM-CPU servers fails every
 # generation (500, cut, silent) while its /metrics answer; outliers off vs on
 # → docs/results/outliers.json
-bench-outliers: install
-	$(PY) -m bench.outliers --requests 200 --rounds 2
+study-outliers: install
+	$(PY) -m bench.studies.outliers --requests 200 --rounds 2
 
 # Flow control under overload (README, Flow control): off vs several limits, fake
 # backends → docs/results/flow_control.json; two vLLM-CPU servers → flow_control_real.json
-bench-flow-control: install
-	$(PY) -m bench.flow_control --draws 2 --out docs/results/flow_control.json
-	$(PY) -m bench.flow_control --real --seconds 15 --draws 2 --out docs/results/flow_control_real.json
+study-flow-control: install
+	$(PY) -m bench.studies.flow_control --draws 2 --out docs/results/flow_control.json
+	$(PY) -m bench.studies.flow_control --real --seconds 15 --draws 2 --out docs/results/flow_control_real.json
 
-bench-strict-flow: install services
-	$(PY) -m bench.strict_flow --seconds 15 --draws 2 --out docs/results/strict_flow.json
+study-strict-flow: install services
+	$(PY) -m bench.studies.strict_flow --seconds 15 --draws 2 --out docs/results/strict_flow.json
 
-bench-policy-latency: install
-	$(PY) -m bench.policy_latency --clock cpu
+study-policy-latency: install
+	$(PY) -m bench.studies.policy_latency --clock cpu
 
 # The MoE output-length predictor (README, Predictors): artifact into $LANEWAY_HOME
 # (default .laneway/predictors/length-moe-v1), then the held-out table + latency into
@@ -138,90 +159,90 @@ bench-policy-latency: install
 # BPE, so the small tiny model is built first (cheap, cached).
 LENGTH_ARTIFACT := $${LANEWAY_HOME:-.laneway}/predictors/length-moe-v1
 train-length: install
-	$(VENV)/bin/laneway backends build --variants small --shared $(SHARED)
-	$(VENV)/bin/laneway train length --data $(SHARED)/data/alpaca_eval_experts.jsonl
+	$(PY) -m bench backends build --variants small --shared $(DATASETS)
+	$(VENV)/bin/laneway train length --data $(ALPACA_EVAL)
 
 evaluate-length: install
-	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length SHARED=$(SHARED)
-	$(VENV)/bin/laneway evaluate length --data $(SHARED)/data/alpaca_eval_experts.jsonl
+	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length DATASETS=$(DATASETS)
+	$(VENV)/bin/laneway evaluate length --data $(ALPACA_EVAL)
 
-bench-predictor-latency: install
-	$(PY) -m bench.predictor_latency --artifact $(LENGTH_ARTIFACT)
+study-predictor-latency: install
+	$(PY) -m bench.studies.predictor_latency --artifact $(LENGTH_ARTIFACT)
 
 # Router scale (README, Benchmarks: Scale): decision latency of every policy, poller
 # staleness and proxy overhead with 8/64/512 emulated backends → docs/results/scale.json
-bench-scale: install
-	$(PY) -m bench.scale
+study-scale: install
+	$(PY) -m bench.studies.scale
 
 # Baseline policies on 64 emulated mixed-GPU backends and 3 real vLLM-CPU servers
 # (2- and 12-layer tiny models under one name) → docs/results/policies/
-bench-policies: install
-	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
-	$(PY) -m bench.bench_policies --fleet emulated:64 --fleet real:small,small,large --shared $(SHARED)
+study-policies: install
+	$(PY) -m bench backends build --variants small,large --shared $(DATASETS)
+	$(PY) -m bench.studies.bench_policies --fleet emulated:64 --fleet real:small,small,large --shared $(DATASETS)
 
 # goodput (GoodServe) vs the baselines at SLO scales 1-3 → docs/results/goodput.json,
 # docs/results/goodput/ (with the length predictor of `make train-length`, trained here
 # first if it is not built)
-bench-goodput: install
-	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
-	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length SHARED=$(SHARED)
+study-goodput: install
+	$(PY) -m bench backends build --variants small,large --shared $(DATASETS)
+	test -f $(LENGTH_ARTIFACT)/meta.json || $(MAKE) train-length DATASETS=$(DATASETS)
 	# every step hides the answer length from the proxy: requests ask for max(512, their
 	# length) tokens and the client stops at their length (docs/goodput.md: the length leak);
 	# alpaca_eval workloads draw only the prompts the length predictor never trained on
-	$(PY) -m bench.bench_goodput --fleet emulated:64 --repeats 3 --hide-length 512 \
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet emulated:64 --repeats 3 --hide-length 512 \
 		--heldout-prompts --only goodput-capability-headroom,goodput-oracle,goodput-quantile-checks \
-		--shared $(SHARED)
-	$(PY) -m bench.bench_goodput --fleet real:small,small,large --hide-length 512 \
-		--heldout-prompts --only goodput-capability-headroom,goodput-oracle --shared $(SHARED)
+		--shared $(DATASETS)
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet real:small,small,large --hide-length 512 \
+		--heldout-prompts --only goodput-capability-headroom,goodput-oracle --shared $(DATASETS)
 	# GoodServe's SLO rule read as one deadline for every request (scale x the median solo
 	# latency; docs/goodput.md: One deadline for every request), 64 GPUs at 24 req/s and the
 	# real fleet; calibrated lengths from the artifact's prior (A prior for calibrated lengths).
 	# The real fleet (the paper's testbed: a few GPUs of different speeds), three repeats,
 	# with selection: capability + calibrated lengths from the prior, is goodput.json's
 	# headline (--headline), Algorithm 1's ratios on the same runs beside it
-	$(PY) -m bench.bench_goodput --fleet emulated:64 --slo-base median --hide-length 512 \
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet emulated:64 --slo-base median --hide-length 512 \
 		--heldout-prompts --only goodput-capability-headroom,goodput-oracle,goodput-quantile-checks,goodput-capability-quantile-checks-prior \
-		--shared $(SHARED) --workload --workload poisson --rate 24 --requests 360 \
-		--max-output 512 --shared $(SHARED)
-	$(PY) -m bench.bench_goodput --fleet real:small,small,large --slo-base median --hide-length 512 \
+		--shared $(DATASETS) --workload --workload poisson --rate 24 --requests 360 \
+		--max-output 512 --shared $(DATASETS)
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet real:small,small,large --slo-base median --hide-length 512 \
 		--heldout-prompts --only goodput-oracle,goodput-capability-quantile-checks-prior \
-		--repeats 3 --headline goodput-capability-quantile-checks-prior --shared $(SHARED)
-	$(PY) -m bench.bench_goodput --fleet real:small,small,large@mooncake \
-		--fleet emulated:4@mooncake --hide-length 512 --shared $(SHARED)
+		--repeats 3 --headline goodput-capability-quantile-checks-prior --shared $(DATASETS)
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet real:small,small,large@mooncake \
+		--fleet emulated:4@mooncake --hide-length 512 --shared $(DATASETS)
 	# four GPUs loaded until every baseline misses SLOs at every scale, with protect (a
 	# deviation: no admission that makes a request on the backend miss; docs/goodput.md);
 	# goodput-quantile-checks: calibrated lengths (docs/goodput.md: Calibrated lengths);
 	# ...-rescue-load-stay: with protect, rescue_only, speed_at_load and no harmful moves,
 	# the best measured on this fleet (docs/goodput.md: No harmful moves)
-	$(PY) -m bench.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet emulated:4@heavy --time-dilation 3 --solo-requests 16 \
 		--hide-length 512 --heldout-prompts \
 		--only goodput-protect,goodput-oracle,goodput-quantile-checks,goodput-quantile-checks-protect-rescue-load-stay \
-		--out docs/results/goodput_hidden_length/goodput.json --shared $(SHARED)
+		--out docs/results/goodput_hidden_length/goodput.json --shared $(DATASETS)
 	# 512 backends at the 64-backend fleet's load per backend, 8x slower, with capability +
 	# calibrated lengths + protect + rescue_only (docs/goodput.md)
-	$(PY) -m bench.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
+	$(PY) -m bench.studies.goodput.bench_goodput --fleet emulated:512 --time-dilation 8 --solo-requests 16 \
 		--hide-length 512 --heldout-prompts \
-		--only goodput-capability-quantile-checks-protect-rescue --shared $(SHARED)
+		--only goodput-capability-quantile-checks-protect-rescue --shared $(DATASETS)
 
 # vLLM emulator vs real vLLM-CPU (README, Emulator): fit the tiny-llama profiles on a
 # fresh server each, then TTFT/TPOT at 1/4/16 concurrent streams on both; fails above
 # 15% → docs/results/emulator_calibration.json. Run it on a quiet machine.
-bench-calibrate: install
-	$(VENV)/bin/laneway backends build --variants small,large --shared $(SHARED)
-	$(VENV)/bin/laneway emulate calibrate --variants small,large --refit
+study-calibrate: install
+	$(PY) -m bench backends build --variants small,large --shared $(DATASETS)
+	$(PY) -m bench emulate calibrate --variants small,large --refit
 
 # requests/s and CPU per request of one emulator process with 512 instances
 # → docs/results/emulator_capacity.json
-bench-emulator-capacity: install
-	$(VENV)/bin/laneway emulate capacity --n 512
+study-emulator-capacity: install
+	$(PY) -m bench emulate capacity --n 512
 
 # ELDR (README, ELDR): vLLM-CPU servers of the trained tiny MoE (moe-lm; its first build
 # trains it, ~7 min) with the laneway_eldr plugin, the two-stage flow under each
 # policy, then a 16-decoder expert-union emulator
 # → docs/results/eldr.{json,md}, docs/results/eldr_tpot.png
-bench-eldr: install
-	$(VENV)/bin/laneway backends build --variants moe-lm --shared $(SHARED)
-	$(PY) -m bench.bench_eldr --shared $(SHARED)
+study-eldr: install
+	$(PY) -m bench backends build --variants moe-lm --shared $(DATASETS)
+	$(PY) -m bench.studies.eldr.bench_eldr --shared $(DATASETS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
@@ -233,16 +254,16 @@ clean:
 QOS_BUCKETS := $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-v1
 QOS_BUCKETS_DISTILLED := $${LANEWAY_HOME:-.laneway}/predictors/buckets-minilm-l3-distilled
 train-buckets: install
-	$(VENV)/bin/laneway backends build --variants small --shared $(SHARED)
-	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl
-	$(VENV)/bin/laneway train buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	$(PY) -m bench backends build --variants small --shared $(DATASETS)
+	$(VENV)/bin/laneway train buckets --data $(ALPACA_EVAL)
+	$(VENV)/bin/laneway train buckets --data $(ALPACA_EVAL) \
 		--layers 3 --distill-from $(QOS_BUCKETS)
 
 evaluate-buckets: install
-	test -f $(QOS_BUCKETS_DISTILLED)/meta.json || $(MAKE) train-buckets SHARED=$(SHARED)
-	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	test -f $(QOS_BUCKETS_DISTILLED)/meta.json || $(MAKE) train-buckets DATASETS=$(DATASETS)
+	$(VENV)/bin/laneway evaluate buckets --data $(ALPACA_EVAL) \
 		--runtime torch-int8 --runtime onnx --runtime onnx-int8
-	$(VENV)/bin/laneway evaluate buckets --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	$(VENV)/bin/laneway evaluate buckets --data $(ALPACA_EVAL) \
 		--artifact $(QOS_BUCKETS_DISTILLED) \
 		--runtime onnx-int8 --out docs/results/bucket_predictor_distilled.json
 
@@ -253,15 +274,15 @@ evaluate-buckets: install
 # (a fresh clone trains the bucket predictor first: without it the agents would train
 # on the true buckets)
 train-qos-drl: install
-	test -f $(QOS_BUCKETS)/meta.json || $(MAKE) train-buckets SHARED=$(SHARED)
-	$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	test -f $(QOS_BUCKETS)/meta.json || $(MAKE) train-buckets DATASETS=$(DATASETS)
+	$(PY) -m bench train qos-drl --data $(ALPACA_EVAL) \
 		--steps 400000 --minutes 240 & \
-	$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	$(PY) -m bench train qos-drl --baseline --data $(ALPACA_EVAL) \
 		--steps 400000 --minutes 240; \
 	status=$$?; wait $$! && exit $$status
 
 # The same comparison on the paper's edge (`--fleet paper`: every expert's own model on
-# an RTX 4090 of its own, bench.qos_setup.PAPER_FLEET): both agents trained 400 k
+# an RTX 4090 of its own, bench.studies.qos.setup.PAPER_FLEET): both agents trained 400 k
 # decisions side by side (~45 min), then the simulator table and the headroom routers
 # (~25 min) and the two agents live over five draws of the arrivals (~30 min, a quiet
 # machine) → docs/results/qos_drl_paper/ (docs/qos_drl.md, "The paper's edge")
@@ -269,23 +290,23 @@ train-qos-drl: install
 QOS_POLICIES := $${LANEWAY_HOME:-.laneway}/policies
 QOS_PAPER_AGENTS := --checkpoint $(QOS_POLICIES)/qos-drl-paper/best.pt \
 	--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-paper/best.pt
-bench-qos-paper: install
-	$(VENV)/bin/laneway train qos-drl --fleet paper --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+study-qos-paper: install
+	$(PY) -m bench train qos-drl --fleet paper --data $(ALPACA_EVAL) \
 		--steps 400000 --minutes 240 --out $(QOS_POLICIES)/qos-drl-paper & \
-	$(VENV)/bin/laneway train qos-drl --baseline --fleet paper \
-		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	$(PY) -m bench train qos-drl --baseline --fleet paper \
+		--data $(ALPACA_EVAL) \
 		--steps 400000 --minutes 240 --out $(QOS_POLICIES)/qos-baseline-rl-paper; \
 	status=$$?; wait $$! && test $$status = 0
-	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
+	$(PY) -m bench.studies.qos.bench_qos --data $(ALPACA_EVAL) $(QOS_PAPER_AGENTS) \
 		--out docs/results/qos_drl_paper/400k.json
 	$(QOS_HEADROOM) $(QOS_PAPER_AGENTS) --out docs/results/qos_drl_paper/headroom_400k.json
 	$(QOS_HEADROOM) $(QOS_PAPER_AGENTS) --oracle-buckets --only baseline_rl qos_drl \
 		--out docs/results/qos_drl_paper/headroom_oracle_buckets_400k.json
-	$(PY) -m bench.qos_live_draws --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
+	$(PY) -m bench.studies.qos.live_draws --data $(ALPACA_EVAL) $(QOS_PAPER_AGENTS) \
 		--seeds 7 8 9 10 11 --dir docs/results/qos_drl_paper/draws \
 		--full-run docs/results/qos_drl_paper/live.json --no-merge
-	$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl $(QOS_PAPER_AGENTS) \
-		--trace $(SHARED)/traces/mooncake_conversation.jsonl \
+	$(PY) -m bench.studies.qos.trace --data $(ALPACA_EVAL) $(QOS_PAPER_AGENTS) \
+		--trace $(MOONCAKE) \
 		--out docs/results/qos_drl_paper/trace/400k.json
 
 # qos_drl vs Baseline RL, BERT router, round robin, shortest queue at λ = 2/5/8 on the
@@ -294,13 +315,13 @@ bench-qos-paper: install
 # draws (the paper's real-world evaluation, ~5 min) → docs/results/qos_drl/trace.json
 # (a fresh clone first trains what it compares: the predictors and the agent pair,
 # `make train-buckets train-qos-drl`, ~5 min and up to 4 h)
-bench-qos: install
-	test -f $(QOS_BUCKETS_DISTILLED)/meta.json || $(MAKE) train-buckets SHARED=$(SHARED)
+study-qos: install
+	test -f $(QOS_BUCKETS_DISTILLED)/meta.json || $(MAKE) train-buckets DATASETS=$(DATASETS)
 	test -f $(QOS_POLICIES)/qos-drl-v1/best.pt -a -f $(QOS_POLICIES)/qos-baseline-rl-v1/best.pt \
-		|| $(MAKE) train-qos-drl SHARED=$(SHARED)
-	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl
-	$(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-		--trace $(SHARED)/traces/mooncake_conversation.jsonl
+		|| $(MAKE) train-qos-drl DATASETS=$(DATASETS)
+	$(PY) -m bench.studies.qos.bench_qos --data $(ALPACA_EVAL)
+	$(PY) -m bench.studies.qos.trace --data $(ALPACA_EVAL) \
+		--trace $(MOONCAKE)
 
 # qos_drl's gain over Baseline RL across training seeds (docs/qos_drl.md, "Five training
 # seeds"): both agents trained 152 k decisions with each seed of QOS_SEEDS (~20 min a
@@ -310,14 +331,14 @@ bench-qos: install
 QOS_SEEDS ?= 1 2 3 4 5
 QOS_SEED_RESULTS := docs/results/qos_drl_rerun
 # a pair on the twelve draws at λ = 5 (Poisson, trace, bursts); add the checkpoints and --out
-QOS_TRACE_12 = $(PY) -m bench.qos_trace --data $(SHARED)/data/alpaca_eval_experts.jsonl \
-	--trace $(SHARED)/traces/mooncake_conversation.jsonl --seeds 7 8 9 10 11 12 13 14 15 16 17 18
-bench-qos-seeds: install
+QOS_TRACE_12 = $(PY) -m bench.studies.qos.trace --data $(ALPACA_EVAL) \
+	--trace $(MOONCAKE) --seeds 7 8 9 10 11 12 13 14 15 16 17 18
+study-qos-seeds: install
 	for s in $(QOS_SEEDS); do \
-		$(VENV)/bin/laneway train qos-drl --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		$(PY) -m bench train qos-drl --data $(ALPACA_EVAL) \
 			--steps 152000 --keep-best 5 --minutes 150 --seed $$s \
 			--out $(QOS_POLICIES)/qos-drl-152k-s$$s & \
-		$(VENV)/bin/laneway train qos-drl --baseline --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		$(PY) -m bench train qos-drl --baseline --data $(ALPACA_EVAL) \
 			--steps 152000 --keep-best 5 --minutes 150 --seed $$s \
 			--out $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s; \
 		status=$$?; wait $$! && [ $$status -eq 0 ] || exit 1; \
@@ -325,7 +346,7 @@ bench-qos-seeds: install
 			--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s/best.pt \
 			--out $(QOS_SEED_RESULTS)/trace_12_draws_seed$$s.json || exit 1; \
 	done
-	$(PY) -m bench.qos_seeds $(foreach s,$(QOS_SEEDS),$(QOS_SEED_RESULTS)/trace_12_draws_seed$(s).json) \
+	$(PY) -m bench.studies.qos.seeds $(foreach s,$(QOS_SEEDS),$(QOS_SEED_RESULTS)/trace_12_draws_seed$(s).json) \
 		--out $(QOS_SEED_RESULTS)/seeds.json
 
 # the paper's ablation (§VI-C, Fig. 17; docs/qos_drl.md, "The paper's ablation"):
@@ -335,10 +356,10 @@ bench-qos-seeds: install
 # → + QoS-aware reward per seed; needs bench-qos-seeds' runs and checkpoints
 # → docs/results/qos_drl_ablation/trace_12_draws_dsa_seedS.json, ablation.json
 QOS_ABLATION_RESULTS := docs/results/qos_drl_ablation
-bench-qos-ablation: install
+study-qos-ablation: install
 	pids=; for s in $(QOS_SEEDS); do \
-		$(VENV)/bin/laneway train qos-drl --reward completed \
-			--data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		$(PY) -m bench train qos-drl --reward completed \
+			--data $(ALPACA_EVAL) \
 			--steps 152000 --keep-best 5 --minutes 150 --seed $$s \
 			--out $(QOS_POLICIES)/qos-dsa-152k-s$$s & pids="$$pids $$!"; \
 	done; \
@@ -348,7 +369,7 @@ bench-qos-ablation: install
 			--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-152k-s$$s/best.pt \
 			--out $(QOS_ABLATION_RESULTS)/trace_12_draws_dsa_seed$$s.json || exit 1; \
 	done
-	$(PY) -m bench.qos_ablation \
+	$(PY) -m bench.studies.qos.ablation \
 		--full $(foreach s,$(QOS_SEEDS),$(QOS_SEED_RESULTS)/trace_12_draws_seed$(s).json) \
 		--dsa $(foreach s,$(QOS_SEEDS),$(QOS_ABLATION_RESULTS)/trace_12_draws_dsa_seed$(s).json) \
 		--out $(QOS_ABLATION_RESULTS)/ablation.json
@@ -356,38 +377,38 @@ bench-qos-ablation: install
 # the same comparison live: Poisson arrivals through `laneway serve` (model group
 # "experts") to an emulated fleet with one instance per expert; QoS as the client sees
 # it → docs/results/qos_live.{json,md}, merged into qos_drl.json (~1 h; a quiet machine)
-bench-qos-live: install
-	$(PY) -m bench.qos_live --data $(SHARED)/data/alpaca_eval_experts.jsonl
+study-qos-live: install
+	$(PY) -m bench.studies.qos.live --data $(ALPACA_EVAL)
 
 # qos_drl vs Baseline RL at λ = 5 over six draws of the arrivals, live and simulated
 # (bench-qos-live's draw reused, ~5 min per other draw) → docs/results/qos_live_draws/,
 # merged into qos_drl.json as live_draws
-bench-qos-draws: install
-	$(PY) -m bench.qos_live_draws --data $(SHARED)/data/alpaca_eval_experts.jsonl
+study-qos-draws: install
+	$(PY) -m bench.studies.qos.live_draws --data $(ALPACA_EVAL)
 
 # both agents again for the real vLLM-CPU fleet (bench-qos-real): the six experts on the
-# tiny models' fitted profiles (bench.qos_setup.TINY_FLEET) sharing the 1.35 of this
+# tiny models' fitted profiles (bench.studies.qos.setup.TINY_FLEET) sharing the 1.35 of this
 # machine's two cores left to them (TINY_CORES), an engine busy alone 1.09 times slower
 # than its profile (TINY_SOLO_SLOWDOWN), λ = 1/s, L = 10 ms, 400 k decisions each (~75
 # and ~30 min; they run side by side, one core each)
-train-qos-drl-tiny: install
-	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
-		--minutes 240 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+study-qos-train-tiny: install
+	$(PY) -m bench train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
+		--minutes 240 --data $(ALPACA_EVAL) \
 		--out $(QOS_POLICIES)/qos-drl-tiny & \
-	$(VENV)/bin/laneway train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
-		--steps 400000 --minutes 240 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	$(PY) -m bench train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
+		--steps 400000 --minutes 240 --data $(ALPACA_EVAL) \
 		--out $(QOS_POLICIES)/qos-baseline-rl-tiny; \
 	status=$$?; wait $$! && exit $$status
 
 # the same pair trained with domain randomization (docs/qos_drl.md: "A machine slower
 # than the fit"): each training episode on a machine 1-1.5x slower than the fit
-train-qos-drl-tiny-jitter: install
-	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
-		--minutes 240 --speed-jitter 0.5 --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+study-qos-train-tiny-jitter: install
+	$(PY) -m bench train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
+		--minutes 240 --speed-jitter 0.5 --data $(ALPACA_EVAL) \
 		--out $(QOS_POLICIES)/qos-drl-tiny-jitter & \
-	$(VENV)/bin/laneway train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
+	$(PY) -m bench train qos-drl --baseline --fleet tiny --rate 1 --limit-ms 10 \
 		--steps 400000 --minutes 240 --speed-jitter 0.5 \
-		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
+		--data $(ALPACA_EVAL) \
 		--out $(QOS_POLICIES)/qos-baseline-rl-tiny-jitter; \
 	status=$$?; wait $$! && exit $$status
 
@@ -397,28 +418,28 @@ train-qos-drl-tiny-jitter: install
 # merged into qos_drl.json as live_real (~1 h; a quiet machine); then the live runs' own
 # decisions replayed in the simulator, request by request → docs/results/qos_replay_live.json
 QOS_RECORDS := $${LANEWAY_HOME:-.laneway}/records/qos-live-real
-bench-qos-real: install
-	$(PY) -m bench.bench_qos --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+study-qos-real: install
+	$(PY) -m bench.studies.qos.bench_qos --data $(ALPACA_EVAL) \
 		--checkpoint $(QOS_POLICIES)/qos-drl-tiny/best.pt \
 		--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-tiny/best.pt \
 		--rates 0.7 1 1.5 --reference-rate 1 --out docs/results/qos_drl_tiny.json
-	$(PY) -m bench.qos_live --fleet real --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	$(PY) -m bench.studies.qos.live --fleet real --data $(ALPACA_EVAL) \
 		--checkpoint $(QOS_POLICIES)/qos-drl-tiny/best.pt \
 		--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-tiny/best.pt \
 		--rates 0.7 1 1.5 --reference-rate 1 --arrivals 200 \
 		--out docs/results/qos_live_real.json --records $(QOS_RECORDS)
-	$(PY) -m bench.qos_replay_live --records $(QOS_RECORDS) \
-		--data $(SHARED)/data/alpaca_eval_experts.jsonl \
+	$(PY) -m bench.studies.qos.replay_live --records $(QOS_RECORDS) \
+		--data $(ALPACA_EVAL) \
 		--checkpoint $(QOS_POLICIES)/qos-drl-tiny/best.pt --out docs/results/qos_replay_live.json
 
 # How much QoS is there to gain over Baseline RL (docs/qos_drl.md): clairvoyant lookahead
 # routers and qos_drl with oracle buckets in the simulator, GPU and tiny fleets
 # → docs/results/qos_headroom*.json (~1 h); how predictable quality is from the prompt,
 # for the judge's win rate and a BERTScore-style F1 → docs/results/qos_score_signal.json
-QOS_HEADROOM := $(PY) -m bench.qos_headroom --data $(SHARED)/data/alpaca_eval_experts.jsonl
+QOS_HEADROOM := $(PY) -m bench.studies.qos.headroom --data $(ALPACA_EVAL)
 QOS_TINY_AGENTS := --checkpoint $(QOS_POLICIES)/qos-drl-tiny/best.pt \
 	--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-tiny/best.pt --rates 0.7 1 1.5
-bench-qos-headroom: install
+study-qos-headroom: install
 	$(QOS_HEADROOM)
 	$(QOS_HEADROOM) --oracle-buckets --only baseline_rl qos_drl \
 		--out docs/results/qos_headroom_oracle_buckets.json
@@ -427,25 +448,25 @@ bench-qos-headroom: install
 	$(QOS_HEADROOM) $(QOS_TINY_AGENTS) --out docs/results/qos_headroom_tiny.json
 	$(QOS_HEADROOM) $(QOS_TINY_AGENTS) --oracle-buckets --only baseline_rl qos_drl \
 		--out docs/results/qos_headroom_tiny_oracle_buckets.json
-	$(PY) -m bench.qos_score_signal --data $(SHARED)/data/alpaca_eval_experts.jsonl
+	$(PY) -m bench.studies.qos.score_signal --data $(ALPACA_EVAL)
 
 # qos_drl on the expected values of the predicted bucket distributions instead of the
 # most likely bucket's midpoint (`--bucket-estimate expected`, a deviation), on both
 # fleets, with the training budgets of the checkpoints it is compared with (GPU 152 k
 # decisions, ~19 min; tiny 400 k, ~62 min; Baseline RL sees no predictions, so its
 # checkpoints serve both)
-train-qos-drl-expected: install
-	$(VENV)/bin/laneway train qos-drl --steps 152000 --minutes 240 --bucket-estimate expected \
-		--data $(SHARED)/data/alpaca_eval_experts.jsonl --out $(QOS_POLICIES)/qos-drl-v1-expected & \
-	$(VENV)/bin/laneway train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
-		--minutes 240 --bucket-estimate expected --data $(SHARED)/data/alpaca_eval_experts.jsonl \
+study-qos-train-expected: install
+	$(PY) -m bench train qos-drl --steps 152000 --minutes 240 --bucket-estimate expected \
+		--data $(ALPACA_EVAL) --out $(QOS_POLICIES)/qos-drl-v1-expected & \
+	$(PY) -m bench train qos-drl --fleet tiny --rate 1 --limit-ms 10 --steps 400000 \
+		--minutes 240 --bucket-estimate expected --data $(ALPACA_EVAL) \
 		--out $(QOS_POLICIES)/qos-drl-tiny-expected; \
 	status=$$?; wait $$! && exit $$status
 
 # midpoint against expected values, each agent against Baseline RL, mean over five draws
 # of the held-out arrivals, in the simulator → docs/results/qos_estimate/*.json (~12 min)
 QOS_SEEDS := --seeds 7 8 9 10 11
-bench-qos-estimate: install
+study-qos-estimate: install
 	$(QOS_ROBUST) $(QOS_SEEDS) --out docs/results/qos_estimate/gpu_midpoint.json
 	$(QOS_ROBUST) $(QOS_SEEDS) --checkpoint $(QOS_POLICIES)/qos-drl-v1-expected/best.pt \
 		--out docs/results/qos_estimate/gpu_expected.json
@@ -475,7 +496,7 @@ bench-qos-estimate: install
 QOS_ROBUST := $(QOS_HEADROOM) --only baseline_rl qos_drl
 QOS_JITTER_AGENTS := --checkpoint $(QOS_POLICIES)/qos-drl-tiny-jitter/best.pt \
 	--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-tiny-jitter/best.pt --rates 0.7 1 1.5
-bench-qos-robust: install
+study-qos-robust: install
 	for part in score length both; do \
 		$(QOS_ROBUST) --oracle-buckets $$part --out docs/results/qos_robust/gpu_oracle_$$part.json && \
 		$(QOS_ROBUST) $(QOS_TINY_AGENTS) --oracle-buckets $$part \

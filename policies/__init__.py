@@ -1,12 +1,12 @@
 """Routing policies: one module each, registered by name in `POLICIES`."""
 
 import policies.eldr
-import policies.goodput
+import policies.goodput.policy
 import policies.least_request
 import policies.lowest_tpm
 import policies.power_of_two
 import policies.prefix_aware
-import policies.qos_drl
+import policies.qos_drl.policy
 import policies.random_pick
 import policies.round_robin
 import policies.session

@@ -13,8 +13,15 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
-from predictors.base import Prediction
-from proxy.types import ClusterView, Decision, Outcome, Progress, RequestContext
+from proxy.types import (
+    ClusterView,
+    Decision,
+    Outcome,
+    Prediction,
+    Progress,
+    RequestContext,
+    StageSpec,
+)
 
 # Every policy's params model: unknown keys are rejected, and so are numbers that are
 # not finite (pydantic reads "inf" and "nan" as floats; as a speed, a rate or a length
@@ -53,6 +60,16 @@ class Rerouting(Protocol):
 
         `view` excludes the current backend. A returned decision is observed like a
         pick (exactly one `observe` follows it)."""
+        ...
+
+
+@runtime_checkable
+class Staged(Protocol):
+    """A policy that needs asynchronous work before its pick: it declares the stages as
+    data (proxy/types.py: `StageSpec`); the proxy builds and runs them."""
+
+    def stages(self) -> tuple[StageSpec, ...]:
+        """The stages every request runs before `pick`, in order; () for none."""
         ...
 
 

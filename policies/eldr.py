@@ -18,11 +18,19 @@ from typing import ClassVar
 import numpy as np
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from policies._load import LeastInflight, RotatingArgmin
 from policies.base import PARAMS_CONFIG, register
-from predictors.base import Prediction
-from predictors.eldr_fit import EldrModel, load
-from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
+from policies.load_helpers import LeastInflight, RotatingArgmin
+from predictors.eldr.fit import EldrModel, load
+from proxy.types import (
+    Backend,
+    ClusterView,
+    Decision,
+    Outcome,
+    Prediction,
+    PrefillSignature,
+    RequestContext,
+    StageSpec,
+)
 
 
 class EldrParams(BaseModel):
@@ -79,6 +87,12 @@ class Eldr:
 
     def observe(self, outcome: Outcome) -> None:
         pass
+
+    def stages(self) -> tuple[StageSpec, ...]:
+        """In PD mode, the prefill leg that yields each request's signature."""
+        if not self.pd:
+            return ()
+        return (PrefillSignature(self.kv_transfer, self.counts_shape, self.signature),)
 
     @property
     def counts_shape(self) -> tuple[int, int]:

@@ -6,10 +6,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel
 
-from policies._load import LeastInflight
 from policies.base import NoParams, register
-from predictors.base import Prediction
-from proxy.types import ClusterView, Decision, Outcome, RequestContext
+from policies.load_helpers import LeastInflight
+from proxy.types import ClusterView, Decision, Outcome, Prediction, RequestContext
 
 
 @register

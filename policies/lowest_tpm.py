@@ -21,10 +21,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
-from policies._load import RotatingArgmin, candidate_names, inflight_loads
 from policies.base import PARAMS_CONFIG, register
-from predictors.base import Prediction
-from proxy.types import ClusterView, Decision, Outcome, RequestContext
+from policies.load_helpers import RotatingArgmin, candidate_names, inflight_loads
+from proxy.types import ClusterView, Decision, Outcome, Prediction, RequestContext
 
 
 class LowestTpmParams(BaseModel):

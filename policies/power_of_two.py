@@ -9,8 +9,7 @@ from pydantic import BaseModel
 
 from policies.base import register
 from policies.random_pick import RandomParams
-from predictors.base import Prediction
-from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
+from proxy.types import Backend, ClusterView, Decision, Outcome, Prediction, RequestContext
 
 
 @register

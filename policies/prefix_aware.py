@@ -19,11 +19,10 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
 
-from policies._load import CandidatesByName, LeastInflight
 from policies.base import PARAMS_CONFIG, register
+from policies.load_helpers import CandidatesByName, LeastInflight
 from policies.prefix_index import blocks_from_wire, blocks_to_wire
-from predictors.base import Prediction
-from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
+from proxy.types import Backend, ClusterView, Decision, Outcome, Prediction, RequestContext
 
 OUTBOX_MAX = 10_000  # writes kept for replication while the store is unreachable
 

@@ -8,8 +8,7 @@ from typing import ClassVar
 from pydantic import BaseModel
 
 from policies.base import PARAMS_CONFIG, register
-from predictors.base import Prediction
-from proxy.types import ClusterView, Decision, Outcome, RequestContext
+from proxy.types import ClusterView, Decision, Outcome, Prediction, RequestContext
 
 
 class RandomParams(BaseModel):

@@ -7,8 +7,7 @@ from typing import ClassVar
 from pydantic import BaseModel
 
 from policies.base import NoParams, register
-from predictors.base import Prediction
-from proxy.types import ClusterView, Decision, Outcome, RequestContext
+from proxy.types import ClusterView, Decision, Outcome, Prediction, RequestContext
 
 
 @register

@@ -22,10 +22,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
-from policies._load import CandidatesByName, LeastInflight
 from policies.base import PARAMS_CONFIG, register
-from predictors.base import Prediction
-from proxy.types import Backend, ClusterView, Decision, Outcome, RequestContext
+from policies.load_helpers import CandidatesByName, LeastInflight
+from proxy.types import Backend, ClusterView, Decision, Outcome, Prediction, RequestContext
 
 _EIGHT_U64 = struct.Struct(">8Q")
 STALE_FACTOR = 4  # rebuild when the ring holds this many times more backends than live

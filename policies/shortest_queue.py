@@ -8,10 +8,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel
 
-from policies._load import RotatingArgmin, candidate_names, inflight_loads
 from policies.base import NoParams, register
-from predictors.base import Prediction
-from proxy.types import UNKNOWN_STATS, ClusterView, Decision, Outcome, RequestContext
+from policies.load_helpers import RotatingArgmin, candidate_names, inflight_loads
+from proxy.types import UNKNOWN_STATS, ClusterView, Decision, Outcome, Prediction, RequestContext
 
 
 @register

@@ -1,55 +1,23 @@
-"""The value predictors hand to policies, and the interface the proxy calls."""
+"""The interface the proxy calls on a predictor, and the artifacts predictors load.
+
+What a predictor returns, `Prediction`, is part of the request vocabulary
+(proxy/types.py): policies read it without importing any predictor."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+
+from proxy.types import NO_PREDICTION, Prediction
 
 if TYPE_CHECKING:
     from proxy.types import RequestContext
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class LengthPrior:
-    """What a length predictor's arrival predictions are worth, from its artifact: the
-    (predicted, true) output lengths of answers the predicting model was not trained
-    on (`laneway train length --calibration-folds`: each training prompt predicted by a
-    model fitted on the other folds). A policy that calibrates lengths
-    (`predictors/calibration.py`) starts from these instead of from nothing. One object
-    per predictor key, shared by every prediction of that key."""
 
-    key: str
-    samples: tuple[tuple[float, int], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """A request's predicted cost. Empty when no predictor is configured.
-
-    `output_tokens` is the predicted *total* output length, also mid-stream (tokens
-    generated so far + tokens still to come), so a policy reads one meaning from
-    every call: remaining = output_tokens - progress.generated.
-    """
-
-    output_tokens: float | None = None
-    # the length predictor's out-of-fold (predicted, true) lengths, when its artifact has them
-    length_prior: LengthPrior | None = None
-    # ELDR: the request's expert signature (unit vector, predictors/experts.py), known
-    # after a prefill leg on an MoE backend with the laneway_eldr plugin.
-    expert_signature: tuple[float, ...] | None = None
-    # qos_drl: per expert of the bucket predictor, the predicted generation score and
-    # output length (bucket midpoints), computed off the event loop (proxy/stages.py);
-    # () when the predictor failed or timed out.
-    expert_scores: tuple[float, ...] | None = None
-    expert_lengths: tuple[float, ...] | None = None
-
-
-NO_PREDICTION = Prediction()
-
-# How qos_drl's bucket predictor runs (predictors/buckets.py `load_artifact`); named
+# How qos_drl's bucket predictor runs (predictors/buckets/predictor.py `load_artifact`); named
 # here so the policy's params can say it without importing torch.
 BucketRuntime = Literal["torch", "torch-int8", "onnx", "onnx-int8"]
 BUCKET_RUNTIMES: tuple[BucketRuntime, ...] = get_args(BucketRuntime)
@@ -129,13 +97,3 @@ def require_artifact(path: Path, train_command: str) -> None:
     if not (path / "meta.json").is_file():
         raise SystemExit(f"no predictor artifact at {path} (no meta.json): write it with "
                          f"`{train_command}`")
-
-
-def load_length_predictor(artifact: str | Path | None, model_map: Mapping[str, str],
-                          fallback_key: str | None) -> Predictor:
-    """The configured length predictor; torch is imported only when an artifact is set."""
-    if artifact is None:
-        return NullPredictor()
-    from predictors.length import load_artifact
-
-    return load_artifact(Path(artifact), model_map, fallback_key)

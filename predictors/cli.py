@@ -16,9 +16,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.tiny_models import DEFAULT_SHARED, laneway_home
 from predictors.base import require_artifact
-from predictors.length_data import (
+from predictors.home import ALPACA_EVAL, REPO, laneway_home, read_bytes
+from predictors.length.data import (
     ANY_KEY,
     Row,
     Sample,
@@ -32,10 +32,8 @@ from predictors.length_data import (
 )
 
 if TYPE_CHECKING:
-    from predictors.length_eval import Score
+    from predictors.length.evaluate import Score
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
 DEFAULT_RESULTS = REPO / "docs" / "results" / "length_predictor.json"
 
 
@@ -53,11 +51,11 @@ def training_rows(samples: list[Sample], counter: TokenCounter, key: str,
 def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from predictors.features import Featurizer
-    from predictors.length import save_artifact
-    from predictors.length_eval import cross_fit
-    from predictors.length_moe import MoEConfig
-    from predictors.length_train import train_moe
+    from predictors.length.evaluate import cross_fit
+    from predictors.length.features import Featurizer
+    from predictors.length.moe import MoEConfig
+    from predictors.length.predictor import save_artifact
+    from predictors.length.train import train_moe
 
     torch.set_num_threads(args.threads)
     counter = token_counter(args.tokenizer)
@@ -79,7 +77,7 @@ def _train(args: argparse.Namespace) -> int:
             priors[key] = cross_fit(rows, featurizer, config, args.calibration_folds)
             print(f"cross-fitted {key} over {args.calibration_folds} folds: "
                   f"{time.monotonic() - started:.0f} s, {len(priors[key])} answers", flush=True)
-    digest = hashlib.sha256(args.data.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(read_bytes(args.data)).hexdigest()[:16]
     version = f"{time.strftime('%Y%m%dT%H%M%S')}-{digest}"
     save_artifact(args.out, featurizer, trained, {
         "version": version, "data": str(args.data), "data_sha256_16": digest,
@@ -92,15 +90,15 @@ def _train(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.predictor_latency import measure
-    from predictors.length import config_from, load_artifact
-    from predictors.length_eval import (
+    from predictors.length.evaluate import (
         baselines,
         evaluate_key,
         evaluate_windows,
         markdown,
         moe_method,
     )
+    from predictors.length.latency import measure
+    from predictors.length.predictor import config_from, load_artifact
 
     require_artifact(args.artifact, "laneway train length")
     torch.set_num_threads(1)
@@ -157,7 +155,7 @@ def summary(meta: dict[str, Any], scores: list[Score], window_scores: list[Score
 
 def pool(scores: list[Score]) -> Score:
     """One method's scores over several models, weighted by their held-out sizes."""
-    from predictors.length_eval import Score
+    from predictors.length.evaluate import Score
 
     n = sum(s.n for s in scores)
 
@@ -172,7 +170,7 @@ def add_cli(subparsers: Any) -> None:
     train = subparsers.add_parser("train", help="train a predictor").add_subparsers(
         dest="train_command", required=True)
     length = train.add_parser("length", help="MoE-MLP output-length predictor (GoodServe)")
-    length.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    length.add_argument("--data", type=Path, default=ALPACA_EVAL)
     length.add_argument("--out", type=Path, default=default_artifact())
     length.add_argument("--tokenizer", default="auto", help="auto | words | tokenizer.json")
     length.add_argument("--keys", default="", help="comma-separated; default: any + every model")
@@ -187,19 +185,16 @@ def add_cli(subparsers: Any) -> None:
                         "prior (calibration.json), which goodput's calibrated lengths start "
                         "from; ~1x the training time more at 2 folds; 0: none")
     length.set_defaults(func=_train)
-    from predictors import eldr_cli  # ELDR's decode centroids (issue 9)
+    from predictors.eldr import cli as eldr_cli  # ELDR's decode centroids (issue 9)
 
     eldr_cli.add_train(train)
-    from predictors import buckets_cli  # qos_drl's bucket predictors (issue 8)
+    from predictors.buckets import cli as buckets_cli  # qos_drl's bucket predictors (issue 8)
 
     buckets_cli.add_train(train)
-    from bench import qos_cli  # qos_drl's SAC trainer (issue 8)
-
-    qos_cli.add_train(train)
     evaluate = subparsers.add_parser("evaluate", help="evaluate a predictor").add_subparsers(
         dest="evaluate_command", required=True)
     length_eval = evaluate.add_parser("length", help="held-out table + latency of an artifact")
-    length_eval.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    length_eval.add_argument("--data", type=Path, default=ALPACA_EVAL)
     length_eval.add_argument("--artifact", type=Path, default=default_artifact())
     length_eval.add_argument("--out", type=Path, default=DEFAULT_RESULTS)
     length_eval.add_argument("--epochs", type=int, default=0,

@@ -1,4 +1,6 @@
-"""`laneway` command line: serve the proxy, manage local backends, run tools."""
+"""`laneway` command line: serve the proxy, check a config, make keys, train and
+evaluate predictors. The development tools (local vLLM-CPU backends, the emulator, the
+benchmark harness, qos_drl's trainer) are `python -m bench` in a checkout."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from proxy.access import configure_logging
 from proxy.config import ConfigError, load_settings, load_settings_and_policy
+from proxy.observability.access_log import configure_logging
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -17,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
         server = settings.server.model_copy(update=overrides)
         settings = settings.model_copy(update={"server": server})
     configure_logging(settings.server.log_level, settings.server.log_format)
-    from proxy.server import run
+    from proxy.http.server import run
 
     run(settings, args.config, policy)
     return 0
@@ -40,24 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", "-c", required=True)
     check.set_defaults(func=_check_config)
-    from bench import backends  # light module: heavy imports happen inside its commands
-    from bench import cli as bench_cli
-    from bench.emulator import cli as emulator_cli
-
-    backends.add_cli(sub)
-    bench_cli.add_cli(sub)
-    emulator_cli.add_cli(sub)
     from predictors import cli as predictors_cli  # torch/sklearn load inside its commands
 
     predictors_cli.add_cli(sub)
-    from proxy import keys_cli
+    from proxy.admission import keys_cli
 
     keys_cli.add_cli(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` and run its command; a config error or a missing file the user named
+    is one line on stderr and a non-zero code, not a traceback."""
+    args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
     except ConfigError as exc:

@@ -27,6 +27,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from proxy.tls import check_server_tls, upstream_context
+
 if TYPE_CHECKING:
     from policies.base import Policy
 
@@ -151,7 +153,7 @@ class PollerConfig(_Section):
 
 class OutliersConfig(_Section):
     """Passive health: a backend that fails most of what it is sent is taken out for a
-    while, though it answers its scrapes (README, Failure handling; proxy/outliers.py)."""
+    while, though it answers its scrapes (README, Failure handling; proxy/fleet/outliers.py)."""
 
     failures: int = Field(
         5, ge=0, description="eject a backend once this many of its attempts failed "
@@ -277,7 +279,7 @@ class StateConfig(_Section):
 
 
 class ResponsesConfig(_Section):
-    """The Responses API's stored responses (README, API; proxy/responses.py)."""
+    """The Responses API's stored responses (README, API; proxy/http/stored_responses.py)."""
 
     remember: int = Field(100_000, ge=1, description="response ids whose backend this "
                           "replica remembers (least recently used out first)")
@@ -303,7 +305,8 @@ class LengthPredictorConfig(_Section):
 
 
 class TracingConfig(_Section):
-    """OpenTelemetry traces over OTLP/HTTP (README, Tracing; proxy/tracing.py); applied
+    """OpenTelemetry traces over OTLP/HTTP (README, Tracing; proxy/observability/tracing.py);
+    applied
     at start (a change needs a restart)."""
 
     otlp_endpoint: str | None = Field(
@@ -461,11 +464,9 @@ def _check_policy(settings: Settings) -> Policy:
 
 
 def _check_tls(settings: Settings) -> None:
-    from proxy.tls import check_server_tls, upstream_context
-
     try:
-        check_server_tls(settings.server)
-        upstream_context(settings.upstream)
+        check_server_tls(settings.server.tls_certfile, settings.server.tls_keyfile)
+        upstream_context(settings.upstream.tls_ca_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from policies.base import Policy
 from proxy.config import ConfigError, Settings, load_settings_and_policy
-from proxy.routing import Router
+from proxy.routing.router import Router
 from proxy.runtime import Runtime, backends_from
 from proxy.types import Backend
 

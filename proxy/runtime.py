@@ -11,31 +11,31 @@ from types import MappingProxyType
 import aiohttp
 from pydantic import SecretStr
 
-from policies._load import LeastInflight
 from policies.base import Policy, build_policy
-from predictors.base import Prediction, load_length_predictor
-from proxy.access import note
+from policies.load_helpers import LeastInflight
+from predictors.length import load_length_predictor
+from proxy.admission.auth import Auth, Grant, anthropic_limit_headers
+from proxy.admission.flow_control import ANYONE, FlowControl, Place
 from proxy.asgi import Scope, Send, send_error, with_headers
-from proxy.auth import Auth, Grant, anthropic_limit_headers
 from proxy.config import Settings
-from proxy.discovery import ModelDiscovery
 from proxy.errors import InvalidRequest, ModelNotFound, ProxyError
-from proxy.flow import ANYONE, FlowControl, Place
-from proxy.metrics import Metrics
-from proxy.migration import ActiveStreams
-from proxy.outliers import Outliers
-from proxy.poller import Poller
-from proxy.ratelimit import WindowCounters
-from proxy.registry import Registry
-from proxy.relay import Upstream, UpstreamFailure
-from proxy.responses import ResponseHomes
-from proxy.routing import Router
+from proxy.fleet.active_streams import ActiveStreams
+from proxy.fleet.discovery import ModelDiscovery
+from proxy.fleet.outliers import Outliers
+from proxy.fleet.poller import Poller
+from proxy.fleet.registry import Registry
+from proxy.observability.access_log import note
+from proxy.observability.metrics import Metrics
+from proxy.observability.tracing import Tracing
+from proxy.relay.upstream import Upstream, UpstreamFailure
+from proxy.routing.router import Router
 from proxy.state import build_store, new_replica_id
+from proxy.state.rate_counters import WindowCounters
 from proxy.state.replicator import Replicator
+from proxy.state.response_homes import ResponseHomes
 from proxy.tasks import stop_task
 from proxy.tls import upstream_context
-from proxy.tracing import Tracing
-from proxy.types import Backend, Outcome, RequestContext
+from proxy.types import Backend, Outcome, Prediction, RequestContext
 
 log = logging.getLogger("laneway")
 # upstream.retry_window_s: the first wait, doubled each round up to the last.
@@ -73,11 +73,12 @@ class Runtime:
         self.metrics = Metrics(self.registry)
         if policy is None:
             policy = build_policy(settings.policy.name, settings.policy.params)
-        self.tls = upstream_context(settings.upstream)  # https backends' CA (None: system's)
+        # https backends' CA (None: the system's)
+        self.tls = upstream_context(settings.upstream.tls_ca_file)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions,
                              model_on=self.registry.model_on, tls=self.tls)
         self._retired: set[asyncio.Task[None]] = set()  # routers of earlier policies
-        self.least_inflight = LeastInflight()  # picks for proxy/passthrough.py
+        self.least_inflight = LeastInflight()  # picks for proxy/http/passthrough_routes.py
         self.responses = ResponseHomes(settings.responses.remember)  # stored responses' homes
         length = settings.predictors.length
         self.predictor = load_length_predictor(length.artifact, length.model_map,

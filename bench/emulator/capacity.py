@@ -1,6 +1,6 @@
-"""How much load one emulator process sustains (`laneway emulate capacity`).
+"""How much load one emulator process sustains (`python -m bench emulate capacity`).
 
-Starts `laneway emulate --n N` as a child process, offers open-loop Poisson load at
+Starts `python -m bench emulate --n N` as a child process, offers open-loop Poisson load at
 rising rates to instances picked at random (streamed `/v1/completions`, token-id
 prompts, fixed lengths), and reads the emulator's CPU time from /proc and its
 schedule lag from `/emulator/stats`. The emulator keeps up while it uses less than
@@ -29,9 +29,9 @@ import httpx
 import orjson
 
 from bench.emulator.measure import cpu_times
-from bench.overhead_procs import child, wait_ok
-from bench.ports import free_port_range
-from bench.results import write_json
+from bench.harness.ports import free_port_range
+from bench.harness.results import write_json
+from bench.studies.overhead_procs import child, wait_ok
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -1,9 +1,9 @@
-"""`laneway emulate ...`: emulated vLLM fleets, profile fitting, calibration.
+"""`python -m bench emulate ...`: emulated vLLM fleets, profile fitting, calibration.
 
-    laneway emulate --n 512 --profile h100-80gb,a100-40gb --base-port 9000
-    laneway emulate profiles
-    laneway emulate fit --variant small
-    laneway emulate calibrate --variants small,large [--refit]
+    python -m bench emulate --n 512 --profile h100-80gb,a100-40gb --base-port 9000
+    python -m bench emulate profiles
+    python -m bench emulate fit --variant small
+    python -m bench emulate calibrate --variants small,large [--refit]
 
 Kept light: `proxy.cli` builds this parser on every start; commands import their
 modules only when they run.
@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from bench.tiny_models import REPO, laneway_home
+from predictors.home import REPO, laneway_home
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from bench.emulator.kv import KvCache, block_hash
 from bench.emulator.profile import Profile
 from bench.emulator.sequence import Sequence
-from bench.fake_metrics import FakeStats
+from bench.fakes.fake_metrics import FakeStats
 
 __all__ = ["Engine", "Sequence"]
 
@@ -55,7 +55,7 @@ class Engine:
         # manual: no timers; `advance()` runs the next step at once (tests, simulation)
         self._manual = manual
         # steps started from now last this many times the profile's: a simulator of
-        # engines sharing too few CPU cores sets it (bench.qos_sim)
+        # engines sharing too few CPU cores sets it (bench.studies.qos.sim)
         self.slowdown = 1.0
         self.now = 0.0
 

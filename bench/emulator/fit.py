@@ -1,4 +1,4 @@
-"""Fit a profile's step-time model to a real vLLM server (`laneway emulate fit`).
+"""Fit a profile's step-time model to a real vLLM server (`python -m bench emulate fit`).
 
 Probes, each a wave of simultaneous streaming requests (token-id prompts, exact
 lengths), repeated over several rounds and averaged (`measure.over_passes`):
@@ -50,10 +50,10 @@ from bench.emulator.measure import (
     trimmed_mean,
 )
 from bench.emulator.profile import Profile, StepModel
-from bench.fake_metrics import FakeStats
+from bench.fakes.fake_metrics import FakeStats
 
 # vLLM's defaults for the OpenAI server on CPU (vllm/engine/arg_utils.py,
-# EngineArgs.get_batch_defaults); the launcher in bench/vllm_server.py keeps them.
+# EngineArgs.get_batch_defaults); the launcher in bench/models/vllm_server.py keeps them.
 CPU_MAX_NUM_SEQS = 128
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
 TERMS = ("request_overhead_s", "base_s", "per_token_s", "per_seq_s", "per_context_s",
@@ -320,7 +320,8 @@ def build_profile(name: str, model: str, plan: Sequence[Probe], values: Sequence
              "measured_ms": round(v * 1000, 3), "model_ms": round(model_s(p) * 1000, 3)}
             for p, v in zip(plan, values, strict=True)]
     return profile.model_copy(update=dict(
-        sources=["measured on this machine by `laneway emulate fit` (bench/emulator/fit.py)"],
+        sources=["measured on this machine by `python -m bench emulate fit` "
+                 "(bench/emulator/fit.py)"],
         derivation=("weighted least squares over the prefill and decode probes below "
                    f"(free_context_per_seq: the best of {list(FREE_CONTEXT_GRID)}); the "
                    "request overhead is the fitted intercept minus the emulator's own HTTP "

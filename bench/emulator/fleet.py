@@ -1,4 +1,4 @@
-"""`laneway emulate`: many emulated vLLM instances, in one process or split over K.
+"""`python -m bench emulate`: many emulated vLLM instances, in one process or split over K.
 
 Instances are planned here (names, ports, profiles cycled), served by
 `serve_fleet` in each process, and written to a laneway config so the proxy can be

@@ -1,6 +1,6 @@
 """GPU profiles derived from spec sheets, anchored on published vLLM measurements.
 
-`laneway emulate gpu-profiles` writes `profiles/<gpu>.yaml` from the numbers here, so
+`python -m bench emulate gpu-profiles` writes `profiles/<gpu>.yaml` from the numbers here, so
 every figure in those files can be traced. The model is Llama-3.1-8B-Instruct (BF16;
 on a T4, which has no BF16 and too little memory, its AWQ INT4 build in FP16).
 
@@ -110,7 +110,7 @@ GPUS = (
 
 
 # The qos_drl paper's edge: every expert on its own RTX 4090 (profiles written with the
-# others; `bench.qos_setup.PAPER_FLEET`).
+# others; `bench.studies.qos.setup.PAPER_FLEET`).
 RTX_4090 = Gpu("rtx4090", "NVIDIA GeForce RTX 4090 (24 GB)", 24 * GIB, 1.008e12, 165.2e12,
                BF16_WEIGHTS, "NVIDIA Ada (AD102) whitepaper, GeForce RTX 4090: 1,008 GB/s "
                "GDDR6X, 165.2 TFLOPS BF16 dense with FP32 accumulate, 24 GB")

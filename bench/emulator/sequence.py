@@ -1,6 +1,6 @@
 """One request inside an emulated engine: its tokens, KV blocks and waiting client.
 
-Token ids follow the fake's rule (`bench.fake_wire`): generated token i is
+Token ids follow the fake's rule (`bench.fakes.fake_wire`): generated token i is
 `GEN_BASE + i`, and `first_index` continues a sequence whose prompt ends in
 generated ids, so a request moved to another instance resumes the same tokens.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from bench.emulator.kv import block_hash
-from bench.fake_wire import GEN_BASE
+from bench.fakes.fake_wire import GEN_BASE
 
 
 class Sequence:

@@ -23,11 +23,11 @@ from bench.emulator.engine import Engine
 from bench.emulator.engine import Sequence as EngineSequence
 from bench.emulator.frontend import Frontend
 from bench.emulator.profile import Profile
-from bench.fake_metrics import FakeStats
-from bench.fake_vllm import FakeConfig, FakeVllm, include_usage
-from bench.fake_wire import Completion, StreamWire, full_body
+from bench.fakes.fake_metrics import FakeStats
+from bench.fakes.fake_vllm import FakeConfig, FakeVllm, include_usage
+from bench.fakes.fake_wire import Completion, StreamWire, full_body
 from proxy.asgi import Receive, Scope, Send, send_json
-from proxy.server import uvicorn_in_loop
+from proxy.http.server import uvicorn_in_loop
 
 
 class EmulatedVllm(FakeVllm):

@@ -99,7 +99,8 @@ def equal_share(limit: int, replicas: int) -> int:
 
 
 class Leasing(Protocol):
-    """Who leases backend slots at each sync: strict flow control (proxy/flow.py)."""
+    """Who leases backend slots at each sync: strict flow control
+    (proxy/admission/flow_control.py)."""
 
     on_short: Callable[[], None] | None  # set by the sync: call it to lease sooner
 

@@ -31,10 +31,10 @@ from typing import Any
 
 from policies.base import Policy, Replicated
 from proxy.config import StateConfig
-from proxy.metrics import Metrics
-from proxy.ratelimit import WindowCounters
-from proxy.registry import Registry
+from proxy.fleet.registry import Registry
+from proxy.observability.metrics import Metrics
 from proxy.state.base import Leasing, Outbox, Store, StoreUnavailable, equal_share
+from proxy.state.rate_counters import WindowCounters
 
 log = logging.getLogger("laneway.state")
 MAX_UNSENT = 20_000  # table writes kept across an outage (the oldest are dropped)

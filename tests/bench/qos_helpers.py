@@ -5,8 +5,8 @@ needs 60 / 30 tokens on them."""
 from __future__ import annotations
 
 from bench.emulator.profile import load_profile
-from bench.qos_setup import fit_coefficients
-from bench.qos_sim import ExpertSpec, PoolPrompt
+from bench.studies.qos.setup import fit_coefficients
+from bench.studies.qos.sim import ExpertSpec, PoolPrompt
 
 
 def pool(n: int = 20) -> list[PoolPrompt]:

@@ -7,7 +7,7 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from bench.arrivals import Arrivals
+from bench.harness.arrivals import Arrivals
 
 
 def gaps(times: list[float]) -> np.ndarray:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench import backends
-from bench.backends import Running, plan
-from bench.vllm_server import group_alive
+from bench.models import backends
+from bench.models.backends import Running, plan
+from bench.models.vllm_server import group_alive
 from proxy.config import load_settings
 
 
@@ -83,7 +83,7 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_ignored() -> None:
 
 
 def test_stop_does_not_wait_for_zombies_another_parent_never_reaps() -> None:
-    """`laneway backends down` from another shell while the starting process still runs."""
+    """`python -m bench backends down` from another shell while the starting process still runs."""
     script = ("import subprocess, time; p = subprocess.Popen(['sleep', '300'], "
               "start_new_session=True); print(p.pid, flush=True); time.sleep(300)")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)

@@ -1,4 +1,4 @@
-"""`laneway bench workload|run|solo` end to end, over fake vLLM processes and the proxy."""
+"""`python -m bench workload|run|solo` end to end, over fake vLLM processes and the proxy."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import httpx
 import pytest
 import yaml
 
-from bench.ports import free_port
-from bench.results import read
-from bench.workloads import load
-from proxy.cli import main
+from bench.__main__ import main
+from bench.harness.ports import free_port
+from bench.harness.results import read
+from bench.harness.workloads import load
 
 SMALL = ["--requests", "6", "--rate", "20", "--max-output", "12", "--seed", "3",
          "--no-progress"]
@@ -25,7 +25,7 @@ SMALL = ["--requests", "6", "--rate", "20", "--max-output", "12", "--seed", "3",
 @contextlib.contextmanager
 def fake_process(model: str = "tiny-llama") -> Iterator[str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.fake_vllm", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "bench.fakes.fake_vllm", "--port", str(port),
                              "--model", model, "--tpot-ms", "2"])
     url = f"http://127.0.0.1:{port}"
     try:
@@ -45,7 +45,7 @@ def fake_process(model: str = "tiny-llama") -> Iterator[str]:
 def test_workload_command_saves_and_describes(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "w.jsonl"
-    assert main(["bench", "workload", "--workload", "trace", "--requests", "50",
+    assert main(["workload", "--workload", "trace", "--requests", "50",
                  "--time-scale", "0.1", "--out", str(out)]) == 0
     assert load(out).meta["kind"] == "trace" and len(load(out).requests) == 50
     assert "50 requests over" in capsys.readouterr().out
@@ -53,7 +53,7 @@ def test_workload_command_saves_and_describes(tmp_path: Path,
 
 def test_run_starts_a_proxy_with_the_policy_and_solo_repeats(tmp_path: Path) -> None:
     workload = tmp_path / "w.jsonl"
-    assert main(["bench", "workload", "--workload", "poisson", *SMALL[:-1],
+    assert main(["workload", "--workload", "poisson", *SMALL[:-1],
                  "--out", str(workload)]) == 0
     with fake_process() as fake:  # behind two backend names: the policy must alternate
         config = {"backends": [{"name": "fa", "url": fake, "model": "tiny-llama"},
@@ -61,11 +61,11 @@ def test_run_starts_a_proxy_with_the_policy_and_solo_repeats(tmp_path: Path) -> 
                   "policy": {"name": "random", "params": {}},
                   "debug": {"log_decisions": True}}
         (tmp_path / "laneway.yaml").write_text(yaml.safe_dump(config))
-        assert main(["bench", "run", "--workload", str(workload), "--no-progress",
+        assert main(["run", "--workload", str(workload), "--no-progress",
                      "--config", str(tmp_path / "laneway.yaml"), "--policy", "round_robin",
                      "--out", str(tmp_path / "rr.jsonl"),
                      "--proxy-log", str(tmp_path / "rr.log")]) == 0
-        assert main(["bench", "solo", "--workload", "poisson", *SMALL, "--target", fake,
+        assert main(["solo", "--workload", "poisson", *SMALL, "--target", fake,
                      "--repeats", "2", "--max-requests", "4",
                      "--out", str(tmp_path / "solo.jsonl")]) == 0
     run = read(tmp_path / "rr.jsonl")

@@ -1,4 +1,4 @@
-"""bench/bench_goodput.py: goodput per scale and the ratio to the best baseline."""
+"""bench/studies/goodput/bench_goodput.py: goodput per scale and the ratio to the best baseline."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_goodput, compare
-from bench.bench_goodput import per_scale, ratios, table, variants
-from bench.report import SloPoint, Summary
+from bench.harness import compare
+from bench.harness.report import SloPoint, Summary
+from bench.studies.goodput import bench_goodput
+from bench.studies.goodput.bench_goodput import per_scale, ratios, table, variants
 
 SCALES = [1.0, 2.0]
 
@@ -171,9 +172,9 @@ def test_dilation_stretches_goodputs_clocks_and_leaves_the_baselines() -> None:
 
 
 def test_dilation_reaches_the_proxy_config() -> None:
-    from bench.compare import MIGRATION_CLOCKS, Fleet, proxy_config
-    from bench.compare import Variant as V
     from bench.emulator.profile import dilated_fields
+    from bench.harness.compare import MIGRATION_CLOCKS, Fleet, proxy_config
+    from bench.harness.compare import Variant as V
     from proxy.config import MigrationConfig
 
     fleet = Fleet([], ["u"], ["u"], {"interval_s": 0.8},
@@ -186,13 +187,13 @@ def test_dilation_reaches_the_proxy_config() -> None:
 
 
 def test_the_mooncake_tag_replays_the_trace_with_longer_answers(tmp_path: Path) -> None:
-    from bench.tiny_models import DEFAULT_SHARED
-    from bench.workloads import load
-    from proxy.cli import main
+    from bench.__main__ import main
+    from bench.harness.workloads import load
+    from predictors.home import DATASETS
 
-    args = bench_goodput.default_workload("real:small,large@mooncake", str(DEFAULT_SHARED))
+    args = bench_goodput.default_workload("real:small,large@mooncake", str(DATASETS))
     out = tmp_path / "w.jsonl"
-    assert main(["bench", "workload", *args, "--out", str(out)]) == 0
+    assert main(["workload", *args, "--out", str(out)]) == 0
     workload = load(out)
     assert workload.meta["kind"] == "trace" and len(workload.requests) == 120
     outputs = [r.max_tokens for r in workload.requests]
@@ -221,8 +222,8 @@ def test_repeats_take_the_median_cells_and_each_repeats_own_ratio() -> None:
 
 def test_odd_repeats_run_the_variants_in_reverse(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from bench import compare
-    from bench.compare import Plan, Variant
+    from bench.harness import compare
+    from bench.harness.compare import Plan, Variant
 
     plan = Plan([], [Variant("rr", "round_robin"), Variant("goodput", "goodput", {}, True)],
                 SCALES, tmp_path / "out", 1, 1.0, None, slo_base="median")
@@ -267,7 +268,7 @@ def test_kept_runs_log_every_decision(tmp_path: Path, monkeypatch: pytest.Monkey
     beside its records; without, the proxy config and the command stay as they were."""
     import yaml
 
-    from bench.compare import Fleet, Plan, Variant, run_all
+    from bench.harness.compare import Fleet, Plan, Variant, run_all
 
     commands: list[tuple[str, ...]] = []
     monkeypatch.setattr(compare, "cli", lambda *args: commands.append(args))
@@ -289,8 +290,8 @@ def test_slo_base_is_a_mid_tier_backend_as_in_the_paper(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """GoodServe's SLOs are solo latencies on a mid-tier GPU (an A800 among faster and
     slower): `bench solo` targets the A100 of h100/a100/l40s/t4 unless told otherwise."""
-    from bench import compare
-    from bench.compare import Fleet, Plan
+    from bench.harness import compare
+    from bench.harness.compare import Fleet, Plan
 
     assert [compare.mid_index(n) for n in (1, 2, 3, 4, 5)] == [0, 0, 1, 1, 2]
     urls = [f"u{i}" for i in range(10)]  # four profiles cycled: u1, u5, u9 are A100s
@@ -313,7 +314,7 @@ def test_slo_base_is_a_mid_tier_backend_as_in_the_paper(tmp_path: Path,
 
 
 def test_only_keeps_the_baselines_goodput_and_the_named_variants() -> None:
-    from bench.bench_goodput import BASELINES, select_variants, variants
+    from bench.studies.goodput.bench_goodput import BASELINES, select_variants, variants
 
     every = variants(True)
     assert [v.label for v in select_variants(every, None)] == [
@@ -396,7 +397,7 @@ def test_keep_leaves_the_runs_files_per_fleet(tmp_path: Path) -> None:
 
 def test_side_figures_only_refreshes_the_three_figures_and_keeps_the_rest(
         tmp_path: Path) -> None:
-    from bench.bench_goodput import main, side_figures
+    from bench.studies.goodput.bench_goodput import main, side_figures
 
     out = tmp_path / "goodput.json"
     out.write_text(json.dumps({"fleets": ["kept"], "decision_p99_ms_512": -1.0}))
@@ -414,7 +415,7 @@ def test_a_peer_router_runs_once_in_front_of_the_whole_fleet(
     import contextlib
     from collections.abc import Iterator
 
-    from bench.compare import Fleet, Plan
+    from bench.harness.compare import Fleet, Plan
 
     started: list[tuple[tuple[str, ...], str]] = []
     runs: list[tuple[str, ...]] = []

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.bench_qos import BUCKET_KEYS, bucket_accuracy, qos_rms, repo_path
-from predictors.cli import REPO
+from bench.studies.qos.bench_qos import BUCKET_KEYS, bucket_accuracy, qos_rms, repo_path
+from predictors.home import REPO
 
 
 def _files(tmp_path: Path, evaluated: str, used: str) -> tuple[Path, Path]:
@@ -52,7 +52,7 @@ def test_fit_cores_simulates_the_live_runs_arrivals_rates_and_policies(
     (200 live: a fresh 200-arrival run, not the bench's 600), and the best RMS wins."""
     import argparse
 
-    import bench.bench_qos as bench_qos
+    import bench.studies.qos.bench_qos as bench_qos
 
     live = tmp_path / "live.json"
     live.write_text(json.dumps({"arrivals_per_run": 200, "policies": ["qos_drl"],

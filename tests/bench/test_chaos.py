@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from bench.chaos import Plan, Run, run, table
-from bench.services import MissingService, binary
+from bench.harness.services import MissingService, binary
+from bench.studies.chaos import Plan, Run, run, table
 
 
 def test_a_short_run_on_fakes_answers_every_request_right(tmp_path: Path) -> None:

@@ -6,14 +6,14 @@ from collections import Counter
 
 import numpy as np
 
-from bench.eldr_prompts import domain_prompts
-from bench.eldr_real import BATCHES, PolicyRun
-from bench.eldr_report import batch_matched
-from bench.tiny_models import DEFAULT_SHARED
+from bench.studies.eldr.prompts import domain_prompts
+from bench.studies.eldr.real import BATCHES, PolicyRun
+from bench.studies.eldr.report import batch_matched
+from predictors.home import DATASETS
 
 
 def test_prompts_cover_the_task_domains_evenly() -> None:
-    pairs = domain_prompts(DEFAULT_SHARED, 5)
+    pairs = domain_prompts(DATASETS, 5)
     counts = Counter(domain for domain, _ in pairs)
     assert {"prose", "code", "math"} <= set(counts) and set(counts.values()) == {5}
     assert all(text.strip() for _, text in pairs)

@@ -1,13 +1,13 @@
-"""The expert-union decode emulator (bench/eldr_fleet.py)."""
+"""The expert-union decode emulator (bench/studies/eldr/fleet.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.eldr_fleet import FleetRequest, StepCost, simulate
+from bench.studies.eldr.fleet import FleetRequest, StepCost, simulate
 from policies import build_policy
-from predictors.base import NO_PREDICTION
+from proxy.types import NO_PREDICTION
 
 
 def test_step_cost_follows_the_papers_expert_scaling() -> None:

@@ -18,10 +18,10 @@ from bench.emulator.fit import TERMS, best_fit, probes
 from bench.emulator.kv import KvCache
 from bench.emulator.profile import Profile, StepModel, available_profiles, dilated, load_profile
 from bench.emulator.server import Instance, RunningFleet, serve_fleet
-from bench.fake_metrics import FakeStats
-from bench.fake_wire import GEN_BASE
+from bench.fakes.fake_metrics import FakeStats
+from bench.fakes.fake_wire import GEN_BASE
+from proxy.fleet.vllm_metrics import Cumulative, parse_samples, to_stats
 from proxy.types import BackendStats
-from proxy.vllm_metrics import Cumulative, parse_samples, to_stats
 
 STEP = StepModel(base_s=0.010, per_token_s=0.001, per_seq_s=0.002, per_context_s=1e-6,
                  per_pair_s=1e-7)

@@ -9,9 +9,9 @@ import httpx
 import orjson
 import pytest
 
-from bench.fake_metrics import PREFIX_BLOCK
-from bench.fake_vllm import FakeConfig, RunningFake, serve_fake
-from bench.fake_wire import GEN_BASE
+from bench.fakes.fake_metrics import PREFIX_BLOCK
+from bench.fakes.fake_vllm import FakeConfig, RunningFake, serve_fake
+from bench.fakes.fake_wire import GEN_BASE
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
 

@@ -1,4 +1,4 @@
-"""bench/goodput_breakdown.py: a kept goodput run broken down by GPU tier."""
+"""bench/studies/goodput/breakdown.py: a kept goodput run broken down by GPU tier."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench import goodput_breakdown
-from bench.goodput_breakdown import breakdown, peak_inflight, run_files
-from bench.plots import inflight_series
-from bench.results import Migration, RequestResult, writing
-from bench.solo import SoloLatencies
+from bench.harness.plots import inflight_series
+from bench.harness.results import Migration, RequestResult, writing
+from bench.harness.solo import SoloLatencies
+from bench.studies.goodput import breakdown as goodput_breakdown
+from bench.studies.goodput.breakdown import breakdown, peak_inflight, run_files
 
 TIERS = {"h-0": "h100", "h-1": "h100", "t-0": "t4"}
 SOLO = SoloLatencies({"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0})
@@ -118,10 +118,10 @@ def test_a_baseline_run_and_a_variants_run_at_the_scale(tmp_path: Path,
 def test_decisions_from_a_kept_proxy_log_by_reason_kind_and_tier() -> None:
     import dataclasses
 
-    from bench.goodput_breakdown import DecisionRow, decisions, reason_kind
+    from bench.studies.goodput.breakdown import DecisionRow, decisions, reason_kind
 
     rs = [dataclasses.replace(r, seq=i) for i, r in enumerate(RUN)]  # a, d miss; b, c meet
-    prefix = "2026-11-27 04:00:00,000 INFO proxy.routing: request"
+    prefix = "2026-11-27 04:00:00,000 INFO proxy.routing.router: request"
     log = "\n".join([
         f"{prefix} bench-0-a model=m -> t-0 (just enough: T=1.000s <= D=2.000s with the "
         "slowest feasible d=40.0ms (2 feasible); 3 candidates)",
@@ -150,18 +150,17 @@ def test_decisions_from_a_kept_proxy_log_by_reason_kind_and_tier() -> None:
 
 def test_the_breakdown_reads_the_lines_the_router_logs(caplog: pytest.LogCaptureFixture
                                                        ) -> None:
-    """ARRIVAL and MOVE parse `proxy.routing.Router`'s own log lines (their format lives
+    """ARRIVAL and MOVE parse `proxy.routing.router.Router`'s own log lines (their format lives
     there): a goodput pick and a τ-check move, logged and read back."""
     import dataclasses
     import logging
 
-    from bench.goodput_breakdown import decisions
-    from policies.goodput import Goodput, GoodputParams
-    from predictors.base import Prediction
-    from proxy.metrics import Metrics
-    from proxy.registry import Registry
-    from proxy.routing import Router
-    from proxy.types import BackendStats, Progress
+    from bench.studies.goodput.breakdown import decisions
+    from policies.goodput.policy import Goodput, GoodputParams
+    from proxy.fleet.registry import Registry
+    from proxy.observability.metrics import Metrics
+    from proxy.routing.router import Router
+    from proxy.types import BackendStats, Prediction, Progress
     from tests.policies.helpers import backends, ctx, view
 
     fleet = backends(3)

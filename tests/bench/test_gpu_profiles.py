@@ -14,7 +14,7 @@ from bench.emulator.gpu import (
     expert_profiles,
 )
 from bench.emulator.profile import load_profile
-from bench.qos_setup import FLEETS, PAPER_FLEET
+from bench.studies.qos.setup import FLEETS, PAPER_FLEET
 
 
 def decode_ms(name: str, seqs: int = 1, context: int = 512) -> float:
@@ -25,7 +25,7 @@ def decode_ms(name: str, seqs: int = 1, context: int = 512) -> float:
 @pytest.mark.parametrize("profile", [derive(g) for g in GPUS] + expert_profiles(),
                          ids=lambda p: p.name)
 def test_checked_in_profiles_are_the_derived_ones(profile):
-    # `laneway emulate gpu-profiles` wrote them; an edit to gpu.py must rewrite them
+    # `python -m bench emulate gpu-profiles` wrote them; an edit to gpu.py must rewrite them
     assert load_profile(profile.name) == profile
 
 

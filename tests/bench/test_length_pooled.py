@@ -1,10 +1,10 @@
 import json
 from pathlib import Path
 
-from bench import length_pooled
-from bench.length_pooled import KeyedFeaturizer, keyed
-from predictors.features import Featurizer
-from predictors.length_data import load_samples
+from bench.studies.goodput import length_pooled
+from bench.studies.goodput.length_pooled import KeyedFeaturizer, keyed
+from predictors.length.data import load_samples
+from predictors.length.features import Featurizer
 from tests.predictors.helpers import MODELS, counter, write_data
 
 

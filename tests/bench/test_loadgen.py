@@ -12,14 +12,14 @@ import orjson
 import pytest
 import uvicorn
 
-from bench.fake_vllm import FakeConfig, serve_fake
-from bench.loadgen import Limits, Progress, run, run_solo
-from bench.results import RequestResult
-from bench.sse_client import Target
-from bench.workloads import WorkloadRequest
+from bench.fakes.fake_vllm import FakeConfig, serve_fake
+from bench.harness.loadgen import Limits, Progress, run, run_solo
+from bench.harness.results import RequestResult
+from bench.harness.sse_client import Target
+from bench.harness.workloads import WorkloadRequest
 from proxy.asgi import Receive, Scope, Send, read_body
 from proxy.config import Settings
-from proxy.server import serve_in_loop, uvicorn_in_loop
+from proxy.http.server import serve_in_loop, uvicorn_in_loop
 
 
 def requests(arrivals: Sequence[float], max_tokens: int = 5, **kw: Any) -> list[WorkloadRequest]:
@@ -251,8 +251,8 @@ async def test_hidden_length_asks_for_more_and_stops_reading_at_the_requests_len
     answer length from max_tokens) and the client closes the stream at the request's 10,
     counting token ids; the usage event never comes, so the prompt length is the
     workload's plus the chat template's."""
-    from bench.lexicon import CHAT_TEMPLATE_TOKENS
-    from bench.sse_client import request_body
+    from bench.harness.sse_client import request_body
+    from bench.models.lexicon import CHAT_TEMPLATE_TOKENS
 
     reqs = requests([0.0], max_tokens=10)
     target = Target("http://unused", "fake", timeout_s=10, hide_length=200)

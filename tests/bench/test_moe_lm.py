@@ -1,4 +1,4 @@
-"""The trained tiny MoE's material and training loop (its build is `make bench-eldr`'s)."""
+"""The trained tiny MoE's material and training loop (its build is `make bench STUDY=eldr`'s)."""
 
 from __future__ import annotations
 
@@ -6,32 +6,29 @@ from collections import Counter
 
 import pytest
 
-from bench.eldr_prompts import domain_prompts
-from bench.moe_corpus import PROSE_FROM, training_texts
-from bench.tiny_models import DEFAULT_SHARED, VARIANTS
-
-pytestmark = pytest.mark.skipif(
-    not (DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl").exists(),
-    reason="needs ../shared/data")
+from bench.models.moe_corpus import PROSE_FROM, training_texts
+from bench.models.tiny_models import VARIANTS
+from bench.studies.eldr.prompts import domain_prompts
+from predictors.home import DATASETS
 
 
 def test_the_corpus_covers_the_study_domains_and_shares_no_prompt_with_it() -> None:
-    study = domain_prompts(DEFAULT_SHARED, 40)
-    corpus = training_texts(DEFAULT_SHARED, per_domain=100)
+    study = domain_prompts(DATASETS, 40)
+    corpus = training_texts(DATASETS, per_domain=100)
     assert {d for d, _ in corpus} == {d for d, _ in study}
     assert set(Counter(d for d, _ in corpus).values()) == {100}
     study_texts = {p for _, p in study}
     # no study prompt is in the corpus, nor inside a corpus text (prose carries answers)
     assert not any(p in text for _, text in corpus for p in study_texts)
-    assert training_texts(DEFAULT_SHARED, per_domain=100) == corpus  # seeded
+    assert training_texts(DATASETS, per_domain=100) == corpus  # seeded
     assert PROSE_FROM > 40
 
 
 def test_training_lowers_the_loss_and_balances_the_router() -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from bench.tiny_models import SPECIAL_TOKENS, build_tokenizer
-    from bench.tiny_train import TrainSpec, train_lm
+    from bench.models.tiny_models import SPECIAL_TOKENS, build_tokenizer
+    from bench.models.tiny_train import TrainSpec, train_lm
 
     texts = ["def f(x):\n    return x + 1", "один два три четыре пять", "2 + 2 = 4"] * 20
     tokenizer = build_tokenizer(iter(texts), 300 + len(SPECIAL_TOKENS))

@@ -1,4 +1,4 @@
-"""bench/outliers.py end to end on two fake vLLM processes: every cell runs, no client
+"""bench/studies/outliers.py end to end on two fake vLLM processes: every cell runs, no client
 sees an error, and passive health keeps attempts off the broken server."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import outliers
+from bench.studies import outliers
 
 
 def test_the_bench_runs_each_failure_with_passive_health_off_and_on(tmp_path: Path) -> None:

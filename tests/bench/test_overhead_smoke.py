@@ -6,14 +6,12 @@ Asserts the harness computes sane figures, not the proxy's timing targets.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
-from bench.fake_vllm import FakeConfig, serve_fake
-from bench.overhead import Legs, Plan, measure, table, verdict
-
-REPO = Path(__file__).resolve().parents[2]
+from bench.fakes.fake_vllm import FakeConfig, serve_fake
+from bench.studies.overhead import Legs, Plan, measure, table, verdict
+from predictors.home import REPO
 
 
 async def test_harness_measures_direct_against_direct() -> None:
@@ -43,9 +41,9 @@ async def test_harness_measures_direct_against_direct() -> None:
 
 
 def test_cpu_ab_runs_two_checkouts_in_turn(capsys: pytest.CaptureFixture[str]) -> None:
-    """`bench.cpu_ab` with this repository as both sides, tiny: every stream relayed
+    """`bench.harness.cpu_ab` with this repository as both sides, tiny: every stream relayed
     by both proxies, a figure per round, and the difference."""
-    from bench.cpu_ab import main
+    from bench.harness.cpu_ab import main
 
     assert main([str(REPO), str(REPO), "--rounds", "2", "--streams", "4",
                  "--tokens", "5"]) == 0
@@ -55,7 +53,7 @@ def test_cpu_ab_runs_two_checkouts_in_turn(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_cpu_ab_reports_a_round_with_no_cpu_tick_instead_of_dividing_by_it() -> None:
-    from bench.cpu_ab import difference
+    from bench.harness.cpu_ab import difference
 
     assert difference([0.0, 0.0], [10.0, 0.0]) == \
         "B - A: mean +5.0 µs/token (A measured 0); lower in 0 of 2 rounds"

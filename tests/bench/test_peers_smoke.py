@@ -1,5 +1,5 @@
-"""The peer benchmark's harness (bench/peers.py) with laneway alone: the peers live in
-their own venv (`make bench-peers`), which the test suite does not install."""
+"""The peer benchmark's harness (bench/studies/peers.py) with laneway alone: the peers live in
+their own venv (`make bench STUDY=peers`), which the test suite does not install."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers
+from bench.studies import peers
 
 
 def test_the_peer_bench_runs_laneway_and_writes_its_table(tmp_path: Path,

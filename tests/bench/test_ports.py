@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from bench.ports import SINGLE_PORTS, bindable, free_port, free_port_range
+from bench.harness.ports import SINGLE_PORTS, bindable, free_port, free_port_range
 
 
 def test_free_port_is_below_the_ephemeral_range_and_never_repeats() -> None:

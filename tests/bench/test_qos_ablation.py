@@ -1,4 +1,4 @@
-"""`bench.qos_ablation`: the paper's Fig. 17 steps from qos_trace runs of three agents."""
+"""`bench.studies.qos.ablation`: the paper's Fig. 17 steps from qos_trace runs of three agents."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.qos_ablation import learning, main, summarize
+from bench.studies.qos.ablation import learning, main, summarize
 
 
 def run(agent: float, baseline_rl: float, baseline: str = "b1.pt",

@@ -1,4 +1,4 @@
-"""The clairvoyant lookahead routers of bench.qos_headroom and QosSim.what_if."""
+"""The clairvoyant lookahead routers of bench.studies.qos.headroom and QosSim.what_if."""
 
 from __future__ import annotations
 
@@ -8,10 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.qos_eval import evaluate, round_robin
-from bench.qos_headroom import lookahead, mean_result, predicted_qos, previous_table, true_qos
-from bench.qos_setup import partly_oracle
-from bench.qos_sim import QosSim
+from bench.studies.qos.evaluate import evaluate, round_robin
+from bench.studies.qos.headroom import (
+    lookahead,
+    mean_result,
+    predicted_qos,
+    previous_table,
+    true_qos,
+)
+from bench.studies.qos.setup import partly_oracle
+from bench.studies.qos.sim import QosSim
 from tests.bench.qos_helpers import pool, specs
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench import qos_live_report
 from bench.emulator.profile import load_profile
-from bench.qos_live import (
+from bench.studies.qos import live_report as qos_live_report
+from bench.studies.qos.live import (
     agent_option,
     cores_used,
     emulated_fleet,
@@ -24,7 +24,7 @@ from bench.qos_live import (
     proxy_config,
     real_variants,
 )
-from bench.qos_live_client import (
+from bench.studies.qos.live_client import (
     LiveRecord,
     account,
     failed,
@@ -32,7 +32,7 @@ from bench.qos_live_client import (
     schedule,
     token_count,
 )
-from bench.qos_live_report import (
+from bench.studies.qos.live_report import (
     GAIN_NOTE,
     beats_all,
     carried_over,
@@ -41,8 +41,8 @@ from bench.qos_live_report import (
     report,
     summarize,
 )
-from bench.qos_setup import fit_coefficients
-from bench.qos_sim import ExpertSpec, PoolPrompt, QosSim, TraceArrivals
+from bench.studies.qos.setup import fit_coefficients
+from bench.studies.qos.sim import ExpertSpec, PoolPrompt, QosSim, TraceArrivals
 
 EXPERTS = ["fast", "slow"]
 
@@ -51,7 +51,7 @@ def dropping_agent(tmp_path: Path) -> str:
     """A qos_drl checkpoint whose actor always drops."""
     import torch
 
-    from policies.qos_sac import SacAgent, SacConfig, save_checkpoint
+    from policies.qos_drl.sac import SacAgent, SacConfig, save_checkpoint
 
     agent = SacAgent(SacConfig(n_experts=len(EXPERTS)))
     with torch.no_grad():

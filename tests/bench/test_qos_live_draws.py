@@ -1,4 +1,4 @@
-"""bench.qos_live_draws: which live results it reuses, the gains and the merge."""
+"""bench.studies.qos.live_draws: which live results it reuses, the gains and the merge."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from bench import qos_live_draws
-from bench.qos_live_draws import default_checkpoints, live_qos, markdown, merge, summarize
-from bench.qos_live_report import repo_path
-from bench.qos_train import default_checkpoint
+from bench.studies.qos import live_draws as qos_live_draws
+from bench.studies.qos.live_draws import default_checkpoints, live_qos, markdown, merge, summarize
+from bench.studies.qos.live_report import repo_path
+from bench.studies.qos.train import default_checkpoint
 
 
 def agents_by_path(checkpoint: Path, baseline: Path) -> dict[str, str]:

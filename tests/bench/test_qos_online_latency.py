@@ -1,11 +1,11 @@
-"""bench.qos_online_latency: every mode decides, only the online ones train."""
+"""bench.studies.qos.online_latency: every mode decides, only the online ones train."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.qos_online_latency import main
+from bench.studies.qos.online_latency import main
 from tests.policies.test_qos_drl import checkpoint
 
 

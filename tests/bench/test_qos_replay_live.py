@@ -1,4 +1,4 @@
-"""bench.qos_replay_live: a live run's decisions replayed in the simulator, compared
+"""bench.studies.qos.replay_live: a live run's decisions replayed in the simulator, compared
 request by request."""
 
 from __future__ import annotations
@@ -9,8 +9,15 @@ from typing import Any
 
 import pytest
 
-from bench.qos_live_client import schedule
-from bench.qos_replay_live import action, capped_pool, compare, read_records, replay, run_name
+from bench.studies.qos.live_client import schedule
+from bench.studies.qos.replay_live import (
+    action,
+    capped_pool,
+    compare,
+    read_records,
+    replay,
+    run_name,
+)
 from tests.bench.qos_helpers import pool, specs
 
 RATE, SEED = 5.0, 3

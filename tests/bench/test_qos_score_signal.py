@@ -1,4 +1,4 @@
-"""bench.qos_score_signal: the per-prompt headroom and the prompt's signal about it, and
+"""bench.studies.qos.score_signal: the per-prompt headroom and the prompt's signal about it, and
 the BERTScore-style F1 on the real MiniLM encoder."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.qos_score_signal import bertscore_f1, knn_predict, sentence_embeddings, signal
+from bench.studies.qos.score_signal import bertscore_f1, knn_predict, sentence_embeddings, signal
 
 
 def test_signal_finds_a_score_the_prompt_gives_away_and_the_per_prompt_headroom() -> None:

@@ -2,7 +2,7 @@ from typing import Any
 
 import pytest
 
-from bench.qos_seeds import summarize_runs
+from bench.studies.qos.seeds import summarize_runs
 
 
 def run(qos_drl: float, baseline_rl: float, bert: float = 0.2, seeds: list[int] | None = None

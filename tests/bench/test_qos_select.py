@@ -1,4 +1,4 @@
-"""bench.qos_select: every kept checkpoint of a run is evaluated on the same draws and
+"""bench.studies.qos.select: every kept checkpoint of a run is evaluated on the same draws and
 the one with the highest mean QoS becomes selected.pt."""
 
 from __future__ import annotations
@@ -7,14 +7,11 @@ import argparse
 import json
 from pathlib import Path
 
-import pytest
-
-from bench.qos_select import main
-from bench.qos_train import train
+from bench.studies.qos.select import main
+from bench.studies.qos.train import train
 from tests.bench.test_qos_train import DATA
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
 def test_the_run_s_checkpoints_are_ranked_on_a_larger_evaluation(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert train(argparse.Namespace(

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from bench.emulator.profile import load_profile
-from bench.qos_eval import bert_router, evaluate, round_robin, shortest_queue
-from bench.qos_setup import fit_coefficients
-from bench.qos_sim import QosSim, TraceArrivals, spread_groups
-from policies.qos_impact import impact
+from bench.studies.qos.evaluate import bert_router, evaluate, round_robin, shortest_queue
+from bench.studies.qos.setup import fit_coefficients
+from bench.studies.qos.sim import QosSim, TraceArrivals, spread_groups
+from policies.qos_drl.impact import impact
 from tests.bench.qos_helpers import pool, specs
 
 
@@ -112,10 +112,10 @@ def test_experts_sharing_cores_slow_each_other_only_beyond_the_cores() -> None:
     assert shared[1] == pytest.approx(2 * together[1], rel=0.1)
     # the slow expert (60 tokens) loses the time the fast one (30 tokens) worked alone
     assert shared[0] * 60 == pytest.approx(together[0] * 60 + together[1] * 30, rel=0.1)
-    # the part of the machine left to the engines (bench.qos_setup.TINY_CORES)
+    # the part of the machine left to the engines (bench.studies.qos.setup.TINY_CORES)
     assert lpt(1.35, (1,))[0] == pytest.approx(alone)
     assert lpt(1.6, (1, 2))[1] == pytest.approx(2 / 1.6 * together[1], rel=0.1)
-    # an engine busy alone on a core not quite its own (bench.qos_setup.TINY_SOLO_SLOWDOWN)
+    # an engine busy alone on a core not quite its own (bench.studies.qos.setup.TINY_SOLO_SLOWDOWN)
     assert lpt(1.35, (1,), solo=1.5)[0] == pytest.approx(1.5 * alone, rel=0.05)
     # while both have work k / cores (2) rules; the slow one's tail alone runs at solo
     contended = lpt(1, (1, 2), solo=1.5)
@@ -139,9 +139,9 @@ def test_predictions_are_cached_whole_next_to_the_artifact(
     import json
     from types import SimpleNamespace
 
-    import predictors.buckets
-    from bench.qos_setup import predictions_model
-    from predictors.buckets_data import PromptRow
+    import predictors.buckets.predictor
+    from bench.studies.qos.setup import predictions_model
+    from predictors.buckets.data import PromptRow
 
     calls: list[int] = []
 
@@ -150,7 +150,7 @@ def test_predictions_are_cached_whole_next_to_the_artifact(
             calls.append(len(prompts))
             return [SimpleNamespace(score=[0.5, 0.1], length=[len(p), 9.0]) for p in prompts]
 
-    monkeypatch.setattr(predictors.buckets, "load_artifact",
+    monkeypatch.setattr(predictors.buckets.predictor, "load_artifact",
                         lambda artifact, estimate: Predictor())
     (tmp_path / "meta.json").write_text(json.dumps({"version": "v1"}))
     rows = [PromptRow(i, "x" * i, (0.0, 0.0), (1, 1)) for i in range(40)]

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.qos_sim import TraceArrivals, trace_times
-from bench.qos_trace import burstiness, summarize
+from bench.studies.qos.sim import TraceArrivals, trace_times
+from bench.studies.qos.trace import burstiness, summarize
 
 
 def test_summary_gains_are_of_the_draw_means_and_ignore_the_sampled_actor() -> None:

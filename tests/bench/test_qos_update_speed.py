@@ -1,17 +1,14 @@
-"""bench.qos_update_speed: both HANs are timed on the same simulated states."""
+"""bench.studies.qos.update_speed: both HANs are timed on the same simulated states."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
-
-from bench.qos_update_speed import main
+from bench.studies.qos.update_speed import main
 from tests.bench.test_qos_train import DATA
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
 def test_packed_and_dense_updates_are_timed_on_simulated_states(tmp_path: Path) -> None:
     out = tmp_path / "speed.json"
     assert main(["--data", str(DATA), "--buckets", str(tmp_path / "none"), "--checkpoint",

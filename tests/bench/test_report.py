@@ -9,12 +9,12 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.plots import inflight_series
-from bench.report import QosConfig, git_commit, pct, summarize
-from bench.results import Migration, RequestResult, RunFile, read, writing
-from bench.solo import SoloLatencies
-from bench.tables import latency_table, slo_table
-from proxy.cli import main
+from bench.__main__ import main
+from bench.harness.plots import inflight_series
+from bench.harness.report import QosConfig, git_commit, pct, summarize
+from bench.harness.results import Migration, RequestResult, RunFile, read, writing
+from bench.harness.solo import SoloLatencies
+from bench.harness.tables import latency_table, slo_table
 
 QUALITY = {"e1": 0.8, "e2": 0.4}
 
@@ -148,7 +148,7 @@ def test_report_command_writes_tables_and_pngs(tmp_path: Path,
     write_run(tmp_path / "solo.jsonl", {"label": "solo", "mode": "solo"},
               tuple(solo_result(k, v) for k, v in SOLO.measured.items()))
     out = tmp_path / "report"
-    code = main(["bench", "report", str(tmp_path / "least.jsonl"), str(tmp_path / "rr.jsonl"),
+    code = main(["report", str(tmp_path / "least.jsonl"), str(tmp_path / "rr.jsonl"),
                  "--solo", str(tmp_path / "solo.jsonl"), "--scales", "1,2", "--out-dir",
                  str(out), "--expert-map", "b1=e1", "--expert-map", "b2=e2",
                  "--qos-latency-ms", "150"])
@@ -159,7 +159,7 @@ def test_report_command_writes_tables_and_pngs(tmp_path: Path,
     assert (out / "report.md").read_text().strip() in printed
     summary = orjson.loads((out / "summary.json").read_bytes())
     assert summary[0]["qos"] == pytest.approx(0.4) and summary[1]["requests"] == 3
-    median = main(["bench", "report", str(tmp_path / "least.jsonl"), "--solo",
+    median = main(["report", str(tmp_path / "least.jsonl"), "--solo",
                    str(tmp_path / "solo.jsonl"), "--scales", "1,2", "--slo-base", "median",
                    "--out-dir", str(tmp_path / "median")])
     # one deadline of 0.5 x scale: of e2e 1, 2, 0.5 (and a failure) 1 met at 1, 2 at 2

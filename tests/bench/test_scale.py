@@ -1,11 +1,11 @@
-"""bench/scale.py: staleness arithmetic, added-latency pairing, result JSON shape."""
+"""bench/studies/scale.py: staleness arithmetic, added-latency pairing, result JSON shape."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.policy_latency import Row
-from bench.scale import LoadRow, overhead, percentiles_ms, results_json, snapshot_staleness
+from bench.studies.policy_latency import Row
+from bench.studies.scale import LoadRow, overhead, percentiles_ms, results_json, snapshot_staleness
 
 
 def test_staleness_is_the_oldest_healthy_snapshot() -> None:
@@ -52,7 +52,7 @@ def test_results_json_keys() -> None:
 
 
 def test_latency_runs_cover_every_policy_that_needs_no_artifact() -> None:
-    from bench.policy_latency import without_params
+    from bench.studies.policy_latency import without_params
     from policies import POLICIES
 
     names = without_params()
@@ -64,7 +64,7 @@ def test_decisions_only_replaces_the_decision_figures_alone(tmp_path: object) ->
     import json
     from pathlib import Path
 
-    from bench.scale import main
+    from bench.studies.scale import main
 
     out = Path(str(tmp_path)) / "scale.json"
     out.write_text(json.dumps({"decision_p99_ms": {"goodput": 9.0}, "load": ["kept"],
@@ -84,9 +84,9 @@ def test_goodput_decisions_are_timed_with_slos() -> None:
     (its reasons say so), not its no-SLO fallback."""
     import random
 
-    from bench.policy_latency import _contexts, _views
+    from bench.studies.policy_latency import _contexts, _views
     from policies import build_policy
-    from predictors.base import NO_PREDICTION
+    from proxy.types import NO_PREDICTION
 
     rng = random.Random(0)
     contexts, views = _contexts(rng), _views(64, rng)

@@ -8,11 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.tiny_models import DEFAULT_SHARED, SPECIAL_TOKENS, VARIANTS, ensure_model
-
-pytestmark = pytest.mark.skipif(
-    not (DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl").exists(),
-    reason="needs ../shared/data")
+from bench.models.tiny_models import SPECIAL_TOKENS, VARIANTS, ensure_model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""bench/tracing_ab.py end to end on small numbers: both proxies serve, every span of
+"""bench/studies/tracing_ab.py end to end on small numbers: both proxies serve, every span of
 the traced one reaches the receiver process, and the in-process cost is measured."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import tracing_ab
+from bench.studies import tracing_ab
 
 
 def test_the_ab_runs_and_every_traced_requests_spans_arrive(tmp_path: Path) -> None:

@@ -11,24 +11,25 @@ from typing import Any
 
 import pytest
 
-from bench import workloads
-from bench.lexicon import alpaca_rows, bpe_lexicon, load_lexicon, truncate
-from bench.tiny_models import DEFAULT_SHARED, build_tokenizer, instructions
-from bench.workloads import LengthFit, WorkloadSpec
+from bench.harness import workloads
+from bench.harness.workloads import LengthFit, WorkloadSpec
+from bench.models.lexicon import alpaca_rows, bpe_lexicon, load_lexicon, truncate
+from bench.models.tiny_models import build_tokenizer, instructions
+from predictors.home import DATASETS
 
-TRACE = DEFAULT_SHARED / "traces" / "mooncake_conversation.jsonl"
+TRACE = DATASETS / "traces" / "mooncake_conversation.jsonl"
 
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The tiny models' tokenizer, built from the data as `bench.tiny_models` does."""
+    """The tiny models' tokenizer, built from the data as `bench.models.tiny_models` does."""
     target = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(instructions(DEFAULT_SHARED), 4096).save_pretrained(target)
+    build_tokenizer(instructions(DATASETS), 4096).save_pretrained(target)
     yield str(target / "tokenizer.json")
 
 
 def spec(kind: str, tokenizer: str, **kw: object) -> WorkloadSpec:
-    return WorkloadSpec(kind, DEFAULT_SHARED, tokenizer=tokenizer, **kw)  # type: ignore[arg-type]
+    return WorkloadSpec(kind, DATASETS, tokenizer=tokenizer, **kw)  # type: ignore[arg-type]
 
 
 def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
@@ -65,7 +66,7 @@ def test_alpaca_requests_ask_for_the_experts_real_answer_length(tokenizer_json: 
     built = workloads.build(spec("gamma", tokenizer_json, n=40, rate=2.0, cv=3.0,
                                  expert="gemma-7b-it"))
     lexicon = bpe_lexicon(Path(tokenizer_json))
-    rows = {f"alpaca-{r['id']}": r for r in alpaca_rows(DEFAULT_SHARED)}
+    rows = {f"alpaca-{r['id']}": r for r in alpaca_rows(DATASETS)}
     fit = LengthFit()
     for request in built.requests:
         row = rows[request.id]
@@ -94,7 +95,7 @@ def test_truncated_prompts_fit_the_context(tokenizer_json: str) -> None:
                                  fit=LengthFit(context=256)))
     lexicon = bpe_lexicon(Path(tokenizer_json))
     instructions_by_id = {f"alpaca-{r['id']}": r["instruction"]
-                          for r in alpaca_rows(DEFAULT_SHARED)}
+                          for r in alpaca_rows(DATASETS)}
     truncated = [r for r in built.requests if r.prompt != instructions_by_id[r.id]]
     assert len(truncated) >= 5  # long instructions were cut ...
     for request in truncated:  # ... to a word prefix of the instruction
@@ -161,7 +162,7 @@ def test_words_fallback_is_marked_approximate(tmp_path: Path,
     assert built.meta["lexicon"] == "words" and built.meta["exact_lengths"] is False
     assert all(r.prompt_tokens == len(r.prompt.split()) for r in built.requests)
     monkeypatch.setenv("LANEWAY_HOME", str(tmp_path))  # no tiny model built there
-    texts = [r["instruction"] for r in alpaca_rows(DEFAULT_SHARED)]
+    texts = [r["instruction"] for r in alpaca_rows(DATASETS)]
     assert load_lexicon("auto", texts).name == "words"
 
 

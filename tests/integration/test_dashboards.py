@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.backends import Running
-from bench.dashboards import empty_panels, panel_queries, peaks, render
-from bench.services import MissingService, binary, running_fakes
-from bench.stack_local import running_stack
+from bench.harness.services import MissingService, binary, running_fakes
+from bench.models.backends import Running
+from bench.studies.dashboards import empty_panels, panel_queries, peaks, render
+from bench.studies.stack_local import running_stack
 from tests.predictors.helpers import tiny_length_artifact
 
 pytestmark = pytest.mark.vllm

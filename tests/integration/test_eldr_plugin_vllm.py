@@ -18,12 +18,13 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.backends import Running, Spec, start, stop
-from bench.moe_trace import MoeTracer
-from bench.ports import free_port
-from bench.proxy_process import running_proxy
-from bench.tiny_models import DEFAULT_SHARED, ensure_model, instructions
-from predictors.eldr_fit import fit, save
+from bench.harness.ports import free_port
+from bench.harness.proxy_process import running_proxy
+from bench.models.backends import Running, Spec, start, stop
+from bench.models.moe_trace import MoeTracer
+from bench.models.tiny_models import ensure_model, instructions
+from predictors.eldr.fit import fit, save
+from predictors.home import DATASETS
 
 pytestmark = pytest.mark.vllm
 
@@ -68,8 +69,8 @@ def decode_metrics(server: Running) -> dict[str, float]:
 
 def test_signatures_match_a_direct_count_also_under_prefix_caching(
         moe_backend: Running) -> None:
-    tracer = MoeTracer(ensure_model("moe", DEFAULT_SHARED))
-    text = " ".join(islice(instructions(DEFAULT_SHARED), 40))
+    tracer = MoeTracer(ensure_model("moe", DATASETS))
+    text = " ".join(islice(instructions(DATASETS), 40))
     base = tracer.encode(text)
     first = base[:300]  # two full 128-token KV blocks and a partial one
     second = base[:256] + base[400:450]  # the same two blocks, then other tokens
@@ -107,8 +108,8 @@ def test_signatures_match_a_direct_count_also_under_prefix_caching(
 
 def test_concurrent_requests_each_get_their_own_rows(moe_backend: Running) -> None:
     """Batched steps: every request's counts still match its own direct count."""
-    tracer = MoeTracer(ensure_model("moe", DEFAULT_SHARED))
-    texts = list(islice(instructions(DEFAULT_SHARED), 100, 104))
+    tracer = MoeTracer(ensure_model("moe", DATASETS))
+    texts = list(islice(instructions(DATASETS), 100, 104))
     prompts = [tracer.encode(text * 3)[:200] for text in texts]
 
     async def send_all() -> None:

@@ -10,7 +10,7 @@ which events carry `system_fingerprint`. Whole answers must be equal but for `id
 
 Every case is also sent with a forced move after its first token, to the other backend of
 the same model: greedy, so the answer must still be the server's (a continuation
-carries the request's bound and penalties, proxy/migration.py).
+carries the request's bound and penalties, proxy/migration/eligibility.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import httpx
 import orjson
 import pytest
 
-from bench.backends import Running
-from bench.proxy_process import running_proxy
+from bench.harness.proxy_process import running_proxy
+from bench.models.backends import Running
 
 pytestmark = pytest.mark.vllm
 

@@ -26,9 +26,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from bench.backends import Running
-from bench.proxy_process import running_proxy
-from bench.saboteur import Disruption, Plan, Saboteur
+from bench.fakes.saboteur import Disruption, Plan, Saboteur
+from bench.harness.proxy_process import running_proxy
+from bench.models.backends import Running
 from tests.integration.test_migration_vllm import (
     MODEL,
     Answer,

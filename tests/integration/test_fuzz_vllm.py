@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.proxy_process import running_proxy
+from bench.harness.proxy_process import running_proxy
 from tests.proxy.fuzzing import body_of, check_shape, dumps, fuzz
 
 pytestmark = pytest.mark.vllm

@@ -13,8 +13,8 @@ import httpx
 import pytest
 import yaml
 
-from bench.proxy_process import ProxyProcess, running_proxy
-from bench.services import running_fakes
+from bench.harness.proxy_process import ProxyProcess, running_proxy
+from bench.harness.services import running_fakes
 
 
 def stream(proxy: ProxyProcess, tokens: int) -> list[str]:

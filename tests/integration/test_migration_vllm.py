@@ -17,9 +17,9 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.backends import Running, Spec, start, stop
-from bench.ports import free_port
-from bench.proxy_process import running_proxy
+from bench.harness.ports import free_port
+from bench.harness.proxy_process import running_proxy
+from bench.models.backends import Running, Spec, start, stop
 
 pytestmark = pytest.mark.vllm
 

@@ -16,8 +16,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.proxy_process import running_proxy
-from proxy.vllm_metrics import parse_samples
+from bench.harness.proxy_process import running_proxy
+from proxy.fleet.vllm_metrics import parse_samples
 
 pytestmark = pytest.mark.vllm
 
@@ -367,8 +367,8 @@ def test_embeddings_and_tokenize_route_by_model(vllm_fleet: Any) -> None:
     """A pooling server (the small tiny model run with `--runner pooling --convert
     embed`) beside the generation fleet: the SDK's embeddings go to it, `/tokenize`
     to a generation backend, each by its `model`."""
-    from bench.backends import Spec, start, stop
-    from bench.ports import free_port
+    from bench.harness.ports import free_port
+    from bench.models.backends import Spec, start, stop
 
     embed = start([Spec("embed", "small", "tiny-embed", free_port(),
                         extra_args=("--runner", "pooling", "--convert", "embed"))],
@@ -520,9 +520,9 @@ def test_lora_adapters_are_routed_to_the_server_that_has_them(vllm_fleet: Any) -
     unloaded through `/admin/lora_adapters` is routable (a 404) at once. The server wants an
     API key (`--api-key`): the proxy sends it (`backends[].api_key`), the client has
     none."""
-    from bench.backends import Spec, start, stop
-    from bench.ports import free_port
-    from bench.tiny_models import ensure_lora
+    from bench.harness.ports import free_port
+    from bench.models.backends import Spec, start, stop
+    from bench.models.tiny_models import ensure_lora
 
     sql, chat = ensure_lora("small", "sql"), ensure_lora("small", "chat")
     lora = start([Spec("lora", "small", SMALL, free_port(),
@@ -657,7 +657,7 @@ def test_client_keys_limits_and_rate_limit_headers(vllm_fleet: Any) -> None:
     """`auth` in front of real vLLM, through the OpenAI SDK: a key's answers carry its
     limits and what is left (x-ratelimit-*), the request over the limit is a 429 with
     Retry-After, a wrong key a 401, a model outside the key's list a 403."""
-    from proxy.auth import hash_key
+    from proxy.admission.auth import hash_key
 
     config = fleet_config(vllm_fleet, auth={"enabled": True, "keys": [
         {"name": "team", "sha256": hash_key("sk-team"), "models": [SMALL],
@@ -759,8 +759,8 @@ def test_flow_control_holds_requests_and_serves_priority_first(vllm_fleet: Any) 
 def test_requests_wait_out_a_backend_restart() -> None:
     """`upstream.retry_window_s`: the only vLLM of a model crashes and comes back on its
     port; requests sent while it is down (connection refused) are served once it is up."""
-    from bench.ports import free_port
-    from bench.vllm_server import Spec, start, stop
+    from bench.harness.ports import free_port
+    from bench.models.vllm_server import Spec, start, stop
 
     spec = Spec("restarting", "small", SMALL, free_port())
     servers = start([spec], timeout_s=240)
@@ -809,8 +809,8 @@ def test_an_https_vllm_backend_is_verified_against_the_configured_ca(
     it and relays to it, streamed and not; a proxy without the CA does not trust it."""
     import trustme
 
-    from bench.backends import Spec, start, stop
-    from bench.ports import free_port
+    from bench.harness.ports import free_port
+    from bench.models.backends import Spec, start, stop
 
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")

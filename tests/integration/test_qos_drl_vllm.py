@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 
-from bench.backends import Running
-from bench.proxy_process import running_proxy
-from policies.qos_sac import load_checkpoint
+from bench.harness.proxy_process import running_proxy
+from bench.models.backends import Running
+from policies.qos_drl.sac import load_checkpoint
 from tests.policies.test_qos_drl import EXPERTS, checkpoint
 
 pytestmark = pytest.mark.vllm

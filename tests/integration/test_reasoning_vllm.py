@@ -13,9 +13,9 @@ import httpx
 import orjson
 import pytest
 
-from bench.backends import Running, Spec, fleet
-from bench.ports import free_port
-from bench.proxy_process import running_proxy
+from bench.harness.ports import free_port
+from bench.harness.proxy_process import running_proxy
+from bench.models.backends import Running, Spec, fleet
 
 pytestmark = pytest.mark.vllm
 

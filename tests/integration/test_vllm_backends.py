@@ -13,11 +13,11 @@ import httpx
 import orjson
 import pytest
 
-from bench import backends
-from bench.backends import Running
-from bench.vllm_server import group_alive
-from proxy.scrape import Scraper
-from proxy.vllm_metrics import WANTED, parse_samples
+from bench.models import backends
+from bench.models.backends import Running
+from bench.models.vllm_server import group_alive
+from proxy.fleet.scrape import Scraper
+from proxy.fleet.vllm_metrics import WANTED, parse_samples
 
 pytestmark = pytest.mark.vllm
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.requests import prefix_blocks
+from proxy.request_context import prefix_blocks
 from proxy.types import Backend, BackendStats, ClusterView, Outcome, RequestContext
 
 

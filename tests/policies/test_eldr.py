@@ -9,9 +9,9 @@ import pytest
 
 from policies import build_policy
 from policies.eldr import Eldr, EldrParams
-from predictors.base import NO_PREDICTION, Prediction
-from predictors.eldr_fit import EldrModel, save
-from predictors.experts import SignatureSpec, normalize
+from predictors.eldr.experts import SignatureSpec, normalize
+from predictors.eldr.fit import EldrModel, save
+from proxy.types import NO_PREDICTION, Prediction
 from tests.policies.helpers import backends, ctx, view
 
 B = backends(3)

@@ -7,9 +7,17 @@ import dataclasses
 
 import pytest
 
-from policies.goodput import Goodput, GoodputParams
-from predictors.base import NO_PREDICTION, LengthPrior, Prediction
-from proxy.types import Backend, BackendStats, Outcome, Progress, RequestContext
+from policies.goodput.policy import Goodput, GoodputParams
+from proxy.types import (
+    NO_PREDICTION,
+    Backend,
+    BackendStats,
+    LengthPrior,
+    Outcome,
+    Prediction,
+    Progress,
+    RequestContext,
+)
 from tests.policies.helpers import backends, ctx, outcome, view
 
 FLEET = backends(3)  # b0 fast, b1 medium, b2 slow
@@ -246,7 +254,7 @@ def test_infeasible_least_loaded_keeps_hopeless_requests_off_the_fastest() -> No
 
 
 def test_capability_is_the_lowest_d_seen_from_real_samples() -> None:
-    from policies.speed import Speed, SpeedModel
+    from policies.goodput.speed import Speed, SpeedModel
 
     model = SpeedModel(0.5, Speed(0.0, 0.0, 0.03))
     assert model.capability("x") is None
@@ -262,7 +270,7 @@ def test_speed_columns_mirror_every_change_to_the_estimates() -> None:
     """Eq. 2 runs on the model's arrays: they must equal the `Speed` records after
     snapshots (a new backend seeded from its first one, a newer one folded by EMA),
     outcomes, other replicas' estimates, subsets of the candidates and growth."""
-    from policies.speed import Speed, SpeedModel
+    from policies.goodput.speed import Speed, SpeedModel
 
     model = SpeedModel(0.5, Speed(0.0, 0.0, 0.03))
 
@@ -313,7 +321,7 @@ def test_headroom_keeps_a_margin_below_the_deadline(slo_s: float, chosen: str) -
 
 
 def test_load_fit_is_a_line_through_running_and_tpot() -> None:
-    from policies.speed import LoadFit, Speed, SpeedModel
+    from policies.goodput.speed import LoadFit, Speed, SpeedModel
 
     fit = LoadFit(weight=0.5)
     for n in (2, 2, 2):  # one load level: no slope to see
@@ -461,7 +469,7 @@ def test_harmful_moves_off_keeps_a_stream_that_would_harm_on_every_faster_backen
 
 
 def test_placements_follow_moves_and_forget_the_oldest_past_their_bound() -> None:
-    from policies.placements import Placed, Placements
+    from policies.goodput.placements import Placed, Placements
 
     placed = Placements(limit=2)
     for rid, backend in (("a", "b0"), ("b", "b0"), ("a", "b1")):  # "a" again: it moved

@@ -3,7 +3,7 @@
 from collections import Counter
 
 from policies import build_policy
-from predictors.base import NO_PREDICTION as P
+from proxy.types import NO_PREDICTION as P
 from proxy.types import BackendStats
 from tests.policies.helpers import backends, ctx, view
 

@@ -1,6 +1,6 @@
 from policies import build_policy
-from predictors.base import NO_PREDICTION as P
-from predictors.base import Prediction
+from proxy.types import NO_PREDICTION as P
+from proxy.types import Prediction
 from tests.policies.helpers import backends, ctx, outcome, view
 
 B = backends(4)

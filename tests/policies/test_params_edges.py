@@ -24,8 +24,7 @@ import pytest
 from pydantic import ValidationError
 
 from policies.base import POLICIES, Policy, Replicated, build_policy
-from predictors.base import NO_PREDICTION, Prediction
-from proxy.types import BackendStats, Outcome, Progress, RequestContext
+from proxy.types import NO_PREDICTION, BackendStats, Outcome, Prediction, Progress, RequestContext
 from tests.policies.helpers import backends, ctx, view
 
 EDGES: tuple[Any, ...] = (0, 1, -1, 2, 10**6, 0.5, 1e-9, 1e308, "inf", "-inf", "nan",

@@ -1,5 +1,5 @@
 from policies import build_policy
-from predictors.base import NO_PREDICTION as P
+from proxy.types import NO_PREDICTION as P
 from tests.policies.helpers import backends, ctx, view
 
 B = backends(4)

@@ -10,13 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from policies.base import PolicyLoadError, build_policy
-from policies.qos_drl import QosDrl
-from policies.qos_sac import SacAgent, SacConfig, load_checkpoint, save_checkpoint
-from predictors import buckets
-from predictors.base import NO_PREDICTION
-from proxy.types import Backend, BackendStats
+from policies.qos_drl.policy import QosDrl
+from policies.qos_drl.sac import SacAgent, SacConfig, load_checkpoint, save_checkpoint
+from predictors.buckets import predictor as buckets
+from proxy.types import NO_PREDICTION, Backend, BackendStats
 from tests.policies.helpers import ctx, view
 from tests.proxy.fakes import CHAT, fleet, post
 
@@ -165,7 +164,7 @@ class _CountingBuckets(_Buckets):
 
 def test_predictions_from_the_proxy_stage_are_used_as_given(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from predictors.base import Prediction
+    from proxy.types import Prediction
 
     experts = list(_Buckets.experts)
     path = str(checkpoint(tmp_path, 0, experts=experts))
@@ -205,7 +204,7 @@ def test_the_bucket_runtime_params_and_the_deprecated_int8_form(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pydantic import ValidationError
 
-    from policies.qos_drl import QosDrlParams
+    from policies.qos_drl.policy import QosDrlParams
 
     path = str(checkpoint(tmp_path, 0, experts=list(_Buckets.experts)))
     loaded: list[tuple[str, int | None, int]] = []
@@ -268,7 +267,7 @@ def test_online_learning_reports_and_saves_what_it_learned(
     start, saved = checkpoint(tmp_path, 1), tmp_path / "online" / "agent.pt"
     policy = online_policy(start, saved)
     backends, stats = fleet_view("big", "small")
-    with caplog.at_level("INFO", logger="policies.qos_drl"):
+    with caplog.at_level("INFO", logger="policies.qos_drl.policy"):
         for i in range(7):  # 6 transitions, an update from the 2nd: 5, reports at 2 and 4
             policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION, view(backends, stats=stats))
     assert policy.learner is not None and policy.learner.updates == 5
@@ -294,7 +293,7 @@ def test_an_online_save_that_fails_never_fails_a_decision(
     (tmp_path / "a-file").write_text("")
     policy = online_policy(checkpoint(tmp_path, 1), tmp_path / "a-file" / "x.pt")
     backends, stats = fleet_view("big", "small")
-    with caplog.at_level("INFO", logger="policies.qos_drl"):
+    with caplog.at_level("INFO", logger="policies.qos_drl.policy"):
         decisions = [policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION,
                                  view(backends, stats=stats)) for i in range(4)]
     assert [d.backend.model for d in decisions] == ["big"] * 4
@@ -335,7 +334,7 @@ def test_a_backend_of_no_expert_is_said_once_and_never_picked(
     policy = build_policy("qos_drl", {"checkpoint": str(checkpoint(tmp_path, 1)),
                                       "allow_drop": False})
     backends, stats = fleet_view("other", "small")
-    with caplog.at_level("WARNING", logger="policies.qos_drl"):
+    with caplog.at_level("WARNING", logger="policies.qos_drl.policy"):
         picked = {policy.pick(ctx(request_id=f"r{i}"), NO_PREDICTION,
                               view(backends, stats=stats)).backend.model for i in range(3)}
     assert picked == {"small"}

@@ -1,5 +1,5 @@
 """The packed HAN (present request nodes only) against the HAN written densely over
-every slot with masks (`bench.qos_han_dense`): same weights, same embeddings and
+every slot with masks (`bench.studies.qos.han_dense`): same weights, same embeddings and
 gradients."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bench.qos_han_dense import forward as dense_han
-from policies.qos_han import HAN
-from policies.qos_sac import batch_states
-from policies.qos_state import ExpertState, RequestFeatures, build_state
+from bench.studies.qos.han_dense import forward as dense_han
+from policies.qos_drl.han import HAN
+from policies.qos_drl.sac import batch_states
+from policies.qos_drl.state import ExpertState, RequestFeatures, build_state
 
 
 def states(count: int) -> dict[str, torch.Tensor]:

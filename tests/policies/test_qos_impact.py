@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.qos_impact import (
+from policies.qos_drl.impact import (
     Coefficients,
     RunningRequest,
     decode_latency,

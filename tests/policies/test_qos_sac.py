@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from policies.qos_replay import Replay
-from policies.qos_sac import (
+from policies.qos_drl.replay import Replay
+from policies.qos_drl.sac import (
     GreedyActor,
     SacAgent,
     SacConfig,
@@ -17,7 +17,7 @@ from policies.qos_sac import (
     load_checkpoint,
     save_checkpoint,
 )
-from policies.qos_state import ExpertState, GraphState, RequestFeatures, build_state
+from policies.qos_drl.state import ExpertState, GraphState, RequestFeatures, build_state
 
 
 @pytest.fixture(autouse=True)

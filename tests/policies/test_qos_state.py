@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.qos_state import (
+from policies.qos_drl.state import (
     COUNT_SCALE,
     QUEUE_CAP,
     TOKEN_SCALE,

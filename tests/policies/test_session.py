@@ -1,7 +1,7 @@
 from collections import Counter
 
 from policies import Policy, build_policy
-from predictors.base import NO_PREDICTION as P
+from proxy.types import NO_PREDICTION as P
 from proxy.types import ClusterView
 from tests.policies.helpers import backends, ctx, view
 

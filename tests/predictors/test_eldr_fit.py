@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from predictors.eldr_fit import balanced_kmeans, fit, load, read_calibration, save
-from predictors.experts import normalize
+from predictors.eldr.experts import normalize
+from predictors.eldr.fit import balanced_kmeans, fit, load, read_calibration, save
 
 
 def blobs(sizes: list[int], dims: int = 6, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from predictors.experts import fit_signature, idf, rho, select_layers
+from predictors.eldr.experts import fit_signature, idf, rho, select_layers
 
 EXPERTS = 8
 

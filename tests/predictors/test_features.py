@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from predictors.features import LOG_SCALE, WINDOW_CHARS, Featurizer, window_text
+from predictors.length.features import LOG_SCALE, WINDOW_CHARS, Featurizer, window_text
 
 CORPUS = ["user: write an essay about rivers and stars", "user: give a list of bees",
           "user: name one fact about chess", "rivers flow to the sea; stars shine",
@@ -13,7 +13,7 @@ def test_fast_tfidf_equals_sklearn_transform() -> None:
     """The hand-rolled encoder is the vectorizer's transform, term for term."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    from predictors.features import TFIDF_PARAMS
+    from predictors.length.features import TFIDF_PARAMS
 
     featurizer = Featurizer.fit(CORPUS)
     vectorizer = TfidfVectorizer(**TFIDF_PARAMS).fit(CORPUS)

@@ -4,12 +4,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from predictors.base import NO_PREDICTION, NullPredictor, load_length_predictor
-from predictors.features import Featurizer
-from predictors.length import LengthPredictor, load_artifact, save_artifact
-from predictors.length_data import arrival_rows, load_samples, samples_for, window_rows
-from predictors.length_moe import FusedMoE, MoEConfig, SparseBatch
-from predictors.length_train import Trained, train_moe
+from predictors.base import NullPredictor
+from predictors.length import load_length_predictor
+from predictors.length.data import arrival_rows, load_samples, samples_for, window_rows
+from predictors.length.features import Featurizer
+from predictors.length.moe import FusedMoE, MoEConfig, SparseBatch
+from predictors.length.predictor import LengthPredictor, load_artifact, save_artifact
+from predictors.length.train import Trained, train_moe
+from proxy.types import NO_PREDICTION
 from tests.predictors.helpers import counter, ctx, write_data
 
 SMALL = MoEConfig(expert_hidden=(16, 8, 8), router_hidden=8, epochs=20, batch_size=32)

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from predictors.length_data import (
+from predictors.length.data import (
     arrival_rows,
     chat_prompt,
     is_heldout,

@@ -4,29 +4,26 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from bench.tiny_models import DEFAULT_SHARED
-from predictors.features import Featurizer
-from predictors.length import KeyModel
-from predictors.length_data import arrival_rows, is_heldout, load_samples, samples_for
-from predictors.length_eval import cross_fit, moe_method
-from predictors.length_moe import FusedMoE, MoEConfig
-from predictors.length_train import train_moe
+from predictors.home import ALPACA_EVAL, open_text
+from predictors.length.data import arrival_rows, is_heldout, load_samples, samples_for
+from predictors.length.evaluate import cross_fit, moe_method
+from predictors.length.features import Featurizer
+from predictors.length.moe import FusedMoE, MoEConfig
+from predictors.length.predictor import KeyModel
+from predictors.length.train import train_moe
 from tests.predictors.helpers import counter
 
-DATA = DEFAULT_SHARED / "data" / "alpaca_eval_experts.jsonl"
+DATA = ALPACA_EVAL
 KEY = "gpt-3.5-turbo-1106"  # the shortest answers: the cheapest model to train
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
 def test_heldout_split_of_the_real_data_is_fixed() -> None:
-    ids = [json.loads(line)["id"] for line in DATA.open()]
+    ids = [json.loads(line)["id"] for line in open_text(DATA)]
     held = [i for i in ids if is_heldout(i)]
     assert len(ids) == 805 and len(held) == 161 and held[:3] == [0, 5, 10]
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
 def test_moe_beats_the_mean_on_heldout_mae(tmp_path: Path) -> None:
     # Word counts (not the tiny BPE) so the test does not depend on a built model;
     # fewer epochs than `laneway train length` keep it under a minute.
@@ -43,7 +40,6 @@ def test_moe_beats_the_mean_on_heldout_mae(tmp_path: Path) -> None:
     assert moe_mae < 0.97 * mean_mae, (moe_mae, mean_mae)
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="needs ../shared/data")
 def test_cross_fitted_predictions_are_out_of_fold() -> None:
     """The prior's predictions come from models that never saw the answer: on the
     training prompts they miss by more than the full model's own predictions of them

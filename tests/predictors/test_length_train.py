@@ -4,11 +4,11 @@ from typing import Any
 import pytest
 import torch
 
-from predictors import length_train
-from predictors.features import Featurizer
-from predictors.length_data import Row, arrival_rows, load_samples, samples_for, window_rows
-from predictors.length_moe import MoEConfig
-from predictors.length_train import RowAdam, split_halves, subset_of, tier_edges, train_moe
+from predictors.length import train as length_train
+from predictors.length.data import Row, arrival_rows, load_samples, samples_for, window_rows
+from predictors.length.features import Featurizer
+from predictors.length.moe import MoEConfig
+from predictors.length.train import RowAdam, split_halves, subset_of, tier_edges, train_moe
 from tests.predictors.helpers import counter, sample, write_data
 
 SMALL = MoEConfig(expert_hidden=(16, 8, 8), router_hidden=8, epochs=3, batch_size=32)

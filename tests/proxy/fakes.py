@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.fake_vllm import FakeConfig, RunningFake, serve_fake
+from bench.fakes.fake_vllm import FakeConfig, RunningFake, serve_fake
 from proxy.config import Settings
-from proxy.ratelimit import WINDOW_S, RateLimiter, window_of
-from proxy.server import RunningProxy, serve_in_loop
+from proxy.http.server import RunningProxy, serve_in_loop
+from proxy.state.rate_counters import WINDOW_S, RateLimiter, window_of
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -17,7 +17,7 @@ import orjson
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from bench.threaded import in_a_thread
+from bench.harness.threaded import in_a_thread
 
 MODEL = "fake"  # the model the bodies name unless told another (the fakes' name)
 

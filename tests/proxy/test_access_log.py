@@ -11,8 +11,8 @@ import httpx
 import orjson
 import pytest
 
-from bench.fake_vllm import FakeConfig
-from proxy.access import JsonFormatter, TextFormatter
+from bench.fakes.fake_vllm import FakeConfig
+from proxy.observability.access_log import JsonFormatter, TextFormatter
 from tests.proxy.fakes import CHAT, fleet, post
 from tests.proxy.test_auth import bearer, keys
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from bench.fake_vllm import FakeConfig, serve_fake
+from bench.fakes.fake_vllm import FakeConfig, serve_fake
 from tests.proxy.fakes import CHAT, fleet, post
 
 TOKEN = {"authorization": "Bearer s3cret"}
@@ -93,7 +93,7 @@ async def test_switch_policy_and_params_at_runtime() -> None:
 
 async def test_reload_applies_backends_policy_and_auth(tmp_path: Path) -> None:
     async with fleet(FakeConfig(), FakeConfig()) as (proxy, fakes):
-        rt = proxy.app.runtime
+        rt = proxy.http.app.runtime
         assert rt is not None
         path = tmp_path / "laneway.yaml"
         rt.config_path = str(path)
@@ -141,7 +141,7 @@ async def test_a_reload_reads_and_builds_off_the_event_loop(
                         slow(reconfigure.load_settings_and_policy))
     monkeypatch.setattr(base, "build_policy", slow(base.build_policy))  # the config's check
     async with fleet(FakeConfig()) as (proxy, fakes):
-        rt = proxy.app.runtime
+        rt = proxy.http.app.runtime
         assert rt is not None
         path = tmp_path / "laneway.yaml"
         rt.config_path = str(path)

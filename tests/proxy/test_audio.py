@@ -1,5 +1,5 @@
 """`/v1/audio/transcriptions` and `/translations`: form uploads routed by their `model`
-field (proxy/multipart.py, proxy/passthrough.py), the upload relayed whole."""
+field (proxy/http/multipart.py, proxy/http/passthrough_routes.py), the upload relayed whole."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import httpx
 import orjson
 import pytest
 
-from bench.fake_vllm import FakeConfig
-from proxy import multipart
+from bench.fakes.fake_vllm import FakeConfig
+from proxy.http import multipart
 from tests.proxy.fakes import fleet
 
 AUDIO = os.urandom(200_000) + b"\r\n--not-the-boundary\r\n" + os.urandom(1000)
@@ -114,7 +114,7 @@ async def test_a_transcription_stream_that_ends_without_done_ends_with_an_error(
         answer = await http.post("/v1/audio/transcriptions",
                                  data={"model": "whisper", "stream": "true"},
                                  files={"file": ("a.wav", AUDIO, "audio/wav")})
-        rt = proxy.app.runtime
+        rt = proxy.http.app.runtime
         assert rt is not None
         metrics = rt.metrics.render().decode()
     events = [e for e in answer.text.split("\n\n") if e]

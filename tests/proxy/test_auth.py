@@ -5,11 +5,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.fake_vllm import FakeConfig
-from proxy.auth import Auth, hash_key
+from bench.fakes.fake_vllm import FakeConfig
+from proxy.admission.auth import Auth, hash_key
 from proxy.config import AuthConfig
 from proxy.errors import RateLimited
-from proxy.ratelimit import RateLimiter, WindowCounters
+from proxy.state.rate_counters import RateLimiter, WindowCounters
 from proxy.types import Outcome, RequestContext
 from tests.proxy.fakes import CHAT, charged, fleet, post
 
@@ -73,7 +73,7 @@ async def test_tokens_charged_up_front_then_reconciled_with_usage() -> None:
     # below the up-front charge; only a reconciled window admits the third request.
     async with fleet(FakeConfig(eos_after=5), auth=keys(tokens_per_minute=120)) as (
             proxy, _):
-        rt = proxy.app.runtime
+        rt = proxy.http.app.runtime
         assert rt is not None
         first = await post(proxy, {**CHAT, "max_tokens": 100}, headers=bearer("sk-alice"))
         used = charged(rt.auth.limiter, "alice:tokens")

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from proxy.config import Settings
 from proxy.runtime import backends_from
 from proxy.types import Backend
@@ -80,7 +80,7 @@ async def test_a_wrong_key_is_the_backends_401_relayed() -> None:
 
 async def test_a_reload_with_a_new_key_replaces_the_backend(tmp_path: Path) -> None:
     async with fleet(FakeConfig(api_key="old"), keys=("old",)) as (proxy, fakes):
-        rt = proxy.app.runtime
+        rt = proxy.http.app.runtime
         assert rt is not None
         path = tmp_path / "laneway.yaml"
         rt.config_path = str(path)

@@ -149,7 +149,8 @@ def test_serve_routes_with_the_policy_its_config_check_built(
     import asyncio
 
     from policies import base
-    from proxy import cli, server
+    from proxy import cli
+    from proxy.http import server
     from proxy.runtime import Runtime
 
     builds: list[object] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from tests.proxy.fakes import CHAT, fleet
 
 APP = "https://app.example"

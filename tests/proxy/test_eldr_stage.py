@@ -19,14 +19,13 @@ from aiohttp.test_utils import TestServer
 from pydantic import ValidationError
 
 from policies.eldr import Eldr, EldrParams
-from predictors.base import NO_PREDICTION
-from predictors.eldr_fit import EldrModel
-from predictors.experts import SignatureSpec, normalize
-from proxy.eldr_stage import PrefillStage
-from proxy.kv_transfer import handle_of
-from proxy.registry import Registry
-from proxy.stages import stages_for
-from proxy.types import Backend, ClusterView
+from predictors.eldr.experts import SignatureSpec, normalize
+from predictors.eldr.fit import EldrModel
+from proxy.fleet.registry import Registry
+from proxy.routing.eldr_stage import PrefillStage
+from proxy.routing.kv_transfer import handle_of
+from proxy.routing.stage_builder import stages_for
+from proxy.types import NO_PREDICTION, Backend, ClusterView, PrefillSignature
 from tests.policies.helpers import ctx
 
 DECODERS = (Backend("d0", "http://d0", "m"), Backend("d1", "http://d1", "m"))
@@ -36,6 +35,13 @@ MODEL = EldrModel(SignatureSpec(np.ones((1, 2)), (0,)), normalize(np.eye(2)), ("
 
 def eldr() -> Eldr:
     return Eldr(EldrParams(artifact="-", pd=True), MODEL)
+
+
+def spec_of(policy: Eldr) -> PrefillSignature:
+    """The prefill stage the policy declares (PD mode)."""
+    [spec] = policy.stages()
+    assert isinstance(spec, PrefillSignature)
+    return spec
 
 
 class SideEndpoint:
@@ -84,7 +90,7 @@ async def test_prefill_leg_yields_the_signature_and_decode_avoids_the_prefill_po
         side: SideEndpoint) -> None:
     seen: list[httpx.Request] = []
     policy = eldr()
-    stage = PrefillStage(policy, transport=transport(seen))
+    stage = PrefillStage(spec_of(policy), transport=transport(seen))
     context = ctx(request_id="req-1")
     view = side.view()
     pred = await stage.predict(context, {"model": "m", "prompt": "hi", "max_tokens": 50,
@@ -109,7 +115,7 @@ async def test_the_prefill_leg_names_what_the_request_names_on_that_backend(
     view = side.view()
     registry = Registry(view.candidates, {"fleet": ["other", "m"]})
     registry.set_served("p0", ["m", "m-sql"])
-    stage = PrefillStage(eldr(), transport=transport(seen), model_on=registry.model_on)
+    stage = PrefillStage(spec_of(eldr()), transport=transport(seen), model_on=registry.model_on)
     for requested in ("m-sql", "fleet", "m"):
         await stage.predict(dataclasses.replace(ctx(), model=requested),
                             {"model": requested, "prompt": "hi"}, NO_PREDICTION, view)
@@ -120,7 +126,7 @@ async def test_the_prefill_leg_names_what_the_request_names_on_that_backend(
 async def test_a_failed_lookup_leaves_the_prediction_without_a_signature(
         side: SideEndpoint, caplog: pytest.LogCaptureFixture) -> None:
     side.fail = True
-    stage = PrefillStage(eldr(), transport=transport([]))
+    stage = PrefillStage(spec_of(eldr()), transport=transport([]))
     with caplog.at_level(logging.WARNING, "laneway"):
         pred = await stage.predict(ctx(request_id="req-3"), {"prompt": "hi"},
                                    NO_PREDICTION, side.view())
@@ -132,7 +138,7 @@ async def test_a_failed_lookup_leaves_the_prediction_without_a_signature(
 async def test_a_side_endpoint_that_does_not_answer_leaves_no_signature() -> None:
     gone = Backend("p0", "http://p0", "m", MappingProxyType(
         {"role": "prefill", "eldr_url": "http://127.0.0.1:9"}))  # discard: refused
-    stage = PrefillStage(eldr(), transport=transport([]))
+    stage = PrefillStage(spec_of(eldr()), transport=transport([]))
     pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION,
                                ClusterView((gone, *DECODERS), {}, {}, 0.0))
     await stage.close()
@@ -158,7 +164,7 @@ async def test_routed_experts_in_the_response_need_no_side_endpoint() -> None:
         return httpx.Response(200, json={"choices": [{"text": "x", "routed_experts": encoded}]})
 
     gpu_prefill = Backend("p0", "http://p0", "m", MappingProxyType({"role": "prefill"}))
-    stage = PrefillStage(eldr(), transport=httpx.MockTransport(handle))
+    stage = PrefillStage(spec_of(eldr()), transport=httpx.MockTransport(handle))
     view = ClusterView((gpu_prefill, *DECODERS), {}, {}, 0.0)
     pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION, view)
     await stage.close()
@@ -181,7 +187,7 @@ def kv_stage(seen: list[httpx.Request], handle: dict[str, Any] | None,
         return httpx.Response(leg_status, json={"choices": [{"text": "x"}],
                                                 "kv_transfer_params": handle})
     policy = Eldr(EldrParams(artifact="-", pd=True, kv_transfer=True), MODEL)
-    return PrefillStage(policy, transport=httpx.MockTransport(handle_request))
+    return PrefillStage(spec_of(policy), transport=httpx.MockTransport(handle_request))
 
 
 async def test_kv_transfer_asks_the_prefill_leg_to_keep_its_kv_and_returns_the_handle(
@@ -205,7 +211,7 @@ async def test_kv_transfer_asks_the_prefill_leg_to_keep_its_kv_and_returns_the_h
 async def test_kv_transfer_off_leaves_the_leg_and_the_prediction_as_they_were(
         side: SideEndpoint) -> None:
     seen: list[httpx.Request] = []
-    stage = PrefillStage(eldr(), transport=transport(seen))
+    stage = PrefillStage(spec_of(eldr()), transport=transport(seen))
     pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION, side.view())
     await stage.close()
     assert "kv_transfer_params" not in json.loads(seen[0].content)
@@ -232,7 +238,7 @@ async def test_a_signature_lookup_failure_keeps_the_handle() -> None:
                                          "kv_transfer_params": HANDLE})
     gpu_prefill = Backend("p0", "http://p0", "m", MappingProxyType({"role": "prefill"}))
     policy = Eldr(EldrParams(artifact="-", pd=True, kv_transfer=True), MODEL)
-    stage = PrefillStage(policy, transport=httpx.MockTransport(handle_request))
+    stage = PrefillStage(spec_of(policy), transport=httpx.MockTransport(handle_request))
     pred = await stage.predict(ctx(), {"prompt": "hi"}, NO_PREDICTION,
                                ClusterView((gpu_prefill, *DECODERS), {}, {}, 0.0))
     await stage.close()

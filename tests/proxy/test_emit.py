@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.emit import ResponseHead, _token_event, token_event
+from proxy.migration.client_emit import ResponseHead, _token_event, token_event
 
 TEXTS = ["hi", "", ' "quoted" \\ back', "line\nbreak\ttab", "ü😀\u2028", "\x00", "\ufffd"]
 

@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from proxy.config import ConfigError, Settings
 from tests.proxy.fakes import CHAT, fleet, post
 from tests.proxy.test_migration import expected_text, stream_text

@@ -26,11 +26,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from policies.base import POLICIES
-from proxy import multipart
 from proxy.errors import ProxyError
-from proxy.migration import (
+from proxy.http import multipart
+from proxy.migration.eligibility import (
     continuation_body,
     penalty_bias,
     tokenize_bodies,
@@ -38,7 +38,7 @@ from proxy.migration import (
     tracking_of,
     why_not_migratable,
 )
-from proxy.requests import build_context, parse_body
+from proxy.request_context import build_context, parse_body
 from proxy.types import Endpoint
 from tests.policies.test_params_edges import cases as policy_cases
 from tests.proxy.fakes import fleet

@@ -33,8 +33,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.fake_vllm import FakeConfig, serve_fake
-from bench.saboteur import Disruption, Plan, Saboteur
+from bench.fakes.fake_vllm import FakeConfig, serve_fake
+from bench.fakes.saboteur import Disruption, Plan, Saboteur
 from tests.proxy.fakes import fleet
 from tests.proxy.fuzzing import Errors, check_shape, fuzz, on_a_thread
 

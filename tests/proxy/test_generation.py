@@ -5,8 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.generation import Generation
-from proxy.migration import (
+from proxy.migration.eligibility import (
     continuation_body,
     penalty_bias,
     resumed_seed,
@@ -14,8 +13,9 @@ from proxy.migration import (
     tracking_of,
     why_not_migratable,
 )
-from proxy.pieces import Piece, UpstreamEventError, parse_event
-from proxy.sse import EventSplitter
+from proxy.migration.event_pieces import Piece, UpstreamEventError, parse_event
+from proxy.migration.generation import Generation
+from proxy.relay.sse import EventSplitter
 
 
 def feed(gen: Generation, *texts: str, finish: str | None = None,

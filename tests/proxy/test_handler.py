@@ -12,10 +12,10 @@ import httpx
 import orjson
 import pytest
 
-from bench.fake_vllm import FakeConfig, serve_fake
-from proxy import app as app_module
+from bench.fakes.fake_vllm import FakeConfig, serve_fake
 from proxy.config import Settings
-from proxy.server import RunningProxy, serve_in_loop
+from proxy.http import app as app_module
+from proxy.http.server import RunningProxy, serve_in_loop
 from tests.proxy.fakes import CHAT, events, fleet, post
 
 
@@ -67,9 +67,9 @@ async def test_unreachable_backend_fails_over_and_is_marked_down() -> None:
     # Slow poller: the dead backend is found by the relay, not by a scrape.
     async with fleet(FakeConfig(), extra_backends=dead,
                      poller={"interval_s": 30}) as (proxy, _):
-        proxy.app.runtime.registry.publish(  # type: ignore[union-attr]
-            {**proxy.app.runtime.registry.stats,  # type: ignore[union-attr]
-             "dead": proxy.app.runtime.registry.stats["f0"]})  # type: ignore[union-attr]
+        proxy.http.app.runtime.registry.publish(  # type: ignore[union-attr]
+            {**proxy.http.app.runtime.registry.stats,  # type: ignore[union-attr]
+             "dead": proxy.http.app.runtime.registry.stats["f0"]})  # type: ignore[union-attr]
         responses = [await post(proxy, CHAT) for _ in range(4)]
         health = (await httpx.AsyncClient().get(f"{proxy.url}/health")).json()
     assert [r.status_code for r in responses] == [200] * 4
@@ -114,7 +114,7 @@ async def test_mid_stream_death_ends_with_error_event() -> None:
 async def test_a_stream_that_ends_without_its_end_event_ends_with_an_error(
         path: str, body: dict[str, Any], error: str) -> None:
     async with fleet(FakeConfig(end_after_tokens=3)) as (proxy, _):
-        rt = proxy.app.runtime
+        rt = proxy.http.app.runtime
         assert rt is not None
         response = await post(proxy, {**body, "stream": True}, path)
         metrics = rt.metrics.render().decode()
@@ -161,7 +161,7 @@ async def test_client_disconnect_cancels_upstream() -> None:
                 break
             await asyncio.sleep(0.02)
         assert stats.running == 0 and stats.cancelled == 1 and stats.finished == 0
-        assert proxy.app.runtime.registry.inflight["f0"] == 0  # type: ignore[union-attr]
+        assert proxy.http.app.runtime.registry.inflight["f0"] == 0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -384,7 +384,7 @@ async def test_connection_closed_before_response_is_retried_on_same_backend() ->
 async def test_several_stale_connections_in_a_row_are_each_tried_again() -> None:
     """As after a proxy fell behind: many pooled connections the backend closed at once.
     Each failed try drops one; the request still reaches the backend, once."""
-    from proxy.relay import STALE_RETRIES
+    from proxy.relay.upstream import STALE_RETRIES
 
     async with serve_fake(FakeConfig()) as fake, \
             dropping_hop(fake.url, STALE_RETRIES) as hop:
@@ -396,7 +396,7 @@ async def test_several_stale_connections_in_a_row_are_each_tried_again() -> None
 def test_a_stale_connection_is_told_from_a_down_backend() -> None:
     import aiohttp
 
-    from proxy.relay import stale_connection
+    from proxy.relay.upstream import stale_connection
 
     key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)
     assert stale_connection(aiohttp.ServerDisconnectedError())
@@ -436,7 +436,7 @@ async def test_a_fleet_whose_scrapes_all_fail_still_serves_in_panic_mode(panic: 
     panic mode routes anyway; without it the proxy answers 503 at once."""
     poller = {"interval_s": 30, "route_when_all_unhealthy": panic}
     async with fleet(FakeConfig(), FakeConfig(), poller=poller) as (proxy, _):
-        runtime = proxy.app.runtime
+        runtime = proxy.http.app.runtime
         assert runtime is not None
         registry = runtime.registry
         # Start-up polls once, then the poller's first tick polls again at once: wait for

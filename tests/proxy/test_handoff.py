@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
-from proxy.handoff import clean_start
-from proxy.relay import UpstreamFailure
+from proxy.migration.handoff import clean_start
+from proxy.relay.upstream import UpstreamFailure
 from proxy.types import Backend
 
 TARGET = Backend("t", "http://t", "m")

@@ -14,12 +14,12 @@ import orjson
 import pytest
 import uvicorn
 
-from bench.fake_vllm import FakeConfig, FakeVllm
-from predictors.eldr_fit import EldrModel, save
-from predictors.experts import SignatureSpec, normalize
+from bench.fakes.fake_vllm import FakeConfig, FakeVllm
+from predictors.eldr.experts import SignatureSpec, normalize
+from predictors.eldr.fit import EldrModel, save
 from proxy.asgi import Receive, Scope, Send, header_map, read_body, send_json
-from proxy.kv_transfer import REMOTE_DECODE
-from proxy.server import RunningProxy, uvicorn_in_loop
+from proxy.http.server import RunningProxy, uvicorn_in_loop
+from proxy.routing.kv_transfer import REMOTE_DECODE
 from tests.proxy.fakes import CHAT, events, fleet, post
 
 # What a prefill vLLM with NixlConnector answers (pull_scheduler.request_finished).
@@ -153,7 +153,7 @@ async def test_a_retry_carries_the_handle_only_after_a_connect_failure(
     dead = {"name": "dead", "url": "http://127.0.0.1:9", "model": "fake"}
     async with pd_fleet(tmp_path, FakeConfig(), extra_decoders=(dead,),
                         poller={"interval_s": 30}) as (proxy, _, (healthy,)):
-        registry = proxy.app.runtime.registry  # type: ignore[union-attr]
+        registry = proxy.http.app.runtime.registry  # type: ignore[union-attr]
         registry.publish({**registry.stats, "dead": registry.stats["f0"]})
         responses = [await post(proxy, COMPLETION, "/v1/completions") for _ in range(2)]
         tried_dead = not registry.is_healthy("dead")

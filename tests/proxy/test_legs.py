@@ -7,8 +7,8 @@ import contextlib
 import orjson
 import pytest
 
-from proxy.legs import MAX_PIECES, Leg, LegFailed
-from proxy.relay import Opened
+from proxy.migration.legs import MAX_PIECES, Leg, LegFailed
+from proxy.relay.upstream import Opened
 from proxy.types import Backend
 
 

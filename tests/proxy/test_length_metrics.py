@@ -9,9 +9,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.fake_vllm import FakeConfig
-from predictors.length import load_artifact
-from proxy.requests import build_context
+from bench.fakes.fake_vllm import FakeConfig
+from predictors.length.predictor import load_artifact
+from proxy.request_context import build_context
 from tests.predictors.helpers import tiny_length_artifact
 from tests.proxy.fakes import fleet, post
 

@@ -1,4 +1,4 @@
-"""`/admin/lora_adapters` (proxy/lora_admin.py): load and unload a LoRA adapter on many
+"""`/admin/lora_adapters` (proxy/http/lora_admin.py): load and unload a LoRA adapter on many
 backends with one call; routable (or not) from the next request on."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fake_vllm import FakeConfig
-from bench.ports import free_port
+from bench.fakes.fake_vllm import FakeConfig
+from bench.harness.ports import free_port
 from tests.proxy.fakes import CHAT, fleet, post
 
 LORA = FakeConfig(lora_runtime=True)

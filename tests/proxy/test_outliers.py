@@ -1,4 +1,4 @@
-"""Passive health (proxy/outliers.py): the counting and the ejection's length, on a
+"""Passive health (proxy/fleet/outliers.py): the counting and the ejection's length, on a
 test clock; the poller keeping an ejected backend out; and the proxy in front of fake
 backends that fail what they are sent while their /metrics answer."""
 
@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from proxy.config import OutliersConfig, PollerConfig
-from proxy.outliers import Outliers
-from proxy.poller import Poller
-from proxy.registry import Registry
+from proxy.fleet.outliers import Outliers
+from proxy.fleet.poller import Poller
+from proxy.fleet.registry import Registry
 from proxy.types import Backend
 from tests.proxy.fakes import CHAT, fleet, post
 from tests.proxy.test_poller import MetricsServer, serving
@@ -125,7 +125,7 @@ async def test_the_poller_keeps_an_ejected_backend_out_until_the_ejection_ends(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = [100.0]
-    monkeypatch.setattr("proxy.poller.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("proxy.fleet.poller.time.monotonic", lambda: clock[0])
     async with serving(MetricsServer()) as (_, url):
         registry = Registry([Backend("a", url, "m")])
         poller = Poller(registry, PollerConfig(interval_s=0.01, timeout_s=0.5))

@@ -5,10 +5,10 @@ import pytest
 from aiohttp import web
 
 from proxy.config import PollerConfig
-from proxy.poller import Poller
-from proxy.registry import Registry
+from proxy.fleet.poller import Poller
+from proxy.fleet.registry import Registry
+from proxy.fleet.vllm_metrics import WANTED
 from proxy.types import Backend
-from proxy.vllm_metrics import WANTED
 
 
 class MetricsServer:
@@ -132,7 +132,7 @@ async def test_unhealthy_after_consecutive_failures_then_recovers(
     state, url = server
     registry = Registry([Backend("a", url, "m")])
     clock = [100.0]
-    monkeypatch.setattr("proxy.poller.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("proxy.fleet.poller.time.monotonic", lambda: clock[0])
     poller = make_poller(registry)
     await poller.poll_once()
     state.up = False
@@ -154,7 +154,7 @@ async def test_relay_failure_takes_backend_out_at_once(
     _, url = server
     registry = Registry([Backend("a", url, "m")])
     clock = [0.0]
-    monkeypatch.setattr("proxy.poller.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("proxy.fleet.poller.time.monotonic", lambda: clock[0])
     poller = make_poller(registry)
     await poller.poll_once()
     poller.report_failure("a", "connect")
@@ -171,7 +171,7 @@ async def test_backoff_grows_and_is_capped(
 ) -> None:
     registry = Registry([Backend("dead", "http://127.0.0.1:9", "m")])
     clock = [0.0]
-    monkeypatch.setattr("proxy.poller.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("proxy.fleet.poller.time.monotonic", lambda: clock[0])
     poller = make_poller(registry)
     delays = []
     for _ in range(6):

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from tests.proxy.fakes import fleet, post
 
 ASK: list[tuple[str, dict[str, Any]]] = [

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from tests.proxy.fakes import CHAT, events, fleet, post
 
 FORCED = {"debug": {"allow_forced_migration": True}}

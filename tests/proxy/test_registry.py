@@ -1,6 +1,6 @@
 import pytest
 
-from proxy.registry import Registry
+from proxy.fleet.registry import Registry
 from proxy.types import Backend, BackendStats
 
 UP = BackendStats(healthy=True)

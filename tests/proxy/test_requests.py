@@ -2,7 +2,7 @@ import orjson
 import pytest
 
 from proxy.errors import InvalidRequest
-from proxy.requests import build_context, normalized, parse_body, prefix_blocks
+from proxy.request_context import build_context, normalized, parse_body, prefix_blocks
 from proxy.types import Endpoint
 
 LIMIT = 4096

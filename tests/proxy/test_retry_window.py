@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from tests.proxy.fakes import CHAT, fleet, post
 from tests.proxy.test_migration import expected_text, stream_text
 

@@ -1,4 +1,4 @@
-"""proxy/stages.py: the micro-batcher and qos_drl's bucket stage (off the event loop,
+"""proxy/routing/stages.py: the micro-batcher and qos_drl's bucket stage (off the event loop,
 batched across concurrent arrivals, never failing a request), and stages retired with
 their router on a policy switch."""
 
@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 
 from policies.base import build_policy
-from predictors.base import NO_PREDICTION
-from proxy.routing import Router
-from proxy.stages import BucketStage, MicroBatcher
-from proxy.types import ClusterView
+from proxy.routing.router import Router
+from proxy.routing.stages import BucketStage, MicroBatcher
+from proxy.types import NO_PREDICTION, ClusterView
 from tests.policies.helpers import ctx
 
 VIEW = ClusterView((), {}, {}, 0.0)

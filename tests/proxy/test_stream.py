@@ -1,5 +1,5 @@
 from proxy.errors import UpstreamError
-from proxy.stream import StreamTally, body_usage
+from proxy.relay.stream_accounting import StreamTally, body_usage
 
 ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
 

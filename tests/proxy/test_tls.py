@@ -14,11 +14,11 @@ import pytest
 import trustme
 import uvicorn
 
-from bench.fake_vllm import FakeConfig, FakeVllm
-from bench.proxy_process import running_proxy
-from bench.services import running_fakes
+from bench.fakes.fake_vllm import FakeConfig, FakeVllm
+from bench.harness.proxy_process import running_proxy
+from bench.harness.services import running_fakes
 from proxy.config import ConfigError, load_settings
-from proxy.server import uvicorn_in_loop
+from proxy.http.server import uvicorn_in_loop
 from tests.proxy.fakes import CHAT, fleet
 
 

@@ -1,5 +1,6 @@
-"""Tracing (proxy/tracing.py): the spans the proxy exports over OTLP/HTTP to a receiver
-(bench/otlp_sink.py, decoding the real protobuf), their parents and attributes, and the
+"""Tracing (proxy/observability/tracing.py): the spans the proxy exports over OTLP/HTTP to a
+receiver
+(bench/fakes/otlp_sink.py, decoding the real protobuf), their parents and attributes, and the
 `traceparent` each fake backend got; sampling; a collector that is down."""
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fake_vllm import FakeConfig
-from bench.otlp_sink import OtlpSink, SpanSeen, serve_sink
-from proxy.server import RunningProxy
-from proxy.tracing import SpanContext, parse_traceparent
+from bench.fakes.fake_vllm import FakeConfig
+from bench.fakes.otlp_sink import OtlpSink, SpanSeen, serve_sink
+from proxy.http.server import RunningProxy
+from proxy.observability.tracing import SpanContext, parse_traceparent
 from tests.proxy.fakes import CHAT, fleet, post
 
 TRACE, CALLER = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from proxy.config import UpstreamConfig
-from proxy.relay import Upstream, UpstreamFailure
+from proxy.relay.upstream import Upstream, UpstreamFailure
 from proxy.types import Backend
 
 EVENTS = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\ndata: [DONE]\n\n'

@@ -1,7 +1,7 @@
 import pytest
 
+from proxy.fleet.vllm_metrics import Cumulative, parse_samples, to_stats
 from proxy.types import BackendStats
-from proxy.vllm_metrics import Cumulative, parse_samples, to_stats
 
 SCRAPE_1 = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

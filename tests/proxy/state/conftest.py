@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.services import MissingService, running_redis
+from bench.harness.services import MissingService, running_redis
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from bench.fake_vllm import FakeConfig
+from bench.fakes.fake_vllm import FakeConfig
 from proxy.cli import main
 from tests.proxy.fakes import CHAT, fleet, post
 

@@ -11,20 +11,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.ports import free_port
-from bench.services import MissingService, binary, running_redis
+from bench.harness.ports import free_port
+from bench.harness.services import MissingService, binary, running_redis
 from policies.base import Policy, build_policy
-from predictors.base import NO_PREDICTION
+from proxy.admission.flow_control import FlowControl
 from proxy.config import FlowControlConfig, Settings, StateConfig
-from proxy.flow import FlowControl
-from proxy.metrics import Metrics
-from proxy.ratelimit import RateLimiter, WindowCounters, window_of
-from proxy.registry import Registry
-from proxy.responses import ResponseHomes
+from proxy.fleet.registry import Registry
+from proxy.observability.metrics import Metrics
 from proxy.state import MemoryStore, Outbox, StoreUnavailable, build_store
+from proxy.state.rate_counters import RateLimiter, WindowCounters, window_of
 from proxy.state.replicator import Replicator
+from proxy.state.response_homes import ResponseHomes
 from proxy.tasks import stop_task
-from proxy.types import BackendStats
+from proxy.types import NO_PREDICTION, BackendStats
 from tests.policies.helpers import backends, ctx
 
 FLEET = backends(4)
@@ -209,7 +208,7 @@ async def test_strict_flow_control_leases_slots_at_each_sync(redis_url: str) -> 
 async def test_slots_opened_while_a_lease_is_on_its_way_stay_held(redis_url: str) -> None:
     """A replica may open requests within its current lease while its next lease is on
     its way to the store; the store must count them held, or it gives them to another
-    replica (found by `bench.chaos --replicas 2 --max-inflight 3`: 4 open on a backend,
+    replica (found by `bench.studies.chaos --replicas 2 --max-inflight 3`: 4 open on a backend,
     by the replicas' own counts). Each replica reports its current lease as held (or
     what it has open, if more) until the lease after it."""
     a = replica(redis_url, "a", flow_limit=4, sync_interval_s=1.0)
@@ -274,7 +273,7 @@ async def test_strict_leases_keep_to_a_share_when_the_store_comes_back_empty() -
     must not lease the whole limit while the others still hold their slots. Each that
     finds the store has lost it keeps to an equal part of each limit (by the replicas
     last seen) for inflight_ttl_s, by when every live replica has written what it holds
-    (found by `bench.chaos --replicas 2 --max-inflight 3`: 5 requests on a backend)."""
+    (found by `bench.studies.chaos --replicas 2 --max-inflight 3`: 5 requests on a backend)."""
     port = redis_port()
     with running_redis(port) as url:
         a = replica(url, "a", flow_limit=4)

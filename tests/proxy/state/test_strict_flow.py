@@ -7,10 +7,10 @@ import asyncio
 import contextlib
 from typing import Any
 
-from bench.fake_vllm import FakeConfig, serve_fake
-from bench.ports import free_port
+from bench.fakes.fake_vllm import FakeConfig, serve_fake
+from bench.harness.ports import free_port
 from proxy.config import Settings
-from proxy.server import serve_in_loop
+from proxy.http.server import serve_in_loop
 from tests.proxy.fakes import CHAT, post
 
 LIMIT = 3
