@@ -102,10 +102,10 @@ def device_plan(lengths: LengthMass | None, ttft: Ecdf, tail_ratio: float,
         return WaitTable(-math.inf, w_tail, w_tail)
     unit = ttft.survival(0.0) - s_tail  # what w = 0 adds over w_tail per unit of mass
     if unit <= 0.0:
-        return WaitTable(math.inf, 0.0, 0.0)
+        return WaitTable(math.inf, 0.0, w_tail)
     k = int(np.searchsorted(lengths.cumulative * unit, left + 1e-15, side="right"))
     if k >= len(lengths.lengths):
-        return WaitTable(math.inf, 0.0, 0.0)
+        return WaitTable(math.inf, 0.0, w_tail)
     remaining = left - lengths.before(k) * unit
     target_survival = s_tail + remaining / float(lengths.mass[k])
     w_star = ttft.quantile(1.0 - target_survival)

@@ -89,6 +89,10 @@ class Disco:
         self._waits = device_plan(self._mass, self._ecdf, self._p.tail_ratio, self._p.budget)
         self._races = server_plan(self._mass, self._p.budget)
 
+    def server_ttft(self) -> Ecdf:
+        """F as the tables last saw it (empty before `min_ttft_samples`)."""
+        return self._ecdf
+
     def wait_table(self, budget: float | None = None) -> WaitTable:
         """Algorithm 2's table for `budget` (None: the configured one)."""
         if budget is None or budget == self._p.budget:
