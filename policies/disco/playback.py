@@ -35,12 +35,14 @@ def buffer_target(read_rate: float, migration_s: float) -> float:
 
 
 def consumption_times(arrivals: Floats, read_rate: float) -> Floats:
-    """p_i for arrival times a_i (ascending). p_i - i/r_c is the running maximum of
-    a_j - j/r_c, so the recurrence is one cumulative max."""
-    if read_rate <= 0.0 or not len(arrivals):
+    """p_i for arrival times a_i (ascending along the last axis: one stream, or one
+    stream per row). p_i - i/r_c is the running maximum of a_j - j/r_c, so the
+    recurrence is one cumulative max."""
+    if read_rate <= 0.0 or not arrivals.size:
         return arrivals.astype(np.float64)
-    pace = np.arange(len(arrivals), dtype=np.float64) / read_rate
-    return np.maximum.accumulate(arrivals - pace) + pace
+    pace = np.arange(arrivals.shape[-1], dtype=np.float64) / read_rate
+    read: Floats = np.maximum.accumulate(arrivals - pace, axis=-1) + pace
+    return read
 
 
 @dataclass(frozen=True, slots=True)
