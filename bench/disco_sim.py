@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
                      read_rate=args.read_rate)
     from bench.disco_pick import pick_latency
 
-    setup = {"command": "python -m bench.disco_sim " + " ".join(argv or sys.argv[1:]),
+    setup = {"command": " ".join(["python -m bench.disco_sim", *(argv or sys.argv[1:])]),
              "commit": commit(), "seeds": args.seeds, "requests": args.requests,
              "window": args.window, "read_rate": args.read_rate, "budgets": list(BUDGETS),
              "profiles": [p.name for p in PROFILES], "servers": [s.name for s in SERVERS],
