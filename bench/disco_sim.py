@@ -203,59 +203,79 @@ def migrate(scenario: Scenario, draws: Draws, ttft: Floats, device_won: Bools,
             cost: Floats) -> tuple[Floats, Bools, float | None, float | None]:
     """Token-level migration to the cheaper decoder (Eq. 4-6), all streams at once:
     the source streams until the reader holds B tokens, then the target re-prefills
-    the prompt and the answer so far and continues."""
-    costs, profile, server = scenario.costs(), scenario.profile, scenario.server
-    n, width = len(ttft), OUTPUT_CAP
-    src_rate = np.where(device_won, profile.decode_tps, server.decode_tps)
-    tgt_rate = np.where(device_won, server.decode_tps, profile.decode_tps)
-    expected = float(draws.output.mean())  # l_remaining: the mean answer (no predictor)
-    wanted = np.array([should_migrate(costs.device if won else costs.server,
-                                      costs.server if won else costs.device,
-                                      expected - 1, tokens + 1)
-                       for won, tokens in zip(device_won.tolist(), draws.prompt.tolist(),
-                                              strict=True)], dtype=bool)
-    ecdf = kaplan_meier(draws.ttft_window, np.zeros(len(draws.ttft_window), bool))
-    server_t_m = ecdf.quantile(scenario.migration_quantile)
-    index = np.arange(width, dtype=np.float64)
-    # the reader keeps pace (sources decode faster than r_c): k tokens after the first,
-    # k - floor(k·r_c/r_src) are unread
-    if scenario.read_rate > 0.0:
-        unread = index[None, :] - np.floor(index[None, :] * scenario.read_rate
-                                           / src_rate[:, None] + 1e-9)
-    else:
-        unread = np.zeros((n, width))
-    device_t_m = scenario.device_ttft(draws.prompt[:, None] + index[None, :] + 1)
-    t_m = np.where(device_won[:, None], server_t_m, device_t_m)
-    ready = unread >= scenario.read_rate * t_m  # Eq. 6's B, per stream and token
-    last = np.argmax(ready, axis=1)  # the source's last token index
-    migrated = wanted & ready.any(axis=1) & (last + 1 < draws.output)
+    the prompt and the answer so far and continues. Returns the costs, which streams
+    moved, and over the moved ones the reader's TBT p99 and delayed tokens p99."""
+    src_rate = np.where(device_won, scenario.profile.decode_tps, scenario.server.decode_tps)
+    tgt_rate = np.where(device_won, scenario.server.decode_tps, scenario.profile.decode_tps)
+    last = handover_token(scenario, draws, device_won, src_rate)
+    migrated = wants_to_move(scenario, draws, device_won) & (last + 1 < draws.output)
     if not migrated.any():
         return cost, migrated, None, None
     rows = np.flatnonzero(migrated)
     k = last[rows].astype(np.float64)
-    handover = ttft[rows] + k / src_rate[rows]
-    ctx_tokens = draws.prompt[rows] + k + 1
-    tgt_ttft = np.where(device_won[rows], draws.migration_ttft[rows],
-                        scenario.device_ttft(ctx_tokens))
-    after = index[None, :] - k[:, None] - 1
-    arrivals = np.where(after < 0, ttft[rows, None] + index[None, :] / src_rate[rows, None],
-                        (handover + tgt_ttft)[:, None] + after / tgt_rate[rows, None])
     length = draws.output[rows]
+    context = draws.prompt[rows] + k + 1  # what the target re-prefills
+    target_ttft = np.where(device_won[rows], draws.migration_ttft[rows],
+                           scenario.device_ttft(context))
+    index = np.arange(OUTPUT_CAP, dtype=np.float64)
+    after = index[None, :] - k[:, None] - 1  # tokens into the target's run
+    arrivals = np.where(
+        after < 0, ttft[rows, None] + index[None, :] / src_rate[rows, None],
+        (ttft[rows] + k / src_rate[rows] + target_ttft)[:, None]
+        + after / tgt_rate[rows, None])
     arrivals = np.where(index[None, :] < length[:, None], arrivals,
                         arrivals[np.arange(len(rows)), length - 1][:, None])
     gaps = np.diff(consumption_times(arrivals, scenario.read_rate), axis=1)
     valid = index[None, 1:] < length[:, None]
-    late = (gaps > (1.0 / scenario.read_rate if scenario.read_rate > 0 else math.inf) + 1e-9)
-    delayed = (late & valid).sum(axis=1)
-    src_decode = np.where(device_won[rows], costs.device.decode, costs.server.decode)
-    tgt = np.where(device_won[rows], 1, 0)  # target: 1 server, 0 device
-    tgt_prefill = np.where(tgt == 1, costs.server.prefill, costs.device.prefill)
-    tgt_decode = np.where(tgt == 1, costs.server.decode, costs.device.decode)
+    pace = 1.0 / scenario.read_rate if scenario.read_rate > 0 else math.inf
+    delayed = ((gaps > pace + 1e-9) & valid).sum(axis=1)
     moved = cost.copy()
-    moved[rows] = (cost[rows] - src_decode * length + src_decode * (k + 1)
-                   + tgt_prefill * ctx_tokens + tgt_decode * (length - k - 1))
+    moved[rows] += moved_cost(scenario.costs(), device_won[rows], k, length, context)
     return (moved, migrated, float(np.quantile(gaps[valid], 0.99)),
             float(np.quantile(delayed, 0.99)))
+
+
+def wants_to_move(scenario: Scenario, draws: Draws, device_won: Bools) -> Bools:
+    """Eq. 4-5 at the first token; l_remaining is the mean answer (no predictor)."""
+    costs, expected = scenario.costs(), float(draws.output.mean())
+    return np.array([should_migrate(costs.device if won else costs.server,
+                                    costs.server if won else costs.device,
+                                    expected - 1, tokens + 1)
+                     for won, tokens in zip(device_won.tolist(), draws.prompt.tolist(),
+                                            strict=True)], dtype=bool)
+
+
+def handover_token(scenario: Scenario, draws: Draws, device_won: Bools,
+                   src_rate: Floats) -> npt.NDArray[np.intp]:
+    """Per stream, the index of the source's last token: the first at which the reader
+    holds B = r_c·t_m unread (Eq. 6); OUTPUT_CAP when it never does. Sources decode
+    faster than r_c, so the reader keeps pace: k tokens after the first, k -
+    floor(k·r_c/r_src) are unread."""
+    index = np.arange(OUTPUT_CAP, dtype=np.float64)[None, :]
+    if scenario.read_rate > 0.0:
+        unread = index - np.floor(index * scenario.read_rate / src_rate[:, None] + 1e-9)
+    else:
+        unread = np.zeros((len(src_rate), OUTPUT_CAP))
+    ecdf = kaplan_meier(draws.ttft_window, np.zeros(len(draws.ttft_window), bool))
+    server_t_m = ecdf.quantile(scenario.migration_quantile)
+    device_t_m = scenario.device_ttft(draws.prompt[:, None] + index + 1)
+    t_m = np.where(device_won[:, None], server_t_m, device_t_m)
+    ready = unread >= scenario.read_rate * t_m
+    last: npt.NDArray[np.intp] = np.where(ready.any(axis=1), np.argmax(ready, axis=1),
+                                          OUTPUT_CAP)
+    return last
+
+
+def moved_cost(costs: Costs, device_won: Bools, k: Floats, length: npt.NDArray[np.int64],
+               context: Floats) -> Floats:
+    """What a move adds ($ per 1M tokens): the tokens after the handover decode on the
+    target instead of the source, and the target re-prefills the context."""
+    src_decode = np.where(device_won, costs.device.decode, costs.server.decode)
+    tgt_prefill = np.where(device_won, costs.server.prefill, costs.device.prefill)
+    tgt_decode = np.where(device_won, costs.server.decode, costs.device.decode)
+    rest = length - k - 1
+    added: Floats = tgt_prefill * context + (tgt_decode - src_decode) * rest
+    return added
 
 
 def run_grid(workload: Workload, *, seeds: int, requests: int, window: int,

@@ -69,23 +69,25 @@ class TtftWindow:
     """The last `size` server TTFTs, each an event or censored; primed from a prior."""
 
     def __init__(self, size: int, prior: list[float] | None = None) -> None:
-        self._samples: deque[tuple[float, bool]] = deque(maxlen=size)
+        self._seconds: deque[float] = deque(maxlen=size)
+        self._censored: deque[bool] = deque(maxlen=size)
         for seconds in prior or ():
             self.add(seconds)
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._seconds)
 
     def add(self, seconds: float, censored: bool = False) -> None:
         if math.isfinite(seconds) and seconds >= 0.0:
-            self._samples.append((seconds, censored))
+            self._seconds.append(seconds)
+            self._censored.append(censored)
 
     def ecdf(self) -> Ecdf:
-        if not self._samples:
+        n = len(self._seconds)
+        if not n:
             return Ecdf.empty()
-        times, censored = zip(*self._samples, strict=True)
-        return kaplan_meier(np.asarray(times, dtype=np.float64),
-                            np.asarray(censored, dtype=bool))
+        return kaplan_meier(np.fromiter(self._seconds, dtype=np.float64, count=n),
+                            np.fromiter(self._censored, dtype=bool, count=n))
 
 
 def read_prior(path: str | Path) -> list[float]:

@@ -48,6 +48,18 @@ def test_algorithm_1_decides_the_constrained_side() -> None:
     assert cost == pytest.approx((0.15 * 100 + 0.8 * 100 + 1.8 * 10) / 1e6)
 
 
+def test_mode_auto_follows_algorithm_1_on_the_backends_prices(tmp_path: Path) -> None:
+    # default prices at λ = 5: the device's cheapest token (0.8 $/1M) beats the
+    # server's dearest (0.6): device-constrained, the server leads
+    assert disco(tmp_path).pick(ctx(LONG), NO_PREDICTION, FLEET).backend == SERVER
+    frugal = Backend("frugal", "http://frugal", "m", MappingProxyType(
+        {"side": "device", "cost_prefill": "0.01", "cost_decode": "0.01"}))
+    policy = disco(tmp_path)  # 0.05 $/1M at λ = 5: server-constrained, the device leads
+    assert policy.pick(ctx(LONG), NO_PREDICTION, view((frugal, SERVER))).backend == frugal
+    forced = disco(tmp_path, mode="device")
+    assert forced.pick(ctx(LONG), NO_PREDICTION, view((frugal, SERVER))).backend == SERVER
+
+
 def test_baselines_use_one_side(tmp_path: Path) -> None:
     for strategy, backend in (("server_only", SERVER), ("device_only", DEVICE)):
         decision = disco(tmp_path, strategy=strategy).pick(ctx(LONG), NO_PREDICTION, FLEET)
