@@ -1,5 +1,6 @@
 """Routing policies: one module each, registered by name in `POLICIES`."""
 
+import policies.disco
 import policies.eldr
 import policies.goodput.policy
 import policies.least_request

@@ -87,15 +87,28 @@ class ClusterView:
 
 
 @dataclass(frozen=True, slots=True)
+class Hedge:
+    """A delayed second leg of the same request (DiSCo's race, policies/disco): start it
+    on `backend` `delay_s` seconds after the first leg unless the first leg has produced
+    a token by then; whichever leg streams a token first continues, the other is
+    aborted. `delay_s` 0: both legs start at once."""
+
+    backend: Backend
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """A policy's answer: where to send the request, and why (for logs).
 
     `drop` set: the policy refuses the request (qos_drl's drop action); the client gets
-    a 503 `request_dropped` with this text, `backend` is not contacted."""
+    a 503 `request_dropped` with this text, `backend` is not contacted.
+    `hedge` set: also race a delayed second leg (not dispatched by the proxy yet)."""
 
     backend: Backend
     reason: str = ""
     drop: str | None = None
+    hedge: Hedge | None = None
 
 
 @dataclass(frozen=True, slots=True)
