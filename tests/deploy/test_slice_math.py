@@ -209,8 +209,10 @@ def test_unsatisfiable_task_is_served_best_effort() -> None:
     planner = SlicePlanner(PlannerSettings(pace=True, reserve_ms=0.0),
                            StepLatencyProfile(base_ms=10.0, per_seq_ms=0.0))
     greedy = TaskInput("greedy", 1.0, 1.0, prefill_tokens=0)  # 1000 tok/s: 10 s period
-    plan = planner.step([greedy], 0.0)
-    assert plan.selected_ids == {"greedy"} and plan.decode_ids == {"greedy"}
+    for step in range(20):  # never paced: every step decodes it
+        plan = planner.step([greedy], step * 0.001)
+        assert plan.selected_ids == {"greedy"} and plan.decode_ids == {"greedy"}
+        assert plan.wait_s == 0.0
     assert select_tasks([Task("greedy", 1.0, 1.0)], planner.profile).selected == ()
 
 

@@ -7,8 +7,9 @@ the next column's batch. No vLLM here; scheduler.py applies the answer.
 
 Pacing (`pace`, default on; docs/slice.md): the paper scans columns back to back;
 paced, column j of a period is due `j * slot` after the period started, with
-`slot = max(period estimate, 1 s) / columns`, so every task gets v tokens per
-second, not more, and the idle rest of the second is headroom for prefill. The
+`slot = 1 s / columns`, so every task gets v tokens per second, not more, and the
+idle rest of the second is headroom for prefill. A period estimated at 1 s or more
+(overload, or a best-effort task) is not paced. The
 period's phase is kept across re-plans (the cursor is rescaled to the new width)
 so an arrival mid-period does not restart it and hand everyone extra tokens.
 """
@@ -73,6 +74,7 @@ class SlicePlanner:
     _cursor: int = 0
     _wrapped: bool = False
     _next_due: float | None = None
+    _last_column_at: float | None = None
     _slot_s: float = 0.0
 
     @property
@@ -93,6 +95,7 @@ class SlicePlanner:
         self._wrapped = self._cursor == 0
         # At most one slot of catch-up after a stall (a long prefill): no burst.
         self._next_due = max(due + self._slot_s, now - self._slot_s)
+        self._last_column_at = now
         return StepPlan(column, self._selected, self._rank)
 
     def _replan(self, tasks: Sequence[TaskInput], now: float) -> None:
@@ -140,8 +143,12 @@ class SlicePlanner:
         if not columns:
             self._cursor, self._next_due = 0, None
             return
-        period_ms = max(estimate_ms, PERIOD_MS) if self.settings.pace else estimate_ms
-        self._slot_s = period_ms / len(columns) / 1000.0
-        if self._next_due is None:
-            self._next_due = now
+        # Paced only with slack: a period estimated at a second or more (overload,
+        # a best-effort task) runs its columns back to back, as in the paper.
+        paced = self.settings.pace and estimate_ms < PERIOD_MS
+        self._slot_s = PERIOD_MS / len(columns) / 1000.0 if paced else 0.0
+        # The next column is one new slot after the last one ran (not the old plan's
+        # due time, whose slot may have been wider).
+        last = self._last_column_at
+        self._next_due = now if last is None else min(now, last) + self._slot_s
 

@@ -64,6 +64,7 @@ class SliceStats:
 
     steps: int = 0
     empty_steps: int = 0  # requests present, nothing scheduled
+    spin_steps: int = 0  # empty steps that did not sleep first: the busy spin
     masked_decodes: int = 0
     sleeps: int = 0
     sleep_s: float = 0.0
@@ -88,14 +89,14 @@ class SliceScheduler(Scheduler):
         self._slice_checked_request = False
         self._slice_step_start: tuple[float, int, int] | None = None
         self._slice_stats = SliceStats()
-        self._slice_stats_written = 0.0
 
     # -- the step ------------------------------------------------------------------
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         tasks = self._slice_tasks()
         plan = self._slice.step(tasks, time.monotonic())
-        if plan.wait_s > 0 and not self._slice_prefill_pending(plan):
+        slept = plan.wait_s > 0 and not self._slice_prefill_pending(plan)
+        if slept:
             pause = min(plan.wait_s, self._slice_settings.planner.max_sleep_s)
             time.sleep(pause)
             self._slice_stats.sleeps += 1
@@ -104,7 +105,7 @@ class SliceScheduler(Scheduler):
         self._slice_apply(plan)
         started = time.monotonic()
         output = super().schedule(throttle_prefills)
-        self._slice_after(output, started, len(tasks))
+        self._slice_after(output, started, len(tasks), slept)
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -177,8 +178,8 @@ class SliceScheduler(Scheduler):
         self.max_num_active_reqs = min(self._slice_active_cap,
                                        len(self.running) + len(admit))
 
-    def _slice_after(self, output: SchedulerOutput, started: float, unfinished: int
-                     ) -> None:
+    def _slice_after(self, output: SchedulerOutput, started: float, unfinished: int,
+                     slept: bool) -> None:
         counts = output.num_scheduled_tokens
         decodes = sum(1 for n in counts.values() if n == 1)
         prefill_tokens = sum(n for n in counts.values() if n > 1)
@@ -187,6 +188,7 @@ class SliceScheduler(Scheduler):
         stats.steps += 1
         if unfinished and output.total_num_scheduled_tokens == 0:
             stats.empty_steps += 1
+            stats.spin_steps += not slept
         stats.replans = self._slice.replans
         stats.unfinished = unfinished
         stats.selected = len(self._slice.mask.rows)
@@ -194,11 +196,11 @@ class SliceScheduler(Scheduler):
         self._slice_write_stats()
 
     def _slice_write_stats(self) -> None:
+        """Every step (counters only change in schedule(), so the file is never
+        stale); only when LANEWAY_SLICE_STATS is set (tests, debugging)."""
         path = self._slice_settings.stats_path
-        now = time.monotonic()
-        if path is None or now - self._slice_stats_written < self._slice_settings.stats_every_s:
+        if path is None:
             return
-        self._slice_stats_written = now
         partial = path.with_name(path.name + ".tmp")
         partial.write_text(json.dumps(asdict(self._slice_stats)))
         partial.replace(path)  # readers never see half a file

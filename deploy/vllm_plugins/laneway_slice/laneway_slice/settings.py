@@ -24,8 +24,7 @@ class SliceSettings:
     prior_base_ms: float = 20.0  # l(n) before any step is seen: base + per_seq * n
     prior_per_seq_ms: float = 2.0
     default_class: str = DEFAULT_CLASS
-    stats_path: Path | None = None  # JSON counters, rewritten every `stats_every_s`
-    stats_every_s: float = 0.5
+    stats_path: Path | None = None  # JSON counters, rewritten every step
 
     def profile(self) -> StepLatencyProfile:
         return StepLatencyProfile(self.prior_base_ms, self.prior_per_seq_ms)
