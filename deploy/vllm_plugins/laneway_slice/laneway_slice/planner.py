@@ -81,6 +81,10 @@ class SlicePlanner:
     def mask(self) -> DecodeMask:
         return self._mask
 
+    @property
+    def period_columns(self) -> int:
+        return len(self._columns)
+
     def step(self, tasks: Sequence[TaskInput], now: float) -> StepPlan:
         ids = frozenset(t.task_id for t in tasks)
         if ids != self._known or self._wrapped:

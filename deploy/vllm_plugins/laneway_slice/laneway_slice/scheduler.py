@@ -51,7 +51,9 @@ if not vllm.__version__.startswith(SUPPORTED_VLLM):
 REQUIRED_SCHEDULER = ("running", "waiting", "requests", "current_step",
                       "max_num_active_reqs", "max_num_running_reqs")
 REQUIRED_REQUEST = ("request_id", "next_decode_eligible_step", "num_computed_tokens",
-                    "num_tokens", "sampling_params", "priority", "arrival_time")
+                    "num_tokens", "sampling_params", "priority", "arrival_time",
+                    "is_finished")
+REQUIRED_QUEUE = ("remove_requests", "prepend_requests")
 
 
 def _missing(obj: object, names: tuple[str, ...]) -> list[str]:
@@ -77,7 +79,7 @@ class SliceStats:
 class SliceScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        missing = _missing(self, REQUIRED_SCHEDULER)
+        missing = _missing(self, REQUIRED_SCHEDULER) or _missing(self.waiting, REQUIRED_QUEUE)
         if missing:
             raise RuntimeError(f"laneway_slice: vLLM {vllm.__version__}'s Scheduler lacks "
                                f"{missing}; this plugin supports {SUPPORTED_VLLM}x only")
@@ -192,7 +194,7 @@ class SliceScheduler(Scheduler):
         stats.replans = self._slice.replans
         stats.unfinished = unfinished
         stats.selected = len(self._slice.mask.rows)
-        stats.period_columns = len(self._slice.mask.columns)
+        stats.period_columns = self._slice.period_columns
         self._slice_write_stats()
 
     def _slice_write_stats(self) -> None:
