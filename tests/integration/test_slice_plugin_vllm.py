@@ -168,3 +168,39 @@ def test_a_class_beyond_the_engine_is_still_served(slice_server: tuple[Running, 
                        json=body(server, 0.5, 32, stream=False), timeout=60)
     reply.raise_for_status()
     assert reply.json()["usage"]["completion_tokens"] == 32
+
+
+def test_a_request_left_out_by_selection_waits_for_the_selected_one(
+        slice_server: tuple[Running, Path]) -> None:
+    """A real-time request that no period can hold (0.5 ms a token) with a utility
+    far above a text request's: Alg. 2 cannot fit both, the adaptor's bound for the
+    text request is hours, so it is not admitted until the other one leaves."""
+    server, _ = slice_server
+    wait_idle(server)
+    url = f"{server.url}/v1/completions"
+    urgent = body(server, 0.5, 60, stream=True)
+    urgent["vllm_xargs"]["laneway_utility"] = 1e6
+
+    async def stamps(client: httpx.AsyncClient, request: dict[str, Any],
+                     started: asyncio.Event | None) -> list[float]:
+        seen: list[float] = []
+        async with client.stream("POST", url, json=request) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    seen.append(time.monotonic())
+                    if started is not None:
+                        started.set()
+        return seen
+
+    async def run() -> tuple[list[float], list[float]]:
+        first_token = asyncio.Event()
+        async with httpx.AsyncClient(timeout=60) as client:
+            selected = asyncio.create_task(stamps(client, urgent, first_token))
+            await first_token.wait()
+            left_out = await stamps(client, body(server, 100.0, 5, stream=True), None)
+            return await selected, left_out
+
+    selected, left_out = asyncio.run(run())
+    assert len(selected) > 1 and left_out  # (chunks: a slow reader may get 2 tokens in one)
+    assert min(left_out) > max(selected)
