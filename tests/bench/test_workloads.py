@@ -15,7 +15,7 @@ from bench.harness import workloads
 from bench.harness.workloads import LengthFit, WorkloadSpec
 from bench.models.lexicon import alpaca_rows, bpe_lexicon, load_lexicon, truncate
 from bench.models.tiny_models import build_tokenizer, instructions
-from predictors.home import DATASETS
+from predictors.home import DATASETS, open_text
 
 TRACE = DATASETS / "traces" / "mooncake_conversation.jsonl"
 
@@ -38,7 +38,7 @@ def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
 
 
 def trace_rows(n: int) -> list[dict[str, Any]]:
-    with TRACE.open() as f:
+    with open_text(TRACE) as f:
         return [json.loads(line) for _, line in zip(range(n), f, strict=False)]
 
 

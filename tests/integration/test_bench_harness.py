@@ -16,7 +16,7 @@ from bench.harness import workloads
 from bench.harness.proxy_process import running_proxy
 from bench.harness.results import read
 from bench.models.lexicon import CHAT_TEMPLATE_TOKENS
-from predictors.home import DATASETS
+from predictors.home import DATASETS, open_text
 from proxy.fleet.vllm_metrics import parse_samples
 
 pytestmark = pytest.mark.vllm
@@ -115,7 +115,7 @@ def test_trace_replay_prefixes_hit_vllms_prefix_cache(vllm_fleet: Any, tmp_path:
     built = workloads.build(workloads.WorkloadSpec(
         "trace", DATASETS, n=400, seed=11))  # texts no other test has sent
     trace = DATASETS / "traces" / "mooncake_conversation.jsonl"
-    hash_ids = [json.loads(line)["hash_ids"] for line in trace.open()][:400]
+    hash_ids = [json.loads(line)["hash_ids"] for line in open_text(trace)][:400]
     groups: dict[tuple[int, ...], list[workloads.WorkloadRequest]] = {}
     for request in built.requests:
         line = int(request.id.rsplit("-", 1)[1])

@@ -1,6 +1,6 @@
 """Domain-labelled prompts for the ELDR study, from material on this machine.
 
-* `prose`: alpaca_eval instructions (../shared/data).
+* `prose`: alpaca_eval instructions (datasets/data).
 * `code`: 12-line windows of laneway's own Python source.
 * `math`: generated arithmetic and algebra problems (synthetic, seeded).
 * `ru`, `zh`, `ja`: phrases assembled from glibc's locale data

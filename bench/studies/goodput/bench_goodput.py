@@ -542,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
                         "when named)")
     parser.add_argument("--peers", default="", metavar="ROUTER:POLICY,...",
                         help="also run peer routers in front of the same fleet, as "
-                        "baselines (bench/studies/peers.py; `make bench STUDY=peers` installs them): "
+                        "baselines (bench/studies/peers.py; `make bench STUDY=peers` installs "
+                        "them): "
                         "vllm-router:cache_aware, vllm-router:power_of_two, ...")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the whole comparison this many times per fleet; goodput "

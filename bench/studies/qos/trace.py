@@ -1,13 +1,13 @@
 """qos_drl under a real-world arrival trace (the paper's §VI-A b), in the simulator.
 
     python -m bench.studies.qos.trace --checkpoint Q --baseline-checkpoint B [--rates 5]
-        [--seeds 7 8 9 10 11 12] [--trace ../shared/traces/mooncake_conversation.jsonl]
+        [--seeds 7 8 9 10 11 12] [--trace datasets/traces/mooncake_conversation.jsonl.gz]
         [--speed 1.0] [--out docs/results/qos_drl/trace.json]   (--speed: bench_qos's)
 
 The paper trains on Poisson arrivals at λ = 5 and then replays a real workload
 (BurstGPT) "during a period with average arrival rate λ = 5", reporting at least
 +33.47 % average QoS over every baseline. BurstGPT is not here; the Mooncake
-conversation trace (one hour of real arrivals, `../shared/traces/`) is. Every router of
+conversation trace (one hour of real arrivals, `datasets/traces/`) is. Every router of
 `bench.studies.qos.bench_qos` runs on the same draws of three arrival processes, each draw a seed:
 Poisson at λ (as trained), the trace's arrivals (a seeded window of `--arrivals`,
 time-scaled to mean rate λ; `bench.studies.qos.sim.TraceArrivals`) spread within the trace's
@@ -32,7 +32,7 @@ from bench.studies.qos.live_report import repo_path
 from bench.studies.qos.setup import comparison
 from bench.studies.qos.sim import QosSim, TraceArrivals, trace_times
 from policies.qos_drl.sac import load_checkpoint
-from predictors.home import REPO
+from predictors.home import DATASETS, REPO
 
 PROCESSES = ("poisson", "trace", "trace_bursts")
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     add_simulator_arguments(parser)
     parser.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9, 10, 11, 12])
     parser.add_argument("--trace", type=Path,
-                        default=REPO.parent / "shared/traces/mooncake_conversation.jsonl")
+                        default=DATASETS / "traces" / "mooncake_conversation.jsonl")
     parser.add_argument("--processes", nargs="+", choices=PROCESSES, default=list(PROCESSES))
     parser.add_argument("--out", type=Path,
                         default=REPO / "docs/results/qos_drl/trace.json")
