@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
 EXTRAS := backends,bench,dev,predictors
 
-.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-tracing bench-memory bench-chaos bench-peers bench-migration bench-outliers bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr clean
+.PHONY: lock train-buckets evaluate-buckets train-qos-drl bench-qos bench-qos-paper bench-qos-live bench-qos-draws train-qos-drl-tiny bench-qos-real bench-qos-headroom bench-qos-robust train-qos-drl-tiny-jitter train-qos-drl-expected bench-qos-estimate bench-qos-seeds bench-qos-ablation install services stack-local demo test test-fast lint bench-overhead bench-tracing bench-memory bench-chaos bench-peers bench-migration bench-outliers bench-flow-control bench-strict-flow bench-policy-latency train-length evaluate-length bench-predictor-latency bench-scale bench-policies bench-goodput bench-calibrate bench-emulator-capacity bench-eldr docs clean
 
 install: $(STAMP)
 
@@ -223,8 +223,14 @@ bench-eldr: install
 	$(VENV)/bin/laneway backends build --variants moe-lm --shared $(SHARED)
 	$(PY) -m bench.bench_eldr --shared $(SHARED)
 
+# the docs site (MkDocs + Material, docs/ and mkdocs.yml) -> site/; its hooks generate the
+# configuration reference and policy params from the pydantic models and the benchmark
+# tables from docs/results/*.json (docs/gen_config_reference.py, docs/gen_results_tables.py)
+docs: install
+	$(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
 
 # qos_drl (README, Policies: qos_drl): MiniLM score/length bucket predictors
 # → .laneway/predictors/buckets-minilm-v1 (6 layers) and its 3-layer distillation
