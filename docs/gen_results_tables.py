@@ -131,7 +131,8 @@ def policy(name: str) -> str:
     rows = [[fleet, *_policy_row(r)] for fleet in FLEETS
             for r in _load(f"policies/{fleet}/summary.json") if r["name"] == name]
     out = _table(["fleet", *POLICY_HEADER], rows) if rows else ""
-    return out + ("\n\n" if out else "") + policy_latency(name)
+    source = ", ".join(f"`docs/results/policies/{fleet}/summary.json`" for fleet in FLEETS)
+    return (f"{out}\n\n({source})\n\n" if out else "") + policy_latency(name)
 
 
 def goodput_headline() -> str:
