@@ -246,8 +246,14 @@ study-eldr: install
 	$(PY) -m bench backends build --variants moe-lm --shared $(DATASETS)
 	$(PY) -m bench.studies.eldr.bench_eldr --shared $(DATASETS)
 
+# the docs site (MkDocs + Material, docs/ and mkdocs.yml) -> site/; its hooks generate the
+# configuration reference and policy params from the pydantic models and the benchmark
+# tables from docs/results/*.json (docs/gen_config_reference.py, docs/gen_results_tables.py)
+docs: install
+	$(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
 
 # qos_drl (README, Policies: qos_drl): MiniLM score/length bucket predictors
 # → .laneway/predictors/buckets-minilm-v1 (6 layers) and its 3-layer distillation

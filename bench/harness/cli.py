@@ -28,7 +28,7 @@ def _workload_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--workload", required=True,
                        help="trace | poisson | gamma | onoff, or a saved workload .jsonl")
     group.add_argument("--shared", default=str(DATASETS),
-                       help="folder holding data/ and traces/ (default: <repo>/../shared)")
+                       help="folder holding data/ and traces/ (default: <repo>/datasets)")
     group.add_argument("--requests", type=int, default=100, help="requests to build")
     group.add_argument("--duration", type=float,
                        help="seconds of arrivals to build (and to send from a saved file)")

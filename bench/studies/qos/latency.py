@@ -134,7 +134,7 @@ def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, runtime: Bu
     bench.timed(prompts[:10], given=False)  # warm-up
     agent = bench.timed(prompts, given=True)
     inline = bench.timed(prompts, given=False)
-    under = [asyncio.run(bench.arrivals(prompts, rate, seed=int(rate)))
+    under = [asyncio.run(bench.harness.arrivals(prompts, rate, seed=int(rate)))
              for rate in sorted({*rates, reference})]  # the reference rate always
     ref = next(row for row in under if row["rate"] == reference)
     agent_p50 = round(statistics.median(agent), 3)
