@@ -106,6 +106,17 @@ class Auth:
             raise Unauthorized("Incorrect API key provided.")
         return key
 
+    def admit_read(self, headers: Mapping[str, str]) -> ApiKey | None:
+        """The key of a request that generates nothing (reading a stored response),
+        charged one request against its requests per minute."""
+        key = self.key_of(headers)
+        if key is None:
+            return None
+        now = self._clock()
+        self._check(key, "requests", key.requests_per_minute, 1, now)
+        self.limiter.charge(f"{key.name}:requests", 1, window_of(now))
+        return key
+
     def admit(self, headers: Mapping[str, str], ctx: RequestContext) -> Grant | None:
         """Check the key, its models and its limits, and charge the request."""
         return self.admit_model(headers, ctx.model, len(ctx.prompt_text),
