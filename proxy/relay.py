@@ -452,7 +452,8 @@ def exhausted(model: str, failures: list[UpstreamFailure], retry_after_s: int) -
             f"(tried {tried}).", retry_after_s=retry_after_s)
     # Each failure's detail (a backend's answer, an address) is in the log
     # (Runtime.upstream_failed), not in what the client reads.
-    tried = ", ".join(f"{f.backend.name}: {f.kind}" for f in failures)
+    tried = ", ".join(f"{f.backend.name}: " + (f"HTTP {f.status}" if f.status else f.kind)
+                      for f in failures)
     if all(f.kind == "timeout" for f in failures):
         return UpstreamTimeout(f"Every backend tried timed out ({tried}).")
     return UpstreamError(f"Every backend tried failed ({tried}).")
