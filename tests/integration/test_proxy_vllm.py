@@ -831,10 +831,10 @@ def test_an_https_vllm_backend_is_verified_against_the_configured_ca(
         assert secure[0].url.startswith("https://")
         backends = [{"name": "secure", "url": secure[0].url, "model": LARGE}]
         ask = {"model": LARGE, "prompt": STORY, "max_tokens": 6}
-        with running_proxy({"backends": backends,
+        with running_proxy({"backends": backends, "admin": {"token": ADMIN_TOKEN},
                             "upstream": {"tls_ca_file": str(ca_file)}}) as proxy, \
                 httpx.Client(base_url=proxy.url, timeout=60) as http:
-            health = http.get("/health").json()["backends"]["secure"]
+            health = http.get("/admin/health", headers=ADMIN).json()["backends"]["secure"]
             whole = http.post("/v1/completions", json=ask)
             streamed = http.post("/v1/completions", json={**ask, "stream": True})
         with running_proxy({"backends": backends}, ready_timeout_s=10) as untrusting, \
