@@ -28,10 +28,8 @@ DELETE /admin/lora_adapters/{name}     unload it ({"backends"?, "timeout_s"?})
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -39,6 +37,7 @@ from pydantic import ValidationError
 
 from policies.base import PolicyLoadError, UnknownPolicyError, build_policy
 from proxy import lora_admin
+from proxy.admin_guard import check_backend, check_body_type, check_request, check_save_path
 from proxy.asgi import (
     ClientGone,
     Receive,
@@ -49,23 +48,13 @@ from proxy.asgi import (
     send_error,
     send_json,
 )
-from proxy.auth import hash_key
-from proxy.config import (
-    AdminConfig,
-    BackendConfig,
-    ConfigError,
-    PolicyConfig,
-    backend_allowed,
-)
+from proxy.config import BackendConfig, ConfigError, PolicyConfig
 from proxy.errors import (
     Conflict,
-    Forbidden,
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
     ProxyError,
-    Unauthorized,
-    UnsupportedMediaType,
 )
 from proxy.reconfigure import add_backend, reload_config, remove_backend, switch_policy
 from proxy.runtime import Runtime, backend_of
@@ -73,21 +62,17 @@ from proxy.runtime import Runtime, backend_of
 log = logging.getLogger("laneway.admin")
 PREFIX = "/admin/"
 _MAX_BODY = 64 * 1024
-_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 Action = Callable[[Runtime, list[str], bytes], Awaitable[tuple[int, Any]]]
 
 
 async def handle_admin(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
     try:
         headers = header_map(scope)
-        _check_site(rt, headers)
-        _authorize(rt.settings.admin, headers)
+        check_request(rt.settings.admin, rt.settings.server.host, headers)
         parts = scope["path"][len(PREFIX):].strip("/").split("/")
         action = _route(parts, scope["method"], scope["path"])
         body = await read_body(headers, receive, _MAX_BODY, rt.settings.server.body_timeout_s)
-        if body.strip() and not _is_json(headers):
-            raise UnsupportedMediaType("An admin request's body must be sent as "
-                                       "`Content-Type: application/json`.")
+        check_body_type(headers, body)
         status, payload = await action(rt, parts, body)
         await send_json(send, status, payload)
     except ClientGone:
@@ -114,45 +99,6 @@ def _route(parts: list[str], method: str, path: str) -> Action:
         allowed = ", ".join(m for (name, m) in _ACTIONS if name == key[0])
         raise MethodNotAllowed(f"{path} accepts {allowed}.")
     return action
-
-
-def _authorize(cfg: AdminConfig, headers: dict[str, str]) -> None:
-    """The bearer token's SHA-256 against the configured one, in constant time."""
-    scheme, _, given = headers.get("authorization", "").partition(" ")
-    if cfg.token_sha256 is None or scheme.lower() != "bearer" or not given.strip() \
-            or not hmac.compare_digest(hash_key(given.strip()), cfg.token_sha256):
-        raise Unauthorized("The admin API needs `Authorization: Bearer <admin.token>`.")
-
-
-def _check_site(rt: Runtime, headers: dict[str, str]) -> None:
-    """Refuse a `Host` this proxy is not known by (a rebound DNS name) and a browser
-    page's request from another origin (CSRF)."""
-    host = headers.get("host", "")
-    if _hostname(host) not in _allowed_hosts(rt):
-        raise Forbidden(f"The admin API does not answer to the host name `{host[:100]}` "
-                        "(admin.allowed_hosts).")
-    origin = headers.get("origin")
-    if origin is not None and origin.partition("://")[2].lower() != host.lower():
-        raise Forbidden("The admin API takes no cross-origin requests.")
-
-
-def _allowed_hosts(rt: Runtime) -> frozenset[str]:
-    server_host = rt.settings.server.host.lower()
-    names = {_hostname(name) for name in rt.settings.admin.allowed_hosts}
-    return _LOOPBACK | names | ({server_host} - {"0.0.0.0", "::", ""})
-
-
-def _hostname(host: str) -> str:
-    """`Host` without its port, lower case (`[::1]:8000` -> `::1`)."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
-
-
-def _is_json(headers: dict[str, str]) -> bool:
-    media = headers.get("content-type", "").partition(";")[0].strip().lower()
-    return media == "application/json"
 
 
 # -- actions ---------------------------------------------------------------------------
@@ -196,9 +142,7 @@ async def _add(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
         cfg = BackendConfig.model_validate(data)
     except ValidationError as exc:
         raise InvalidRequest(_first_error(exc)) from None
-    if not backend_allowed(rt.settings.admin.backend_allowlist, str(cfg.url)):
-        raise Forbidden(f"The admin API may not add a backend at {cfg.url.host}: not in "
-                        "admin.backend_allowlist.", param="url")
+    check_backend(rt.settings.admin, str(cfg.url), cfg.url.host or "")
     backend = backend_of(cfg)  # its own api_key, never upstream.api_key
     try:
         add_backend(rt, backend)
@@ -242,7 +186,7 @@ async def _get_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, 
 async def _put_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
     try:
         cfg = PolicyConfig.model_validate(_json(body))
-        _check_save_path(rt.settings.admin, cfg.params.get("online_save"))
+        check_save_path(rt.settings.admin, cfg.params.get("online_save"))
         params = dict(cfg.params)  # built off the loop: a policy may load models
         policy = await asyncio.to_thread(build_policy, cfg.name, params)
         switch_policy(rt, cfg.name, params, policy)
@@ -253,19 +197,6 @@ async def _put_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, 
     except PolicyLoadError as exc:
         raise InvalidRequest(str(exc), param="params") from None
     return 200, {"name": cfg.name, "params": cfg.params}
-
-
-def _check_save_path(cfg: AdminConfig, path: Any) -> None:
-    """A policy that writes a file (qos_drl's `online_save`) writes it only under
-    `admin.policy_save_dir`: the admin API must not write anywhere the proxy may."""
-    if path is None:
-        return
-    root = None if cfg.policy_save_dir is None else Path(cfg.policy_save_dir).resolve()
-    if root is None or not isinstance(path, str) \
-            or not Path(root, path).resolve().is_relative_to(root):
-        raise Forbidden("`online_save` must be a path under admin.policy_save_dir "
-                        f"({cfg.policy_save_dir or 'not set: no file may be written'}).",
-                        param="params")
 
 
 async def _health(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:

@@ -7,11 +7,8 @@ Unknown keys and bad values fail at start with the key's dotted path in the mess
 
 from __future__ import annotations
 
-import ipaddress
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -284,45 +281,15 @@ class AdminConfig(_Section):
                              "one counts as none): the admin API would be open to "
                              "anyone who reaches the port. Set admin.token (or "
                              "LANEWAY_ADMIN__TOKEN), or admin.enabled: false")
+        from proxy.admin_guard import allowlist_entry  # (it reads this module's types)
+
         for entry in self.backend_allowlist:
-            _allowlist_entry(entry)
+            allowlist_entry(entry)
         return self
 
     @property
     def on(self) -> bool:
         return self.token_sha256 is not None and self.enabled is not False
-
-
-def _allowlist_entry(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | str:
-    """A network, or a host name (lower case); raises ValueError."""
-    try:
-        return ipaddress.ip_network(entry, strict=False)
-    except ValueError:
-        pass
-    name = entry.strip().lower().rstrip(".")
-    if not re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*",
-                        name):
-        raise ValueError(f"admin.backend_allowlist: {entry!r} is neither a network nor a "
-                         "host name")
-    return name
-
-
-def backend_allowed(allowlist: list[str], url: str) -> bool:
-    """Whether `url`'s host is in `allowlist`: an IP address inside one of its networks,
-    or a host name it lists (names are not resolved: a name's address can change)."""
-    host = (urlsplit(url).hostname or "").lower().rstrip(".")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        address = None
-    for entry in map(_allowlist_entry, allowlist):
-        if isinstance(entry, str):
-            if address is None and host == entry:
-                return True
-        elif address is not None and address.version == entry.version \
-                and address in entry:
-            return True
-    return False
 
 
 class ApiKeyConfig(_Section):
