@@ -27,6 +27,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from proxy.allowlist import allowlist_entry
+from proxy.hashing import hash_key
 from proxy.tls import check_server_tls, upstream_context
 
 if TYPE_CHECKING:
@@ -82,6 +84,16 @@ class BackendConfig(_Section):
     api_key: SecretStr | None = Field(None, description="sent to this backend as "
                                       "`Authorization: Bearer <key>` (vLLM's --api-key) "
                                       "instead of the client's; null: upstream.api_key")
+
+    @field_validator("url")
+    @classmethod
+    def _no_credentials(cls, url: HttpUrl) -> HttpUrl:
+        """`user:pass@` would be logged and listed with the URL; a backend's secret
+        is its `api_key`."""
+        if url.username or url.password:
+            raise ValueError("a backend URL must not carry credentials (user:password@); "
+                             "give the backend an api_key instead")
+        return url
 
 
 class PolicyConfig(_Section):
@@ -229,9 +241,55 @@ class FlowControlConfig(_Section):
 
 
 class AdminConfig(_Section):
-    enabled: bool = Field(True, description="serve /admin/... (drain, undrain)")
-    token: str | None = Field(None, description="if set, /admin needs `Authorization: "
-                              "Bearer <token>`")
+    """The admin API (proxy/http/admin.py; docs/security.md). Closed unless a token is set;
+    only the token's SHA-256 is kept (`token` in the file or LANEWAY_ADMIN__TOKEN is
+    hashed into `token_sha256` as the config loads)."""
+
+    enabled: bool | None = Field(None, description="serve /admin/...; null: when a token "
+                                 "is set; true without a token: the config is refused")
+    token_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="hex "
+                                     "SHA-256 of the token /admin needs as `Authorization: "
+                                     "Bearer <token>` (`laneway keys hash <token>`)")
+    allowed_hosts: list[str] = Field(default_factory=list, description="`Host` names "
+                                     "/admin answers besides loopback ones and "
+                                     "server.host (DNS rebinding)")
+    backend_allowlist: list[str] = Field(
+        default_factory=list, description="networks (10.0.0.0/8) and host names "
+        "(vllm-gpu0) whose backends POST /admin/backends may add; empty: none")
+    policy_save_dir: str | None = Field(None, description="PUT /admin/policy may set "
+                                        "qos_drl's `online_save` only under this "
+                                        "directory; null: not at all")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hash_token(cls, data: Any) -> Any:
+        """Keep the token's hash only; an empty token (an unset env var) is none."""
+        if not isinstance(data, dict) or "token" not in data:
+            return data
+        data = dict(data)
+        token = data.pop("token")
+        if token is not None and not isinstance(token, str):
+            raise ValueError("admin.token must be a string")
+        if token and token.strip():
+            if data.get("token_sha256") is not None:
+                raise ValueError("set admin.token or admin.token_sha256, not both")
+            data["token_sha256"] = hash_key(token.strip())
+        return data
+
+    @model_validator(mode="after")
+    def _closed_without_token(self) -> AdminConfig:
+        if self.enabled and self.token_sha256 is None:
+            raise ValueError("admin.enabled is true but no admin.token is set (an empty "
+                             "one counts as none): the admin API would be open to "
+                             "anyone who reaches the port. Set admin.token (or "
+                             "LANEWAY_ADMIN__TOKEN), or admin.enabled: false")
+        for entry in self.backend_allowlist:
+            allowlist_entry(entry)
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.token_sha256 is not None and self.enabled is not False
 
 
 class ApiKeyConfig(_Section):

@@ -61,6 +61,22 @@ class PermissionDenied(ProxyError):
     code = "model_not_allowed"
 
 
+class Forbidden(ProxyError):
+    """A request the admin API refuses whoever sends it: from a browser page of another
+    origin, for a host name it does not serve (DNS rebinding), or a backend or path
+    outside what the config allows."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "forbidden"
+
+
+class UnsupportedMediaType(ProxyError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
 class RateLimited(ProxyError):
     """A key went over its requests or tokens per minute (OpenAI: type = the limit)."""
 
@@ -142,9 +158,10 @@ class UpstreamError(ProxyError):
     code = "upstream_failed"
 
 
-def mid_stream_failure(backend: str, kind: str, detail: str) -> UpstreamError:
-    """The error reported in a stream whose backend failed after its first byte."""
-    return UpstreamError(f"Backend {backend} failed mid-stream ({kind}: {detail}); "
+def mid_stream_failure(backend: str, kind: str) -> UpstreamError:
+    """The error reported in a stream whose backend failed after its first byte: its
+    kind only (the exception's text, with addresses in it, goes to the log)."""
+    return UpstreamError(f"Backend {backend} failed mid-stream ({kind}); "
                          "the response is incomplete.")
 
 

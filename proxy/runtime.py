@@ -17,7 +17,7 @@ from predictors.length import load_length_predictor
 from proxy.admission.auth import Auth, Grant, anthropic_limit_headers
 from proxy.admission.flow_control import ANYONE, FlowControl, Place
 from proxy.asgi import Scope, Send, send_error, with_headers
-from proxy.config import Settings
+from proxy.config import BackendConfig, Settings
 from proxy.errors import InvalidRequest, ModelNotFound, ProxyError
 from proxy.fleet.active_streams import ActiveStreams
 from proxy.fleet.discovery import ModelDiscovery
@@ -44,16 +44,21 @@ PRIORITY_HEADER, MAX_HEADER_PRIORITY = "x-laneway-priority", 10
 
 
 def backends_from(settings: Settings) -> list[Backend]:
-    return [
-        Backend(
-            name=b.name,
-            url=str(b.url).rstrip("/"),
-            model=b.model,
-            labels=MappingProxyType(dict(b.labels)),
-            api_key=_secret(b.api_key or settings.upstream.api_key),
-        )
-        for b in settings.backends
-    ]
+    """The backends the config names; each without its own key gets upstream.api_key."""
+    return [backend_of(b, settings.upstream.api_key) for b in settings.backends]
+
+
+def backend_of(cfg: BackendConfig, default_key: SecretStr | None = None) -> Backend:
+    """`cfg` as routed to; `default_key` if it has no key of its own (the operator's
+    upstream key only for backends the config file names: one added through the
+    admin API must not receive it)."""
+    return Backend(
+        name=cfg.name,
+        url=str(cfg.url).rstrip("/"),
+        model=cfg.model,
+        labels=MappingProxyType(dict(cfg.labels)),
+        api_key=_secret(cfg.api_key or default_key),
+    )
 
 
 def _secret(value: SecretStr | None) -> str | None:

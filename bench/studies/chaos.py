@@ -53,6 +53,9 @@ from bench.studies.memory import metric_total
 from bench.studies.overhead_procs import wait_ok
 from predictors.home import DATASETS, REPO, laneway_home, open_text
 
+ADMIN_TOKEN = "chaos-admin-token"  # the replicas' admin API (local processes)
+ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
 MODEL = "tiny-llama"
 KINDS = ("chat_stream", "chat_whole", "completion_stream", "completion_whole")
 LENGTHS = (24, 48, 96, 160)
@@ -412,7 +415,8 @@ class Run:
         """On every replica: each keeps its own list of backends (as in a deployment,
         where an operator's script calls each)."""
         for proxy in self.replicas.procs:
-            async with http.request(method, proxy.url + path, json=payload) as resp:
+            async with http.request(method, proxy.url + path, json=payload,
+                                    headers=ADMIN_HEADERS) as resp:
                 self.admin[f"{label} {resp.status}"] += 1
 
     async def watch_backends(self, http: aiohttp.ClientSession) -> None:
@@ -478,7 +482,9 @@ async def run_async(plan: Plan, fleet: Fleet, shared: Path, log_dir: Path
             "policy": {"name": plan.policy},
             "upstream": {"retry_window_s": 60},
             "server": {"access_log": True},  # (checked: no request served twice)
-            "debug": {"allow_forced_migration": True}}
+            "debug": {"allow_forced_migration": True},
+            # the re-added backends are this machine's fakes
+            "admin": {"token": ADMIN_TOKEN, "backend_allowlist": ["127.0.0.0/8"]}}
         if plan.max_inflight:
             config["flow_control"] = {"max_inflight_per_backend": plan.max_inflight,
                                       "queue_timeout_s": 300}

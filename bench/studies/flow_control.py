@@ -35,7 +35,7 @@ from bench.harness.ports import free_port
 from bench.harness.proxy_process import running_proxy
 from bench.harness.report import git_commit, pct
 from bench.harness.services import running_fakes
-from proxy.admission.auth import hash_key
+from proxy.hashing import hash_key
 
 BATCH = 4  # each backend's --max-num-seqs, and flow control's limit
 TENANTS = {  # name: (closed-loop clients, priority, think time s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import secrets
 import signal
 import threading
 from collections.abc import Iterator
@@ -87,10 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     backends = _fake_backends() if args.fake else _vllm_backends(args.shared)
-    with backends as fleet, running_stack(fleet) as stack:
+    admin_token = secrets.token_urlsafe(16)  # this run's (docs/security.md)
+    with backends as fleet, running_stack(fleet, config={"admin": {"token": admin_token}}
+                                          ) as stack:
         print("laneway stack is up (Ctrl-C stops it):")
         for i, proxy in enumerate(stack.proxies):
             print(f"  proxy replica {i}: {proxy.url}/v1   admin: {proxy.url}/admin/backends")
+        print(f"  admin API: Authorization: Bearer {admin_token}")
         for backend in fleet:
             print(f"  backend {backend['name']}: {backend['url']} ({backend['model']})")
         print(f"  redis: {stack.redis_url}")

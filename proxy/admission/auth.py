@@ -10,7 +10,6 @@ request ends (`settle`); a request that got no answer is refunded.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -19,12 +18,9 @@ from typing import Any
 
 from proxy.config import ApiKeyConfig, AuthConfig
 from proxy.errors import PermissionDenied, RateLimited, Unauthorized
+from proxy.hashing import hash_key
 from proxy.state.rate_counters import RateLimiter, WindowCounters, window_of
 from proxy.types import Outcome, RequestContext
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +100,17 @@ class Auth:
         key = self._config_keys.get(digest) or self._store_keys.get(digest)
         if key is None:
             raise Unauthorized("Incorrect API key provided.")
+        return key
+
+    def admit_read(self, headers: Mapping[str, str]) -> ApiKey | None:
+        """The key of a request that generates nothing (reading a stored response),
+        charged one request against its requests per minute."""
+        key = self.key_of(headers)
+        if key is None:
+            return None
+        now = self._clock()
+        self._check(key, "requests", key.requests_per_minute, 1, now)
+        self.limiter.charge(f"{key.name}:requests", 1, window_of(now))
         return key
 
     def admit(self, headers: Mapping[str, str], ctx: RequestContext) -> Grant | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from proxy.admission.auth import hash_key
+from proxy.hashing import hash_key
 
 
 def _new(args: argparse.Namespace) -> int:

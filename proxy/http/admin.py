@@ -1,5 +1,10 @@
-"""`/admin/...`: operate a running proxy. With `admin.token` set every route needs
-`Authorization: Bearer <token>`.
+"""`/admin/...`: operate a running proxy. Served only with `admin.token` set; every
+route needs `Authorization: Bearer <token>`, a `Host` this proxy answers to (loopback,
+server.host, admin.allowed_hosts: DNS rebinding), no `Origin` of another site, and a
+JSON body as `Content-Type: application/json` (a browser's cross-site "simple" request
+can send neither). docs/security.md.
+
+GET    /admin/health                   /health with each backend's details
 
 GET    /admin/backends                 backends with live stats, policy, shared state
 POST   /admin/backends                 add one: {"name", "url", "model", "labels"?}
@@ -23,7 +28,6 @@ DELETE /admin/lora_adapters/{name}     unload it ({"backends"?, "timeout_s"?})
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -49,11 +53,11 @@ from proxy.errors import (
     MethodNotAllowed,
     NotFound,
     ProxyError,
-    Unauthorized,
 )
 from proxy.http import lora_admin
+from proxy.http.admin_guard import check_backend, check_body_type, check_request, check_save_path
 from proxy.reconfigure import add_backend, reload_config, remove_backend, switch_policy
-from proxy.runtime import Runtime, backends_from
+from proxy.runtime import Runtime, backend_of
 
 log = logging.getLogger("laneway.admin")
 PREFIX = "/admin/"
@@ -64,10 +68,11 @@ Action = Callable[[Runtime, list[str], bytes], Awaitable[tuple[int, Any]]]
 async def handle_admin(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
     try:
         headers = header_map(scope)
-        _authorize(rt, headers)
+        check_request(rt.settings.admin, rt.settings.server.host, headers)
         parts = scope["path"][len(PREFIX):].strip("/").split("/")
         action = _route(parts, scope["method"], scope["path"])
         body = await read_body(headers, receive, _MAX_BODY, rt.settings.server.body_timeout_s)
+        check_body_type(headers, body)
         status, payload = await action(rt, parts, body)
         await send_json(send, status, payload)
     except ClientGone:
@@ -83,7 +88,7 @@ def _route(parts: list[str], method: str, path: str) -> Action:
         key = ("backend", method)
     elif parts[0] == "backends" and len(parts) == 3 and parts[2] in ("drain", "undrain"):
         key = (parts[2], method)
-    elif len(parts) == 1 and parts[0] in ("policy", "reload", "lora_adapters"):
+    elif len(parts) == 1 and parts[0] in ("health", "policy", "reload", "lora_adapters"):
         key = (parts[0], method)
     elif parts[0] == "lora_adapters" and len(parts) == 2:
         key = ("lora_adapter", method)
@@ -94,15 +99,6 @@ def _route(parts: list[str], method: str, path: str) -> Action:
         allowed = ", ".join(m for (name, m) in _ACTIONS if name == key[0])
         raise MethodNotAllowed(f"{path} accepts {allowed}.")
     return action
-
-
-def _authorize(rt: Runtime, headers: dict[str, str]) -> None:
-    token = rt.settings.admin.token
-    if token is None:
-        return
-    given = headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        raise Unauthorized("The admin API needs `Authorization: Bearer <admin.token>`.")
 
 
 # -- actions ---------------------------------------------------------------------------
@@ -146,7 +142,8 @@ async def _add(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
         cfg = BackendConfig.model_validate(data)
     except ValidationError as exc:
         raise InvalidRequest(_first_error(exc)) from None
-    backend = backends_from(rt.settings.model_copy(update={"backends": [cfg]}))[0]
+    check_backend(rt.settings.admin, str(cfg.url), cfg.url.host or "")
+    backend = backend_of(cfg)  # its own api_key, never upstream.api_key
     try:
         add_backend(rt, backend)
     except ValueError:
@@ -189,6 +186,7 @@ async def _get_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, 
 async def _put_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
     try:
         cfg = PolicyConfig.model_validate(_json(body))
+        check_save_path(rt.settings.admin, cfg.params.get("online_save"))
         params = dict(cfg.params)  # built off the loop: a policy may load models
         policy = await asyncio.to_thread(build_policy, cfg.name, params)
         switch_policy(rt, cfg.name, params, policy)
@@ -199,6 +197,32 @@ async def _put_policy(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, 
     except PolicyLoadError as exc:
         raise InvalidRequest(str(exc), param="params") from None
     return 200, {"name": cfg.name, "params": cfg.params}
+
+
+async def _health(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
+    return health_details(rt)
+
+
+def health_details(rt: Runtime) -> tuple[int, dict[str, Any]]:
+    """The fleet's health with each backend's address and load (the admin's view;
+    `/health` answers with the status only)."""
+    backends: dict[str, Any] = {}
+    for backend in rt.registry.all():
+        stats = rt.registry.stats.get(backend.name)
+        backends[backend.name] = {
+            "url": backend.url,
+            "model": backend.model,
+            "healthy": bool(stats and stats.healthy),
+            "inflight": rt.registry.local_inflight.get(backend.name, 0),  # via this replica
+            "cluster_inflight": rt.registry.inflight.get(backend.name, 0),  # via all
+            "running": stats.running if stats else None,
+            "waiting": stats.waiting if stats else None,
+            "kv_usage": stats.kv_usage if stats else None,
+        }
+    up = sum(1 for b in backends.values() if b["healthy"])
+    status = "ok" if up == len(backends) and up else ("degraded" if up else "unavailable")
+    return 200 if up else 503, {"status": status, "policy": rt.router.policy_name,
+                                "healthy_backends": up, "backends": backends}
 
 
 async def _reload(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
@@ -237,6 +261,7 @@ async def _unload_adapter(rt: Runtime, parts: list[str], body: bytes) -> tuple[i
 
 
 _ACTIONS: dict[tuple[str, str], Action] = {
+    ("health", "GET"): _health,
     ("backends", "GET"): _list, ("backends", "POST"): _add,
     ("backend", "DELETE"): _remove,
     ("drain", "POST"): _drain, ("undrain", "POST"): _undrain,

@@ -20,7 +20,7 @@ from proxy.asgi import Receive, Scope, Send, header_map, send_bytes, send_error,
 from proxy.config import Settings
 from proxy.errors import InternalError, MethodNotAllowed, NotFound, ProxyError
 from proxy.http.admin import PREFIX as ADMIN_PREFIX
-from proxy.http.admin import handle_admin
+from proxy.http.admin import handle_admin, health_details
 from proxy.http.cors import Cors
 from proxy.http.generation_routes import handle_completion
 from proxy.http.passthrough_routes import PATHS as PASSTHROUGH_PATHS
@@ -75,25 +75,10 @@ async def _livez(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> Non
 
 
 async def _health(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
-    backends: dict[str, Any] = {}
-    for backend in rt.registry.all():
-        stats = rt.registry.stats.get(backend.name)
-        backends[backend.name] = {
-            "url": backend.url,
-            "model": backend.model,
-            "healthy": bool(stats and stats.healthy),
-            "inflight": rt.registry.local_inflight.get(backend.name, 0),  # via this replica
-            "cluster_inflight": rt.registry.inflight.get(backend.name, 0),  # via all
-            "running": stats.running if stats else None,
-            "waiting": stats.waiting if stats else None,
-            "kv_usage": stats.kv_usage if stats else None,
-        }
-    up = sum(1 for b in backends.values() if b["healthy"])
-    status = "ok" if up == len(backends) and up else ("degraded" if up else "unavailable")
-    await send_json(send, 200 if up else 503, {
-        "status": status, "policy": rt.router.policy_name,
-        "healthy_backends": up, "backends": backends,
-    })
+    """Readiness, for anyone who can reach the port: the status only. Which backends,
+    where, and how loaded is the admin's to read (`GET /admin/health`)."""
+    status, details = health_details(rt)
+    await send_json(send, status, {"status": details["status"]})
 
 
 async def _metrics(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
@@ -169,11 +154,11 @@ class LanewayApp:
                 return
             send = self.cors.answering(send, origin)
         route = ROUTES.get(scope["path"])
-        if route is None and scope["path"].startswith(ADMIN_PREFIX) \
-                and self.settings.admin.enabled:
+        if route is None and scope["path"].startswith(ADMIN_PREFIX):
             assert self.runtime is not None, "lifespan did not run"
-            await handle_admin(self.runtime, scope, receive, send)
-            return
+            if self.runtime.settings.admin.on:  # as last (re)loaded
+                await handle_admin(self.runtime, scope, receive, send)
+                return
         if route is None and scope["path"].startswith(RESPONSES_PREFIX):
             assert self.runtime is not None, "lifespan did not run"
             await handle_stored(self.runtime, scope, receive, send)

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, quote
 
+import orjson
+
 from proxy.asgi import Receive, Scope, Send, header_map, until_disconnect
 from proxy.errors import (
     MethodNotAllowed,
@@ -36,6 +38,7 @@ from proxy.request_context import request_id
 from proxy.types import Backend
 
 if TYPE_CHECKING:
+    from proxy.admission.auth import ApiKey
     from proxy.runtime import Runtime
 
 PREFIX = "/v1/responses/"
@@ -94,16 +97,21 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
             raise NotFound(f"No route for {scope['path']}.")  # ("..": a path, not an id)
         if scope["method"] != method:
             raise MethodNotAllowed(f"{scope['path']} accepts {method} only.")
-        key = rt.auth.key_of(headers)  # 401 without a valid key (when auth is on)
+        # 401 without a valid key (when auth is on), 429 over its requests per minute:
+        # before any backend is asked, as for a generation
+        key = rt.auth.admit_read(headers)
         upstream_headers = forward_headers(scope["headers"], not rt.auth.cfg.enabled)
-        up = [b for b in rt.registry.all() if rt.registry.is_healthy(b.name)]
+        up = [b for b in rt.registry.all() if rt.registry.is_healthy(b.name)
+              and (key is None or _serves_allowed(rt, key, b))]
         home = await home_of(rt, response_id, up, upstream_headers)
         if home is None:
             raise NotFound(f"Response with id '{response_id}' not found on any healthy "
                            "backend.")
-        if key is not None and not any(map(key.allows, rt.registry.names_for(home.model))):
-            raise PermissionDenied(f"The key `{key.name}` may not use model "
-                                   f"`{home.model}`.", param="model")
+        if key is not None and key.models:
+            model = await _model_of(rt, home, response_id, upstream_headers)
+            if not any(map(key.allows, rt.registry.names_for(model))):
+                raise PermissionDenied(f"The key `{key.name}` may not use model "
+                                       f"`{model}`.", param="model")
         try:
             opened = await rt.upstream.open(
                 home, _upstream_path(response_id, action, scope),
@@ -120,6 +128,27 @@ async def handle_stored(rt: Runtime, scope: Scope, receive: Receive, send: Send)
     await until_disconnect(receive, relay_answer(
         opened, send, request_id(headers), tally, rt.settings.upstream.read_timeout_s,
         rt.count_upstream_error), lambda: None)
+
+
+def _serves_allowed(rt: Runtime, key: ApiKey, backend: Backend) -> bool:
+    """Whether `backend` serves a model (or adapter) `key` may use: only those are asked
+    for an id, so a key cannot probe the others."""
+    return any(key.allows(name) for model in rt.registry.served_by(backend.name)
+               for name in rt.registry.names_for(model))
+
+
+async def _model_of(rt: Runtime, home: Backend, response_id: str,
+                    headers: dict[str, str]) -> str:
+    """The model that made the stored response (its `model`: an adapter's name, not the
+    backend's base model); "" when the backend does not say."""
+    try:
+        status, body, _ = await rt.upstream.whole(
+            "GET", home, PREFIX + quote(response_id, safe=""), None, headers,
+            timeout_s=rt.settings.responses.lookup_timeout_s)
+        model = orjson.loads(body).get("model") if status == 200 else None
+    except (UpstreamFailure, orjson.JSONDecodeError, AttributeError):
+        model = None
+    return model if isinstance(model, str) else ""
 
 
 def _upstream_path(response_id: str, action: str, scope: Scope) -> str:

@@ -180,7 +180,9 @@ class TrackedRelay(Moves):
             await self._refuse(*exc.refusal)
             return
         self.failed = True
-        err = mid_stream_failure(self.leg.backend.name, exc.kind, exc.detail)
+        log.warning("%s: the stream failed (%s): %s", self.leg.backend.name, exc.kind,
+                    exc.detail)
+        err = mid_stream_failure(self.leg.backend.name, exc.kind)
         if not self.tracking.client_streams:
             await send_error(self.send, err)
             return

@@ -416,7 +416,8 @@ async def _relay_stream(opened: Opened, send: Send, tally: StreamTally, read_tim
         tally.failed = True
         failed(opened.backend.name, kind)
         opened.fail(kind, repr(exc))
-        err = mid_stream_failure(opened.backend.name, kind, str(exc))
+        log.warning("%s: the stream failed (%s): %r", opened.backend.name, kind, exc)
+        err = mid_stream_failure(opened.backend.name, kind)
         await send({"type": "http.response.body", "body": tally.error_event(err),
                     "more_body": True})
     finally:
@@ -450,7 +451,10 @@ def exhausted(model: str, failures: list[UpstreamFailure], retry_after_s: int) -
         return NoHealthyBackend(
             f"No backend serving model `{model}` accepts connections right now "
             f"(tried {tried}).", retry_after_s=retry_after_s)
-    tried = "; ".join(f"{f.backend.name}: {f.kind} {f.detail[:200]}" for f in failures)
+    # Each failure's detail (a backend's answer, an address) is in the log
+    # (Runtime.upstream_failed), not in what the client reads.
+    tried = ", ".join(f"{f.backend.name}: " + (f"HTTP {f.status}" if f.status else f.kind)
+                      for f in failures)
     if all(f.kind == "timeout" for f in failures):
         return UpstreamTimeout(f"Every backend tried timed out ({tried}).")
     return UpstreamError(f"Every backend tried failed ({tried}).")

@@ -39,6 +39,7 @@ from tests.integration.test_migration_vllm import (
     tied,
     two_same,
 )
+from tests.proxy.fakes import ADMIN, ADMIN_TOKEN
 from tests.proxy.fuzzing import check_shape, fuzz, on_a_thread
 from tests.proxy.test_fuzz_upstream import (
     PLANS,
@@ -75,7 +76,7 @@ def _serving(vllm_fleet: list[Running], migration: dict[str, Any]) -> Iterator[S
                   "policy": {"name": "session"},
                   "upstream": {"read_timeout_s": 2.0, "first_byte_timeout_s": 10.0},
                   "outliers": {"failures": 0},  # every case is the saboteur's first
-                  "migration": migration}
+                  "migration": migration, "admin": {"token": ADMIN_TOKEN}}
         with running_proxy(config, log_path=Path(tmp) / "proxy.log") as proxy:
             settle(proxy.url, timeout_s=30)
             yield Served(proxy.url, source.url, saboteur, Path(tmp) / "proxy.log",
@@ -180,7 +181,7 @@ def _proxy_metric(url: str, name: str, backend: str) -> float:
 
 
 def _described(url: str, name: str) -> dict[str, object]:
-    listed = httpx.get(f"{url}/admin/backends", timeout=10).json()["backends"]
+    listed = httpx.get(f"{url}/admin/backends", timeout=10, headers=ADMIN).json()["backends"]
     return next(b for b in listed if b["name"] == name)  # type: ignore[no-any-return]
 
 
@@ -203,7 +204,8 @@ def test_a_real_vllm_failing_its_generations_is_ejected_then_back(
                                {"name": other.name, "url": other.url, "model": MODEL}],
                   "policy": {"name": "round_robin"},
                   "outliers": {"failures": 3, "window_s": 600, "eject_s": 300},
-                  "migration": {"warm_prefill": False, "pace_slowdown": 0}}
+                  "migration": {"warm_prefill": False, "pace_slowdown": 0},
+                  "admin": {"token": ADMIN_TOKEN}}
         log = Path(tmp) / "proxy.log"
         with running_proxy(config, log_path=log) as proxy:
             settle(proxy.url, timeout_s=30)
@@ -215,7 +217,8 @@ def test_a_real_vllm_failing_its_generations_is_ejected_then_back(
             described = _described(proxy.url, "bad")
             assert described["healthy"] is False and described["ejected_for_s"] > 0
             saboteur.plan = None  # mended
-            undrained = httpx.post(f"{proxy.url}/admin/backends/bad/undrain", timeout=10)
+            undrained = httpx.post(f"{proxy.url}/admin/backends/bad/undrain", timeout=10,
+                                   headers=ADMIN)
             assert undrained.json()["ejection_ended"] is True, undrained.text
             settle(proxy.url, timeout_s=30)  # back by its first good scrape
             served_by = []
@@ -246,7 +249,8 @@ def test_real_vllms_failing_every_request_are_not_all_ejected(
     with on_a_thread(saboteurs) as ((a, b), _), tempfile.TemporaryDirectory() as tmp:
         config = {"backends": [{"name": "a", "url": a.url, "model": MODEL},
                                {"name": "b", "url": b.url, "model": MODEL}],
-                  "policy": {"name": "round_robin"}, "outliers": {"failures": 3}}
+                  "policy": {"name": "round_robin"}, "outliers": {"failures": 3},
+                  "admin": {"token": ADMIN_TOKEN}}
         log = Path(tmp) / "proxy.log"
         with running_proxy(config, log_path=log) as proxy:
             settle(proxy.url, timeout_s=30)

@@ -15,6 +15,7 @@ import yaml
 
 from bench.harness.proxy_process import ProxyProcess, running_proxy
 from bench.harness.services import running_fakes
+from tests.proxy.fakes import ADMIN, ADMIN_TOKEN
 
 
 def stream(proxy: ProxyProcess, tokens: int) -> list[str]:
@@ -43,7 +44,8 @@ def wait_exit(pid: int, timeout_s: float) -> float:
 def test_sighup_reloads_backends_and_policy() -> None:
     with running_fakes(2) as urls:
         fleet = [{"name": f"f{i}", "url": u, "model": "fake"} for i, u in enumerate(urls)]
-        cfg = {"backends": fleet[:1], "policy": {"name": "round_robin"}}
+        cfg = {"backends": fleet[:1], "policy": {"name": "round_robin"},
+               "admin": {"token": ADMIN_TOKEN}}
         with running_proxy(cfg) as proxy:
             written = yaml.safe_load(Path(proxy.config_path).read_text())
             written.update(backends=fleet[1:], policy={"name": "least_request"})
@@ -51,7 +53,7 @@ def test_sighup_reloads_backends_and_policy() -> None:
             os.kill(proxy.pid, signal.SIGHUP)
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                listing = httpx.get(f"{proxy.url}/admin/backends").json()
+                listing = httpx.get(f"{proxy.url}/admin/backends", headers=ADMIN).json()
                 if [b["name"] for b in listing["backends"]] == ["f1"]:
                     break
                 time.sleep(0.1)

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.harness.ports import free_port
 from bench.harness.proxy_process import running_proxy
 from bench.models.backends import Running, Spec, start, stop
+from tests.proxy.fakes import ADMIN, ADMIN_TOKEN
 
 pytestmark = pytest.mark.vllm
 
@@ -454,7 +455,7 @@ def test_a_drain_under_flow_control_moves_the_stream_onto_a_full_backend(
     # frozen, not paced: a paced target beside another request may not catch up before
     # the source ends, and the stream then stays where it is
     proxy_config = config(pair, pace_slowdown=0) | {
-        "flow_control": {"max_inflight_per_backend": 1}}
+        "flow_control": {"max_inflight_per_backend": 1}, "admin": {"token": ADMIN_TOKEN}}
     other: list[Answer] = []
     streamed = body(True, True, ignore_eos=True, max_tokens=DRAINED_LENGTH)
     with running_proxy(proxy_config) as proxy, \
@@ -469,11 +470,12 @@ def test_a_drain_under_flow_control_moves_the_stream_onto_a_full_backend(
         [target] = {b.name for b in pair} - {backend}
         deadline = time.monotonic() + 30
         while not any(b["name"] == target and b["inflight"]
-                      for b in http.get("/admin/backends").json()["backends"]):
+                      for b in http.get("/admin/backends", headers=ADMIN).json()["backends"]):
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        drained = http.post(f"/admin/backends/{backend}/drain").json()
-        assert drained["moving"] == 1, (drained, http.get("/admin/backends").json())
+        drained = http.post(f"/admin/backends/{backend}/drain", headers=ADMIN).json()
+        assert drained["moving"] == 1, (drained, http.get("/admin/backends",
+                                                          headers=ADMIN).json())
         lines = list(response.iter_lines())
         busy.join(120)
     moved = Answer(backend=backend)

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness.proxy_process import running_proxy
 from proxy.fleet.vllm_metrics import parse_samples
+from tests.proxy.fakes import ADMIN, ADMIN_TOKEN
 
 pytestmark = pytest.mark.vllm
 
@@ -30,6 +31,7 @@ def fleet_config(fleet: Any, policy: str = "round_robin", **extra: Any) -> dict[
     return {
         "backends": [{"name": b.name, "url": b.url, "model": b.model} for b in fleet],
         "policy": {"name": policy, "params": extra.pop("params", {})},
+        "admin": {"token": ADMIN_TOKEN},
         **extra,
     }
 
@@ -191,12 +193,12 @@ def test_failover_before_first_byte(vllm_fleet: Any, throwaway_backend: Any) -> 
 
 def test_no_healthy_backend_is_503_with_retry_after(vllm_fleet: Any) -> None:
     config = {"backends": [{"name": "dead", "url": "http://127.0.0.1:9", "model": "ghost"}],
-              "policy": {"name": "round_robin"}}
+              "policy": {"name": "round_robin"}, "admin": {"token": ADMIN_TOKEN}}
     with running_proxy(config) as proxy:
         url = proxy.url
         resp = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
             "model": "ghost", "messages": [{"role": "user", "content": "x"}]})
-        health = httpx.get(f"{url}/health")
+        health = httpx.get(f"{url}/admin/health", headers=ADMIN)
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["code"] == "no_healthy_backend"
     assert health.status_code == 503 and health.json()["backends"]["dead"]["healthy"] is False
@@ -562,13 +564,15 @@ def test_lora_adapters_are_routed_to_the_server_that_has_them(vllm_fleet: Any) -
                                       json={"model": "tiny-chat", **ask}, timeout=60)
             # The proxy's own route: every backend of the base model is asked; the plain
             # servers (no runtime LoRA) refuse, the LoRA server loads it.
-            admin_load = httpx.post(f"{proxy.url}/admin/lora_adapters", timeout=120, json={
+            admin_load = httpx.post(f"{proxy.url}/admin/lora_adapters", timeout=120,
+                                    headers=ADMIN, json={
                 "lora_name": "tiny-chat", "lora_path": str(chat), "model": SMALL})
             via_admin = [sdk.chat.completions.with_raw_response.create(model="tiny-chat", **ask)
                          for _ in range(3)]
-            admin_list = httpx.get(f"{proxy.url}/admin/lora_adapters", timeout=30).json()
+            admin_list = httpx.get(f"{proxy.url}/admin/lora_adapters", timeout=30,
+                                   headers=ADMIN).json()
             admin_unload = httpx.delete(f"{proxy.url}/admin/lora_adapters/tiny-chat",
-                                        timeout=120)
+                                        timeout=120, headers=ADMIN)
             after_admin_unload = httpx.post(f"{proxy.url}/v1/chat/completions",
                                             json={"model": "tiny-chat", **ask}, timeout=60)
             served_direct = httpx.get(f"{lora[0].url}/v1/models", headers=key,
@@ -657,7 +661,7 @@ def test_client_keys_limits_and_rate_limit_headers(vllm_fleet: Any) -> None:
     """`auth` in front of real vLLM, through the OpenAI SDK: a key's answers carry its
     limits and what is left (x-ratelimit-*), the request over the limit is a 429 with
     Retry-After, a wrong key a 401, a model outside the key's list a 403."""
-    from proxy.admission.auth import hash_key
+    from proxy.hashing import hash_key
 
     config = fleet_config(vllm_fleet, auth={"enabled": True, "keys": [
         {"name": "team", "sha256": hash_key("sk-team"), "models": [SMALL],
@@ -689,7 +693,8 @@ def test_requests_wait_out_a_drain_of_every_backend(vllm_fleet: Any) -> None:
     config = fleet_config(vllm_fleet, upstream={"retry_window_s": 30})
     with running_proxy(config) as proxy, httpx.Client(base_url=proxy.url, timeout=60) as http:
         for name in small:
-            assert http.post(f"/admin/backends/{name}/drain").status_code == 200
+            assert http.post(f"/admin/backends/{name}/drain",
+                             headers=ADMIN).status_code == 200
         answers: list[Any] = []
         waiting = threading.Thread(target=lambda: answers.append(
             client(proxy.url).chat.completions.with_raw_response.create(
@@ -697,7 +702,8 @@ def test_requests_wait_out_a_drain_of_every_backend(vllm_fleet: Any) -> None:
         waiting.start()
         time.sleep(1.5)
         assert waiting.is_alive()  # waiting, not refused
-        assert http.post(f"/admin/backends/{small[0]}/undrain").status_code == 200
+        assert http.post(f"/admin/backends/{small[0]}/undrain",
+                         headers=ADMIN).status_code == 200
         waiting.join(60)
         metrics = http.get("/metrics").text
     assert answers and answers[0].headers["x-laneway-backend"] == small[0]
@@ -825,10 +831,10 @@ def test_an_https_vllm_backend_is_verified_against_the_configured_ca(
         assert secure[0].url.startswith("https://")
         backends = [{"name": "secure", "url": secure[0].url, "model": LARGE}]
         ask = {"model": LARGE, "prompt": STORY, "max_tokens": 6}
-        with running_proxy({"backends": backends,
+        with running_proxy({"backends": backends, "admin": {"token": ADMIN_TOKEN},
                             "upstream": {"tls_ca_file": str(ca_file)}}) as proxy, \
                 httpx.Client(base_url=proxy.url, timeout=60) as http:
-            health = http.get("/health").json()["backends"]["secure"]
+            health = http.get("/admin/health", headers=ADMIN).json()["backends"]["secure"]
             whole = http.post("/v1/completions", json=ask)
             streamed = http.post("/v1/completions", json={**ask, "stream": True})
         with running_proxy({"backends": backends}, ready_timeout_s=10) as untrusting, \

@@ -24,6 +24,7 @@ from bench.harness.proxy_process import ProxyProcess, running_proxy
 from bench.harness.services import MissingService, running_fakes, running_redis
 from bench.models.backends import Running
 from proxy.fleet.vllm_metrics import parse_samples
+from tests.proxy.fakes import ADMIN, ADMIN_TOKEN
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def redis_url() -> Iterator[str]:
 def config(redis_url: str, backends: list[dict[str, str]], policy: str) -> dict[str, Any]:
     return {"backends": backends, "policy": {"name": policy},
             "state": {"backend": "redis", "redis_url": redis_url, "inflight_ttl_s": 1.0},
-            "server": {"log_level": "warning"}}
+            "server": {"log_level": "warning"}, "admin": {"token": ADMIN_TOKEN}}
 
 
 @contextlib.contextmanager
@@ -60,7 +61,7 @@ def chat(proxy: ProxyProcess, prompt: str, model: str = "fake", max_tokens: int 
 
 
 def backends_of(proxy: ProxyProcess) -> dict[str, dict[str, Any]]:
-    listing = HTTP.get(f"{proxy.url}/admin/backends").json()
+    listing = HTTP.get(f"{proxy.url}/admin/backends", headers=ADMIN).json()
     return {b["name"]: b for b in listing["backends"]}
 
 
@@ -210,11 +211,11 @@ def test_an_adapter_loaded_through_one_replica_is_routable_through_the_other(
         body = {"model": "sql", "max_tokens": 2, "messages": [{"role": "user", "content": "q"}]}
         with two_replicas(cfg) as (a, b):
             before = HTTP.post(f"{b.url}/v1/chat/completions", json=body)
-            loaded = HTTP.post(f"{a.url}/admin/lora_adapters", json={
+            loaded = HTTP.post(f"{a.url}/admin/lora_adapters", headers=ADMIN, json={
                 "lora_name": "sql", "lora_path": "/adapters/sql", "backends": ["f1"]})
             time.sleep(0.5)  # > a few sync intervals (50 ms) and a read
             on_b = [HTTP.post(f"{b.url}/v1/chat/completions", json=body) for _ in range(3)]
-            unloaded = HTTP.delete(f"{a.url}/admin/lora_adapters/sql")
+            unloaded = HTTP.delete(f"{a.url}/admin/lora_adapters/sql", headers=ADMIN)
             time.sleep(0.5)
             gone = HTTP.post(f"{b.url}/v1/chat/completions", json=body)
     assert before.status_code == 404

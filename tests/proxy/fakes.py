@@ -16,6 +16,8 @@ from proxy.http.server import RunningProxy, serve_in_loop
 from proxy.state.rate_counters import WINDOW_S, RateLimiter, window_of
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+ADMIN_TOKEN = "test-admin-token"  # fleet()'s unless a test sets its own admin section
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @contextlib.asynccontextmanager
@@ -34,6 +36,7 @@ async def fleet(*configs: FakeConfig, keys: tuple[str | None, ...] = (), **secti
             server={"port": 0, **sections.pop("server", {})},  # type: ignore[arg-type]
             backends=backends + sections.pop("extra_backends", []),  # type: ignore[arg-type]
             policy=sections.pop("policy", {"name": "round_robin"}),  # type: ignore[arg-type]
+            admin=sections.pop("admin", {"token": ADMIN_TOKEN}),  # type: ignore[arg-type]
             **sections,
         )
         proxy = await stack.enter_async_context(serve_in_loop(settings))

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from bench.fakes.fake_vllm import FakeConfig, serve_fake
-from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.fakes import ADMIN, ADMIN_TOKEN, CHAT, fleet, post
 
 TOKEN = {"authorization": "Bearer s3cret"}
 
@@ -38,8 +38,9 @@ async def test_list_backends_with_live_stats_needs_the_token() -> None:
 
 
 async def test_add_and_remove_a_backend_at_runtime() -> None:
-    async with fleet(FakeConfig(), admin={"token": "s3cret"}) as (proxy, _), \
-            serve_fake(FakeConfig()) as extra:
+    async with fleet(FakeConfig(), admin={"token": "s3cret",
+                                          "backend_allowlist": ["127.0.0.0/8"]}) as (
+            proxy, _), serve_fake(FakeConfig()) as extra:
         added = await admin(proxy, "POST", "backends",
                             {"name": "new", "url": extra.url, "model": "fake",
                              "labels": {"gpu": "l4"}})
@@ -102,12 +103,12 @@ async def test_reload_applies_backends_policy_and_auth(tmp_path: Path) -> None:
                   "model_groups": {"team": ["fake"]},
                   "auth": {"enabled": True, "keys": [
                       {"name": "k", "sha256": "a" * 64}]},
-                  "upstream": {"max_attempts": 2}}
+                  "upstream": {"max_attempts": 2}, "admin": {"token": ADMIN_TOKEN}}
         path.write_text(yaml.safe_dump(config))
-        reloaded = await admin(proxy, "POST", "reload", headers={})
+        reloaded = await admin(proxy, "POST", "reload", headers=ADMIN)
         unauthorized = await post(proxy, CHAT)
         path.write_text("server: {prot: 1}")
-        rejected = await admin(proxy, "POST", "reload", headers={})
+        rejected = await admin(proxy, "POST", "reload", headers=ADMIN)
         policy = rt.router.policy_name
     assert reloaded.json() == {"added": [], "removed": ["f0"], "replaced": [],
                                "model_groups": ["team"],
@@ -147,7 +148,8 @@ async def test_a_reload_reads_and_builds_off_the_event_loop(
         rt.config_path = str(path)
         path.write_text(yaml.safe_dump({
             "server": {"port": 0}, "policy": {"name": "least_request"},
-            "backends": [{"name": "f0", "url": fakes[0].url, "model": "fake"}]}))
+            "backends": [{"name": "f0", "url": fakes[0].url, "model": "fake"}],
+            "admin": {"token": ADMIN_TOKEN}}))
         gaps: list[float] = []
 
         async def tick() -> None:
@@ -159,7 +161,7 @@ async def test_a_reload_reads_and_builds_off_the_event_loop(
                 last = now
 
         ticker = asyncio.create_task(tick())
-        reloaded = await admin(proxy, "POST", "reload", headers={})
+        reloaded = await admin(proxy, "POST", "reload", headers=ADMIN)
         ticker.cancel()
     assert reloaded.status_code == 200 and reloaded.json()["policy"] == "least_request"
     assert sum(gaps) > 0.5  # the ticker ran across both slow steps

@@ -6,9 +6,10 @@ import httpx
 import pytest
 
 from bench.fakes.fake_vllm import FakeConfig
-from proxy.admission.auth import Auth, hash_key
+from proxy.admission.auth import Auth
 from proxy.config import AuthConfig
 from proxy.errors import RateLimited
+from proxy.hashing import hash_key
 from proxy.state.rate_counters import RateLimiter, WindowCounters
 from proxy.types import Outcome, RequestContext
 from tests.proxy.fakes import CHAT, charged, fleet, post

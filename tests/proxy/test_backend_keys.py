@@ -14,7 +14,7 @@ from bench.fakes.fake_vllm import FakeConfig
 from proxy.config import Settings
 from proxy.runtime import backends_from
 from proxy.types import Backend
-from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.fakes import ADMIN, CHAT, fleet, post
 from tests.proxy.test_auth import keys
 from tests.proxy.test_migration import expected_text, migrated_comments, stream_text
 
@@ -31,7 +31,7 @@ async def test_each_backend_gets_its_own_key_in_place_of_the_clients() -> None:
         adapter = await post(proxy, {**ASK, "model": "lora"})  # listed behind the key
         embedded = await post(proxy, {"model": "fake", "input": "x"}, "/v1/embeddings")
         async with httpx.AsyncClient(base_url=proxy.url) as http:
-            described = (await http.get("/admin/backends")).text
+            described = (await http.get("/admin/backends", headers=ADMIN)).text
     assert [c.status_code for c in chats] == [200] * 3  # f2 has upstream.api_key too
     assert {c.headers["x-laneway-backend"] for c in chats} == {"f0", "f1", "f2"}
     assert streamed.status_code == adapter.status_code == embedded.status_code == 200
@@ -89,7 +89,7 @@ async def test_a_reload_with_a_new_key_replaces_the_backend(tmp_path: Path) -> N
         path.write_text(yaml.safe_dump({"server": {"port": 0}, "backends": [
             {"name": "f0", "url": fakes[0].url, "model": "fake", "api_key": "new"}]}))
         async with httpx.AsyncClient(base_url=proxy.url) as http:
-            reloaded = (await http.post("/admin/reload")).json()
+            reloaded = (await http.post("/admin/reload", headers=ADMIN)).json()
         after = await post(proxy, ASK)
     assert before.status_code == after.status_code == 200
     assert reloaded["replaced"] == ["f0"]

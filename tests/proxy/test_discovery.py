@@ -10,7 +10,7 @@ import httpx
 
 from bench.fakes.fake_vllm import FakeConfig, serve_fake
 from proxy.fleet.discovery import context_length, model_ids, model_list
-from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.fakes import ADMIN, CHAT, fleet, post
 from tests.proxy.test_migration import (
     continuation_bodies,
     expected_text,
@@ -29,7 +29,7 @@ async def test_an_adapter_goes_to_the_backends_that_list_it_under_its_name() -> 
         missing = await post(proxy, {**SQL, "model": "other-lora"})
         async with httpx.AsyncClient(base_url=proxy.url) as http:
             listed = (await http.get("/v1/models")).json()
-            described = (await http.get("/admin/backends")).json()["backends"]
+            described = (await http.get("/admin/backends", headers=ADMIN)).json()["backends"]
     assert [a.status_code for a in answers] == [200] * 4
     assert {a.headers["x-laneway-backend"] for a in answers} == {"f1", "f3"}
     assert all(a.json()["model"] == "sql-lora" for a in answers)
@@ -134,7 +134,7 @@ async def test_a_backend_that_does_not_list_its_configured_model_gets_none_of_it
         answers = [await post(proxy, {**CHAT, "max_tokens": 2}) for _ in range(6)]
         other = await post(proxy, {**CHAT, "model": "other", "max_tokens": 2})
         async with httpx.AsyncClient(base_url=proxy.url) as http:
-            described = (await http.get("/admin/backends")).json()["backends"]
+            described = (await http.get("/admin/backends", headers=ADMIN)).json()["backends"]
         assert [a.status_code for a in answers] == [200] * 6
         assert {a.headers["x-laneway-backend"] for a in answers} == {"f0"}
         assert wrong.app.stats.requests == 1  # the one for the model it does serve

@@ -11,14 +11,14 @@ import httpx
 import pytest
 
 from bench.fakes.fake_vllm import FakeConfig, RunningFake
-from proxy.admission.auth import hash_key
 from proxy.admission.flow_control import FlowControl
 from proxy.config import FlowControlConfig, Settings
 from proxy.fleet.registry import Registry
+from proxy.hashing import hash_key
 from proxy.observability.metrics import Metrics
 from proxy.reconfigure import apply_settings
 from proxy.types import Backend, BackendStats
-from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.fakes import ADMIN, CHAT, fleet, post
 from tests.proxy.test_migration import (
     MoveToOther,
     continuation_bodies,
@@ -325,7 +325,8 @@ async def test_a_drain_moves_to_a_backend_with_room_when_there_is_one() -> None:
         moving = await _stream(proxy, "a", DRAINED)  # f0
         other = await _stream(proxy, "b", DRAINED)  # f1 (the first with room)
         async with httpx.AsyncClient(base_url=proxy.url) as http:
-            assert (await http.post("/admin/backends/f0/drain")).json()["moving"] == 1
+            drained = await http.post("/admin/backends/f0/drain", headers=ADMIN)
+            assert drained.json()["moving"] == 1
         answers = [await moving, await other]
     assert [stream_text(a) for a in answers] == [expected_text(DRAINED)] * 2
     assert continuation_bodies(fakes[1]) == [] and len(continuation_bodies(fakes[2])) == 1
@@ -337,7 +338,8 @@ async def test_a_drain_moves_even_when_every_other_backend_is_full() -> None:
         moving = await _stream(proxy, "a", DRAINED)
         other = await _stream(proxy, "b", DRAINED)
         async with httpx.AsyncClient(base_url=proxy.url) as http:
-            assert (await http.post("/admin/backends/f0/drain")).json()["moving"] == 1
+            drained = await http.post("/admin/backends/f0/drain", headers=ADMIN)
+            assert drained.json()["moving"] == 1
         answers = [await moving, await other]
     assert [stream_text(a) for a in answers] == [expected_text(DRAINED)] * 2
     assert len(continuation_bodies(fakes[1])) == 1  # one over the limit, nothing lost

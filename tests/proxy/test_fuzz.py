@@ -41,7 +41,8 @@ from proxy.migration.eligibility import (
 from proxy.request_context import build_context, parse_body
 from proxy.types import Endpoint
 from tests.policies.test_params_edges import cases as policy_cases
-from tests.proxy.fakes import fleet
+from tests.proxy.fakes import ADMIN as ADMIN_HEADERS
+from tests.proxy.fakes import ADMIN_TOKEN, fleet
 from tests.proxy.fuzzing import (
     BASES,
     CASES,
@@ -71,6 +72,7 @@ def serving(**sections: Any) -> Iterator[Served]:
         yield Served(proxy.url, errors)
 
 
+ADMIN_JSON = {**ADMIN_HEADERS, "content-type": "application/json"}  # the admin API's
 SERVER = {"access_log": True, "max_tokens_limit": 64, "header_timeout_s": 5,
           "body_timeout_s": 0.5}
 
@@ -80,7 +82,8 @@ def served() -> Iterator[Served]:
     """Migration, forced moves, the access log and prefix-aware routing on."""
     yield from serving(server=SERVER, policy={"name": "prefix_aware"},
                        migration={"enabled": True, "non_stream": True},
-                       debug={"allow_forced_migration": True})
+                       debug={"allow_forced_migration": True},
+                       admin={"token": ADMIN_TOKEN, "backend_allowlist": ["127.0.0.0/8"]})
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +232,7 @@ ROUTED = st.sampled_from([
 def test_any_policy_the_admin_api_accepts_routes_without_failing(
         served: Served, policy: Any,
         requests: list[tuple[tuple[str, dict[str, Any]], dict[str, str]]]) -> None:
-    with httpx.Client(base_url=served.url, timeout=20) as http:
+    with httpx.Client(base_url=served.url, timeout=20, headers=ADMIN_JSON) as http:
         put = http.put("/admin/policy", content=dumps(policy))
         try:
             assert put.status_code in (200, 400), put.text
@@ -265,7 +268,7 @@ def test_any_admin_body_is_answered_in_shape_and_leaves_the_fleet_serving(
         served: Served, case: tuple[str, str, Any]) -> None:
     method, path, body = case
     before = len(served.errors.records)
-    with httpx.Client(base_url=served.url, timeout=20) as http:
+    with httpx.Client(base_url=served.url, timeout=20, headers=ADMIN_JSON) as http:
         try:
             answer = http.request(method, path, content=dumps(body))
             assert answer.status_code < 500 or answer.status_code == 502, answer.text

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from bench.fakes.fake_vllm import FakeConfig, serve_fake
 from bench.fakes.saboteur import Disruption, Plan, Saboteur
-from tests.proxy.fakes import fleet
+from tests.proxy.fakes import ADMIN, fleet
 from tests.proxy.fuzzing import Errors, check_shape, fuzz, on_a_thread
 
 JUNK = [b"{", b"", b"nul", b"[1, 2", b"\xff\xfe", b'{"choices": 5}',
@@ -130,7 +130,7 @@ def settle(url: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=url, timeout=5) as http:
         while True:
-            rows = http.get("/admin/backends").json()["backends"]
+            rows = http.get("/admin/backends", headers=ADMIN).json()["backends"]
             if all(r["healthy"] and not r["inflight"] and not r["tracked_streams"]
                    for r in rows):
                 return

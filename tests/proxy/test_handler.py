@@ -16,7 +16,7 @@ from bench.fakes.fake_vllm import FakeConfig, serve_fake
 from proxy.config import Settings
 from proxy.http import app as app_module
 from proxy.http.server import RunningProxy, serve_in_loop
-from tests.proxy.fakes import CHAT, events, fleet, post
+from tests.proxy.fakes import ADMIN, CHAT, events, fleet, post
 
 
 async def test_stream_is_relayed_unchanged() -> None:
@@ -71,7 +71,8 @@ async def test_unreachable_backend_fails_over_and_is_marked_down() -> None:
             {**proxy.http.app.runtime.registry.stats,  # type: ignore[union-attr]
              "dead": proxy.http.app.runtime.registry.stats["f0"]})  # type: ignore[union-attr]
         responses = [await post(proxy, CHAT) for _ in range(4)]
-        health = (await httpx.AsyncClient().get(f"{proxy.url}/health")).json()
+        health = (await httpx.AsyncClient().get(f"{proxy.url}/admin/health",
+                                                headers=ADMIN)).json()
     assert [r.status_code for r in responses] == [200] * 4
     assert health["backends"]["dead"]["healthy"] is False
     assert health["status"] == "degraded"
@@ -192,8 +193,9 @@ async def _slow_body(proxy: RunningProxy, path: str, chunks: int) -> tuple[bytes
     until the proxy closed, b"" if it reset the connection; seconds that took)."""
     host, port = proxy.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 "content-length: 100\r\n\r\n".encode())
+    writer.write(f"POST {path} HTTP/1.1\r\nhost: localhost\r\n"  # (/admin: a host it
+                 f"authorization: {ADMIN['authorization']}\r\n"  # knows, and its token)
+                 "content-type: application/json\r\ncontent-length: 100\r\n\r\n".encode())
     started = asyncio.get_running_loop().time()
 
     async def trickle() -> None:

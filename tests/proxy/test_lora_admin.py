@@ -10,7 +10,7 @@ import pytest
 
 from bench.fakes.fake_vllm import FakeConfig
 from bench.harness.ports import free_port
-from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.fakes import ADMIN, CHAT, fleet, post
 
 LORA = FakeConfig(lora_runtime=True)
 OTHER = FakeConfig(model="other", lora_runtime=True)
@@ -18,9 +18,11 @@ NO_READS = {"models_interval_s": 3600}  # only the admin routes' own reads
 SQL = {**CHAT, "model": "sql", "max_tokens": 2}
 
 
-async def _admin(proxy: Any, method: str, path: str, body: Any = None) -> httpx.Response:
+async def _admin(proxy: Any, method: str, path: str, body: Any = None,
+                 headers: dict[str, str] = ADMIN) -> httpx.Response:
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
-        return await http.request(method, "/admin/lora_adapters" + path, json=body)
+        return await http.request(method, "/admin/lora_adapters" + path, json=body,
+                                  headers=headers)
 
 
 async def test_loading_on_a_base_model_makes_the_adapter_routable_at_once() -> None:

@@ -23,7 +23,7 @@ from bench.fakes.fake_vllm import REFUSAL, FakeConfig
 from bench.fakes.fake_wire import GEN_BASE
 from policies.base import POLICIES, NoParams, register
 from proxy.types import ClusterView, Decision, Outcome, Prediction, Progress, RequestContext
-from tests.proxy.fakes import CHAT, events, fleet, post
+from tests.proxy.fakes import ADMIN, CHAT, events, fleet, post
 
 FORCED = {"debug": {"allow_forced_migration": True}}
 COMPLETION = {"model": "fake", "prompt": "one two three"}
@@ -171,7 +171,7 @@ async def test_draining_a_backend_moves_its_streams() -> None:
         request = asyncio.create_task(post(proxy, {**CHAT, "stream": True, "max_tokens": 60}))
         await asyncio.sleep(0.15)
         async with httpx.AsyncClient(base_url=proxy.url) as http:
-            drained = await http.post("/admin/backends/f0/drain")
+            drained = await http.post("/admin/backends/f0/drain", headers=ADMIN)
             response = await request
             after = await post(proxy, {**CHAT, "max_tokens": 2})
     assert drained.json()["moving"] == 1
@@ -187,7 +187,8 @@ async def test_admin_api_checks_its_token_and_names() -> None:
             unknown = await http.post("/admin/backends/nope/drain",
                                       headers={"authorization": "Bearer s3cret"})
             bad = await http.post("/admin/backends/f0/drain", content=b"{",
-                                  headers={"authorization": "Bearer s3cret"})
+                                  headers={"authorization": "Bearer s3cret",
+                                           "content-type": "application/json"})
     assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
     assert unknown.status_code == 404
     assert bad.status_code == 400

@@ -17,7 +17,7 @@ from proxy.fleet.outliers import Outliers
 from proxy.fleet.poller import Poller
 from proxy.fleet.registry import Registry
 from proxy.types import Backend
-from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.fakes import ADMIN, CHAT, fleet, post
 from tests.proxy.test_poller import MetricsServer, serving
 
 
@@ -159,7 +159,7 @@ async def metric(proxy_url: str, name: str, backend: str) -> float:
 
 async def admin_backend(proxy_url: str, name: str) -> dict[str, object]:
     async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as http:
-        listed = (await http.get("/admin/backends")).json()["backends"]
+        listed = (await http.get("/admin/backends", headers=ADMIN)).json()["backends"]
     return next(b for b in listed if b["name"] == name)  # type: ignore[no-any-return]
 
 
@@ -282,8 +282,8 @@ async def test_undrain_ends_an_ejection_for_a_mended_backend() -> None:
         assert (await admin_backend(proxy.url, "f0"))["ejected_for_s"] > 200
         fakes[0].app.config = dataclasses.replace(fakes[0].app.config, fail_status=None)
         async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
-            undrained = (await http.post("/admin/backends/f0/undrain")).json()
-            again = (await http.post("/admin/backends/f0/undrain")).json()
+            undrained = (await http.post("/admin/backends/f0/undrain", headers=ADMIN)).json()
+            again = (await http.post("/admin/backends/f0/undrain", headers=ADMIN)).json()
         assert undrained == {"backend": "f0", "draining": False, "ejection_ended": True}
         assert again["ejection_ended"] is False
         deadline = time.monotonic() + 5

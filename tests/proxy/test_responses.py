@@ -121,7 +121,9 @@ async def test_stored_responses_are_read_and_cancelled_on_their_backend() -> Non
     for answer, status, code in ((missing, 404, "not_found"),
                                  (wrong_method, 405, "method_not_allowed"),
                                  (bad_path, 404, "not_found"),
-                                 (denied, 403, "model_not_allowed"),
+                                 # (bob's models' backends are the only ones
+                                 # asked: another model's response is not found)
+                                 (denied, 404, "not_found"),
                                  (anonymous, 401, "invalid_api_key"),
                                  *((answer, 404, "not_found") for answer in dots)):
         assert answer.status_code == status
@@ -170,7 +172,7 @@ def test_the_prompt_of_input_items_is_their_text() -> None:
 
 
 async def test_a_key_for_a_model_group_reads_its_members_responses() -> None:
-    from proxy.admission.auth import hash_key
+    from proxy.hashing import hash_key
 
     auth = {"enabled": True, "keys": [
         {"name": "carol", "sha256": hash_key("sk-carol"), "models": ["team"]}]}
@@ -218,7 +220,7 @@ async def test_a_streamed_retrieval_that_ends_without_its_end_event_is_broken() 
     assert cut.status_code == 200
     assert sum("response.output_text.delta" in e for e in events) == 2
     assert events[-1].startswith("event: error\ndata: ")
-    assert "ended without its end event" in events[-1]
+    assert "failed mid-stream (broken)" in events[-1]  # (the detail is in the log)
     assert 'laneway_upstream_errors_total{backend="f0",kind="broken"} 1.0' in metrics
 
 

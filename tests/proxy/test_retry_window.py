@@ -9,7 +9,7 @@ import time
 import httpx
 
 from bench.fakes.fake_vllm import FakeConfig
-from tests.proxy.fakes import CHAT, fleet, post
+from tests.proxy.fakes import ADMIN, ADMIN_TOKEN, CHAT, fleet, post
 from tests.proxy.test_migration import expected_text, stream_text
 
 ONE_TRY = {"max_attempts": 1}
@@ -53,13 +53,13 @@ async def test_a_request_outlasting_its_window_gets_the_error() -> None:
 
 async def test_a_request_waits_while_the_only_backend_is_drained() -> None:
     async with fleet(FakeConfig(), upstream={"retry_window_s": 10},
-                     admin={"enabled": True}) as (proxy, fakes):
+                     admin={"token": ADMIN_TOKEN}) as (proxy, fakes):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
-            assert (await http.post("/admin/backends/f0/drain")).status_code == 200
+            assert (await http.post("/admin/backends/f0/drain", headers=ADMIN)).status_code == 200
             waiting = asyncio.create_task(post(proxy, CHAT))
             await asyncio.sleep(0.5)
             assert not waiting.done() and fakes[0].app.stats.requests == 0
-            assert (await http.post("/admin/backends/f0/undrain")).status_code == 200
+            assert (await http.post("/admin/backends/f0/undrain", headers=ADMIN)).status_code == 200
             answer = await waiting
     assert answer.status_code == 200 and answer.headers["x-laneway-backend"] == "f0"
 
@@ -83,15 +83,15 @@ async def test_each_round_tries_the_fallbacks_again() -> None:
 
 async def test_a_client_leaving_while_it_waits_ends_the_request() -> None:
     async with fleet(FakeConfig(), upstream={"retry_window_s": 10},
-                     admin={"enabled": True}) as (proxy, fakes):
+                     admin={"token": ADMIN_TOKEN}) as (proxy, fakes):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as http:
-            assert (await http.post("/admin/backends/f0/drain")).status_code == 200
+            assert (await http.post("/admin/backends/f0/drain", headers=ADMIN)).status_code == 200
             try:
                 await post(proxy, CHAT, timeout=0.5)
             except httpx.ReadTimeout:
                 pass  # the client gave up and closed its connection
             await asyncio.sleep(0.2)
-            assert (await http.post("/admin/backends/f0/undrain")).status_code == 200
+            assert (await http.post("/admin/backends/f0/undrain", headers=ADMIN)).status_code == 200
             await asyncio.sleep(1.5)  # longer than a pause: a live wait would have sent it
             metrics = await _metrics(proxy.url)
     assert fakes[0].app.stats.requests == 0

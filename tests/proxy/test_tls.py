@@ -19,7 +19,7 @@ from bench.harness.proxy_process import running_proxy
 from bench.harness.services import running_fakes
 from proxy.config import ConfigError, load_settings
 from proxy.http.server import uvicorn_in_loop
-from tests.proxy.fakes import CHAT, fleet
+from tests.proxy.fakes import ADMIN, CHAT, fleet
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ async def test_https_backends_are_verified_against_the_configured_ca(
             upstream={"tls_ca_file": pem["ca"]}) as (proxy, _):
         assert url.startswith("https://")
         async with httpx.AsyncClient(base_url=proxy.url) as http:
-            health = (await http.get("/health")).json()
+            health = (await http.get("/admin/health", headers=ADMIN)).json()
             answer = await http.post("/v1/chat/completions", json={**CHAT, "stream": stream})
     assert answer.status_code == 200 and answer.headers["x-laneway-backend"] == "tls"
     assert app.stats.requests == 1
@@ -101,7 +101,7 @@ async def test_an_https_backend_of_an_unknown_ca_is_not_trusted(pem: dict[str, s
             extra_backends=[{"name": "tls", "url": url, "model": "fake"}]) as (proxy, _):
         async with httpx.AsyncClient(base_url=proxy.url) as http:
             answer = await http.post("/v1/chat/completions", json=CHAT)
-            health = (await http.get("/health")).json()
+            health = (await http.get("/admin/health", headers=ADMIN)).json()
     assert answer.status_code in (502, 503)
     assert not health["backends"]["tls"]["healthy"]
     assert app.stats.requests == 0

@@ -130,11 +130,11 @@ def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, runtime: Bu
     import torch
 
     torch.set_num_threads(1)
-    bench = Bench(checkpoint, buckets, runtime, max_len, threads)
-    bench.timed(prompts[:10], given=False)  # warm-up
-    agent = bench.timed(prompts, given=True)
-    inline = bench.timed(prompts, given=False)
-    under = [asyncio.run(bench.harness.arrivals(prompts, rate, seed=int(rate)))
+    timer = Bench(checkpoint, buckets, runtime, max_len, threads)
+    timer.timed(prompts[:10], given=False)  # warm-up
+    agent = timer.timed(prompts, given=True)
+    inline = timer.timed(prompts, given=False)
+    under = [asyncio.run(timer.arrivals(prompts, rate, seed=int(rate)))
              for rate in sorted({*rates, reference})]  # the reference rate always
     ref = next(row for row in under if row["rate"] == reference)
     agent_p50 = round(statistics.median(agent), 3)
@@ -142,7 +142,7 @@ def measure(prompts: Sequence[str], checkpoint: Path, buckets: Path, runtime: Bu
             "agent_only_p50_ms": agent_p50,
             "decision_latency": {
                 "predictor_runtime": runtime, "predictor_artifact": buckets.name,
-                "predictor_max_len": bench.policy.predictor.max_len,
+                "predictor_max_len": timer.policy.predictor.max_len,
                 "predictor_threads": threads, "reference_rate": reference,
                 "agent_only_p50_ms": agent_p50,
                 "agent_only_p99_ms": ms(agent, 0.99),
