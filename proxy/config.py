@@ -270,7 +270,23 @@ class AuthConfig(_Section):
     chars_per_token: float = Field(4.0, gt=0, description="prompt-token estimate charged "
                                    "up front (reconciled with usage at the end)")
     default_max_tokens: int = Field(256, gt=0, description="completion tokens charged up "
-                                    "front when a request sets no max_tokens")
+                                    "front (per choice) when a request sets no max_tokens "
+                                    "and its model's context length is not known; when it "
+                                    "is, what the model could generate (the context less "
+                                    "the prompt), up to the key's tokens_per_minute, but "
+                                    "never less than this (docs/security_limits.md)")
+
+    @field_validator("keys")
+    @classmethod
+    def _unique_key_names(cls, keys: list[ApiKeyConfig]) -> list[ApiKeyConfig]:
+        """A key's name keys its rate-limit counters (shared by replicas): two keys of
+        one name would share their limits."""
+        names = [k.name for k in keys]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate API key names: {', '.join(dupes)} (a name keys "
+                             "its key's rate limits)")
+        return keys
 
 
 class StateConfig(_Section):
