@@ -80,12 +80,12 @@ class _Guarded(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return
-        counted = not self._in_body  # (a chunk that starts in a body is that body's)
+        if not self._in_body:  # (a chunk that starts in a body is that body's)
+            self._head_bytes += len(data)  # (reset once the headers are complete)
         super().data_received(data)  # (parser errors, _Refused too: send_400_response)
-        if counted and not self._in_body and self._refusal is None:
-            self._head_bytes += len(data)
-            if self._head_bytes > self.limits.max_header_bytes:
-                self._refuse(self._too_large())
+        if self._refusal is None and not self._in_body \
+                and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(self._too_large())
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

@@ -36,7 +36,7 @@ def _chat(proxy: ProxyProcess, request_id: str) -> httpx.Response:
 @pytest.mark.parametrize("sent", ["r" * 20_000, 'a"b c', "ünï"])
 def test_a_long_or_odd_id_is_replaced(proxy: ProxyProcess, sent: str) -> None:
     answer = httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=10,
-                        headers=[("x-request-id", sent.encode())])
+                        headers=[(b"x-request-id", sent.encode())])
     assert answer.status_code == 200
     echoed = answer.headers["x-request-id"]
     assert echoed != sent and echoed.startswith("lw-") and len(echoed) < 64

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import orjson
 import pytest
 
 from bench.proxy_process import ProxyProcess, running_proxy
 from tests.security.input_helpers import (
+    CHAT,
     connect,
     error_of,
     fake_url,
@@ -65,8 +67,23 @@ def test_headers_within_the_limits_are_served(proxy: ProxyProcess) -> None:
     assert status_of(answer) == 200
 
 
-def test_a_malformed_request_gets_an_openai_shaped_400(proxy: ProxyProcess) -> None:
-    answer = raw_exchange(proxy.url, b"GET /v1/models HTTP/1.1\r\nhost: x\r\n"
-                          b"content-length: 1\r\ncontent-length: 2\r\n\r\nab")
+def test_a_large_body_is_no_header(proxy: ProxyProcess) -> None:
+    # headers and a body 6x max_header_bytes in one write: only the headers count
+    body = orjson.dumps({**CHAT, "user": "u" * 100_000, "max_tokens": 2})
+    answer = raw_exchange(proxy.url, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                          b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                          % (len(body), body))
+    assert status_of(answer) == 200, answer[:300]
+
+
+@pytest.mark.parametrize("smuggled", [
+    b"content-length: 1\r\ncontent-length: 2\r\n\r\nab",  # two lengths
+    b"content-length: 2\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",  # CL + TE
+    b"x-a: b\r\n c\r\n\r\n",  # obs-fold
+    b"x-a: b\x00c\r\n\r\n",  # NUL
+])
+def test_a_malformed_request_gets_an_openai_shaped_400(proxy: ProxyProcess,
+                                                       smuggled: bytes) -> None:
+    answer = raw_exchange(proxy.url, b"POST /v1/models HTTP/1.1\r\nhost: x\r\n" + smuggled)
     assert status_of(answer) == 400
     assert error_of(answer)["type"] == "invalid_request_error"
