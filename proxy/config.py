@@ -52,6 +52,17 @@ class ServerConfig(_Section):
     header_timeout_s: float = Field(30.0, gt=0, description="a request's headers not "
                                     "received whole within this (from the connection's "
                                     "start, or the request's first byte): 408, closed")
+    request_timeout_s: float = Field(90.0, gt=0, description="a request (headers and "
+                                     "body) not received whole within this of its first "
+                                     "byte: 408 (or, answered already, closed)")
+    write_timeout_s: float = Field(60.0, gt=0, description="a client that reads none of "
+                                   "its answer for this long (the send buffer stays full) "
+                                   "is disconnected, and its request ends")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line + "
+                                  "headers larger than this get 431 (cut while read)")
+    max_header_count: int = Field(100, ge=8, description="more header lines get 431")
+    max_json_depth: int = Field(64, ge=2, le=200, description="JSON bodies nested deeper "
+                                "(arrays, objects) get 400")
     max_tokens_limit: int = Field(131_072, gt=0, description="larger max_tokens get 400")
     session_header: str = Field("x-session-id", description="header naming a session")
     default_model: str | None = Field(None, min_length=1, description="the model of an "
@@ -67,7 +78,9 @@ class ServerConfig(_Section):
                              "logger laneway.access (README, Logs)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
     shutdown_timeout_s: int = Field(30, ge=0, description="finish open streams on stop")
-    keep_alive_s: int = Field(75, ge=1, description="idle client connection lifetime")
+    keep_alive_s: int = Field(75, ge=1, description="idle client connection lifetime "
+                              "between requests (bytes that begin no request do not "
+                              "extend it)")
     tls_certfile: str | None = Field(None, description="serve HTTPS with this "
                                      "certificate (PEM, with its chain); null: HTTP")
     tls_keyfile: str | None = Field(None, description="the certificate's private key (PEM)")
@@ -317,7 +330,23 @@ class AuthConfig(_Section):
     chars_per_token: float = Field(4.0, gt=0, description="prompt-token estimate charged "
                                    "up front (reconciled with usage at the end)")
     default_max_tokens: int = Field(256, gt=0, description="completion tokens charged up "
-                                    "front when a request sets no max_tokens")
+                                    "front (per choice) when a request sets no max_tokens "
+                                    "and its model's context length is not known; when it "
+                                    "is, what the model could generate (the context less "
+                                    "the prompt), up to the key's tokens_per_minute, but "
+                                    "never less than this (docs/security_limits.md)")
+
+    @field_validator("keys")
+    @classmethod
+    def _unique_key_names(cls, keys: list[ApiKeyConfig]) -> list[ApiKeyConfig]:
+        """A key's name keys its rate-limit counters (shared by replicas): two keys of
+        one name would share their limits."""
+        names = [k.name for k in keys]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate API key names: {', '.join(dupes)} (a name keys "
+                             "its key's rate limits)")
+        return keys
 
 
 class StateConfig(_Section):

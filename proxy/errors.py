@@ -110,6 +110,18 @@ class PayloadTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class HeadersTooLarge(ProxyError):
+    """The request line and headers passed `server.max_header_bytes` or
+    `server.max_header_count`; the connection is closed."""
+
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_fields_too_large"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"connection", b"close")]
+
+
 class RequestTimeout(ProxyError):
     """The client did not send its request's headers or body in time; the connection
     is closed."""

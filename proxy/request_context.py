@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -33,12 +34,43 @@ _ID_PREFIX = os.urandom(4).hex()
 EXPECTED_TOKENS_HEADER = "x-laneway-expected-tokens"
 
 
+# A client's `x-request-id` is echoed and logged only if it is this short and plain;
+# any other is replaced by a new id (docs/security_limits.md).
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+# Body fields that only laneway may set: vLLM's per-request scheduling priority (flow
+# control orders requests by the key's priority), the disaggregated-prefill handle
+# (proxy/routing/kv_transfer.py sets its own), and laneway's own `vllm_xargs`.
+_LANEWAY_ONLY = ("priority", "kv_transfer_params")
+_LANEWAY_XARGS = "laneway_"
+# JSON strings (skipped when counting brackets), and every byte but a bracket
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def new_request_id() -> str:
+    """An id unique to this process: the key policies keep a request's state under."""
+    return f"lw-{_ID_PREFIX}-{next(_ids)}"
+
+
+def plain_request_id(sent: str) -> bool:
+    """Whether a client's `x-request-id` is short and plain enough to echo and log."""
+    return _CLIENT_ID.fullmatch(sent) is not None
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's `x-request-id` if it is short and plain (else None: not echoed)."""
+    sent = headers.get("x-request-id")
+    return sent if sent is not None and plain_request_id(sent) else None
+
+
 def request_id(headers: Mapping[str, str]) -> str:
-    """The client's `x-request-id`, or a new id unique to this process."""
-    return headers.get("x-request-id") or f"lw-{_ID_PREFIX}-{next(_ids)}"
+    """The id a client sees (`x-request-id`): its own if short and plain, else new."""
+    return client_request_id(headers) or new_request_id()
 
 
-def parse_body(body: bytes) -> dict[str, Any]:
+def parse_body(body: bytes, max_depth: int = 64) -> dict[str, Any]:
+    """The JSON object `body` holds, nested at most `max_depth` deep (a deeper one is
+    refused here: orjson reads up to 1024 levels but writes only 254)."""
     if not body:
         raise InvalidRequest("Request body is empty; expected a JSON object.")
     try:
@@ -47,7 +79,36 @@ def parse_body(body: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"Request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("Request body must be a JSON object.")
+    if not _depth_within(body, max_depth):
+        raise InvalidRequest(f"Request body nests JSON arrays and objects deeper than "
+                             f"{max_depth} levels (server.max_json_depth).")
     return data
+
+
+def _depth_within(body: bytes, limit: int) -> bool:
+    """Whether the (valid) JSON `body` nests at most `limit` deep. Fewer brackets than
+    that cannot nest deeper (the common case, two C-speed counts); otherwise the
+    brackets outside strings are walked."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return True
+    depth = 0
+    for byte in _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKET):
+        depth += 1 if byte in b"[{" else -1
+        if depth > limit:
+            return False
+    return True
+
+
+def without_client_controls(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` without the fields only laneway may set (`priority`,
+    `kv_transfer_params`, `vllm_xargs` keys starting with `laneway_`); `data` itself
+    when it has none."""
+    dropped = [key for key in _LANEWAY_ONLY if key in data]
+    xargs = data.get("vllm_xargs")
+    if isinstance(xargs, dict) and any(str(k).startswith(_LANEWAY_XARGS) for k in xargs):
+        kept = {k: v for k, v in xargs.items() if not str(k).startswith(_LANEWAY_XARGS)}
+        return {k: v for k, v in data.items() if k not in dropped} | {"vllm_xargs": kept}
+    return {k: v for k, v in data.items() if k not in dropped} if dropped else data
 
 
 def build_context(
@@ -57,12 +118,15 @@ def build_context(
     *,
     request_id: str,
     max_tokens_limit: int,
+    client_id: str | None = None,
     session_header: str,
     block_chars: int,
     default_model: str | None = None,
 ) -> RequestContext:
     """`data`'s context; `default_model`: the model of a request that names none (not
-    for the Messages API, where Anthropic's and vLLM's schemas require one)."""
+    for the Messages API, where Anthropic's and vLLM's schemas require one);
+    `request_id`: the unique id policies key it by, `client_id`: the client's own
+    (`client_request_id`), echoed instead if set."""
     model = named_model(data, None if endpoint == "messages" else default_model)
     prompt_text = _PROMPTS[endpoint](data)
     stream = data.get("stream")
@@ -72,6 +136,7 @@ def build_context(
             raise InvalidRequest("`stream` must be a boolean.", param="stream")
     return RequestContext(
         request_id=request_id,
+        client_id=client_id,
         endpoint=endpoint,
         model=model,
         prompt_text=prompt_text,
@@ -83,6 +148,13 @@ def build_context(
         expected_tokens=_expected_tokens(headers),
         arrived_at=time.monotonic(),
     )
+
+
+def choices_of(data: Mapping[str, Any]) -> int:
+    """How many completions the request generates (`n`, `best_of`: vLLM generates
+    `best_of` and returns `n`), as the key is charged for them; 1 if unreadable."""
+    counts = [lax_int(data.get(k)) for k in ("n", "best_of") if data.get(k) is not None]
+    return max([c for c in counts if c is not None and c > 0], default=1)
 
 
 def normalized(data: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:

@@ -62,6 +62,14 @@ class RequestContext:
     slo_ms: float | None = None
     expected_tokens: int | None = None  # the client's length hint (header), if any
     arrived_at: float = 0.0
+    # the client's own x-request-id (short and plain: proxy/request_context.py), echoed to it;
+    # never a key of the proxy's (two requests may send the same one)
+    client_id: str | None = None
+
+    @property
+    def echo_id(self) -> str:
+        """The `x-request-id` of the answer: the client's own, else `request_id`."""
+        return self.client_id or self.request_id
 
 
 @dataclass(frozen=True, slots=True)

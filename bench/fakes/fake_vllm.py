@@ -514,6 +514,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a chat answer's length without max_tokens")
     parser.add_argument("--eos-after", type=int)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--fail-status", type=int)
     parser.add_argument("--fail-first", type=int)
     parser.add_argument("--die-after-tokens", type=int)
@@ -526,7 +527,8 @@ def main(argv: list[str] | None = None) -> None:
     config = FakeConfig(
         model=args.model, aliases=tuple(args.alias), ttft_s=args.ttft_ms / 1000,
         tpot_s=args.tpot_ms / 1000, default_tokens=args.tokens, eos_after=args.eos_after,
-        max_num_seqs=args.max_num_seqs, fail_status=args.fail_status,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        fail_status=args.fail_status,
         fail_first=args.fail_first, die_after_tokens=args.die_after_tokens, hang=args.hang,
         api_key=args.api_key, lora_runtime=args.lora_runtime)
     uvicorn.run(FakeVllm(config), host=args.host, port=args.port, loop="uvloop",

@@ -10,6 +10,7 @@ request ends (`settle`); a request that got no answer is refunded.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -21,6 +22,8 @@ from proxy.errors import PermissionDenied, RateLimited, Unauthorized
 from proxy.hashing import hash_key
 from proxy.state.rate_counters import RateLimiter, WindowCounters, window_of
 from proxy.types import Outcome, RequestContext
+
+log = logging.getLogger("laneway")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +87,14 @@ class Auth:
                     ApiKeyConfig.model_validate({**raw, "sha256": digest}))
             except ValueError:
                 continue
-        self._store_keys = loaded
+        # A name keys the rate-limit counters: a stored key may not share one with a
+        # configured key or another stored key (they would share limits).
+        names = [k.name for k in loaded.values()] + [k.name for k in self._config_keys.values()]
+        shared = {n for n in names if names.count(n) > 1}
+        if shared:
+            log.warning("API keys in the state store skipped: their names are taken by "
+                        "another key: %s", ", ".join(sorted(shared)))
+        self._store_keys = {d: k for d, k in loaded.items() if k.name not in shared}
 
     def key_of(self, headers: Mapping[str, str]) -> ApiKey | None:
         """The caller's key (None when auth is off); raises `Unauthorized`."""
@@ -113,15 +123,20 @@ class Auth:
         self.limiter.charge(f"{key.name}:requests", 1, window_of(now))
         return key
 
-    def admit(self, headers: Mapping[str, str], ctx: RequestContext) -> Grant | None:
-        """Check the key, its models and its limits, and charge the request."""
-        return self.admit_model(headers, ctx.model, len(ctx.prompt_text),
-                                ctx.max_tokens or self.cfg.default_max_tokens)
+    def admit(self, headers: Mapping[str, str], ctx: RequestContext, choices: int = 1,
+              model_context: int | None = None) -> Grant | None:
+        """Check the key, its models and its limits, and charge the request (`choices`
+        completions: `n`, `best_of`; `model_context`: its model's context length, if
+        known, bounds what a request without max_tokens may generate)."""
+        return self.admit_model(headers, ctx.model, len(ctx.prompt_text), ctx.max_tokens,
+                                choices=choices, model_context=model_context)
 
     def admit_model(self, headers: Mapping[str, str], model: str, prompt_chars: int,
-                    output_tokens: int) -> Grant | None:
+                    output_tokens: int | None, *, choices: int = 1,
+                    model_context: int | None = None) -> Grant | None:
         """`admit` for a request on `model` of about `prompt_chars` characters of input
-        that may generate `output_tokens`."""
+        that may generate `output_tokens` (None: unbounded but by the model) in each of
+        `choices` completions."""
         key = self.key_of(headers)
         if key is None:
             return None
@@ -130,13 +145,32 @@ class Auth:
                                    f"`{model}`.", param="model")
         now = self._clock()
         prompt = math.ceil(prompt_chars / self.cfg.chars_per_token)
-        tokens = prompt + output_tokens
+        choices = max(choices, 1)
+        if output_tokens is None:
+            output_tokens = self._open_ended(key, prompt, choices, model_context)
+        tokens = prompt + choices * output_tokens
         self._check(key, "requests", key.requests_per_minute, 1, now)
         self._check(key, "tokens", key.tokens_per_minute, tokens, now)
         window = window_of(now)
         self.limiter.charge(f"{key.name}:requests", 1, window)
         self.limiter.charge(f"{key.name}:tokens", tokens, window)
         return Grant(key, window, prompt, tokens, self._limit_headers(key, now))
+
+    def _open_ended(self, key: ApiKey, prompt: int, choices: int,
+                    model_context: int | None) -> int:
+        """The completion tokens charged (per choice) for a request that sets no bound:
+        what its model could generate (its context less the prompt), but no more than
+        leaves the whole request within the key's tokens per minute (so that it fits an
+        empty window), and never less than `default_max_tokens` (the only charge when
+        the context is not known). Charged so, concurrent open-ended requests cannot
+        together overshoot the key's limit; `settle` refunds what was not used."""
+        floor = self.cfg.default_max_tokens
+        if model_context is None:
+            return floor
+        room = model_context - prompt
+        if key.tokens_per_minute is not None:
+            room = min(room, (key.tokens_per_minute - prompt) // choices)
+        return max(floor, room)
 
     def _limit_headers(self, key: ApiKey, now: float) -> tuple[tuple[bytes, bytes], ...]:
         """The key's limits and what is left of them in the sliding minute (tokens as

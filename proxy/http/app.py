@@ -114,9 +114,9 @@ class LanewayApp:
         self.cors = Cors(origins) if origins else None
         self.runtime: Runtime | None = None
 
-    def header_timed_out(self, err: ProxyError) -> None:
-        """A connection got `err` (a 408) for headers not received in time
-        (proxy/http/protocol.py): counted with the proxy's other error answers."""
+    def refused_by_server(self, err: ProxyError) -> None:
+        """A connection got `err` from the server itself (proxy/http/protocol.py: a 408,
+        431 or malformed request's 400): counted with the proxy's other error answers."""
         if self.runtime is not None:
             self.runtime.count_refused(err)
 

@@ -43,7 +43,15 @@ from proxy.relay.stream_accounting import (
     body_usage,
 )
 from proxy.relay.upstream import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
-from proxy.request_context import build_context, normalized, parse_body, request_id
+from proxy.request_context import (
+    build_context,
+    choices_of,
+    client_request_id,
+    new_request_id,
+    normalized,
+    parse_body,
+    without_client_controls,
+)
 from proxy.routing.kv_transfer import handle_of, without_handle
 from proxy.runtime import Runtime
 from proxy.types import Endpoint, Outcome, Prediction, RequestContext
@@ -63,10 +71,12 @@ async def handle_completion(
     server = rt.settings.server
     try:
         body = await read_body(headers, receive, server.max_body_bytes, server.body_timeout_s)
-        data = parse_body(body)
+        data = parse_body(body, server.max_json_depth)
+        if (kept := without_client_controls(data)) is not data:
+            data, body = kept, orjson.dumps(kept)
         ctx = build_context(
             data, endpoint, headers,
-            request_id=request_id(headers),
+            request_id=new_request_id(), client_id=client_request_id(headers),
             max_tokens_limit=server.max_tokens_limit,
             session_header=server.session_header,
             block_chars=server.prefix_block_chars,
@@ -74,7 +84,9 @@ async def handle_completion(
         )
         if (read := normalized(data, ctx)) is not data:  # (the default model, lax types)
             data, body = read, orjson.dumps(read)
-        grant, send = rt.admit(scope, send, ctx.model, lambda: rt.auth.admit(headers, ctx),
+        choices, context = choices_of(data), rt.registry.model_context(ctx.model)
+        grant, send = rt.admit(scope, send, ctx.model,
+                               lambda: rt.auth.admit(headers, ctx, choices, context),
                                anthropic=endpoint == "messages")
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
         place = rt.queue_place(grant, headers)
@@ -90,7 +102,8 @@ async def handle_completion(
                         tracking=tracking, forced_after=forced, grant=grant,
                         announce=headers.get(EVENTS_HEADER) == "1", home=home, place=place)
     await exchange.run(receive)
-    note(scope, fallback_from=exchange.fallback_from, model=exchange.ctx.model)
+    note(scope, fallback_from=exchange.fallback_from, model=exchange.ctx.model,
+         laneway_id=ctx.request_id if ctx.client_id is not None else None)
     if (outcome := exchange.outcome) is not None:
         note(scope, policy=outcome.policy, prompt_tokens=outcome.prompt_tokens,
              completion_tokens=outcome.completion_tokens,
@@ -342,7 +355,7 @@ class Exchange:
 
     async def _respond(self, opened: Opened) -> None:
         self.tally = StreamTally(time.monotonic(), _ENDS.get(self.ctx.endpoint))
-        await relay_answer(opened, self.send, self.ctx.request_id, self.tally,
+        await relay_answer(opened, self.send, self.ctx.echo_id, self.tally,
                            self.rt.settings.upstream.read_timeout_s,
                            self.rt.count_upstream_error, self._finishing)
 

@@ -38,7 +38,7 @@ from proxy.http import multipart
 from proxy.observability.access_log import note, wait_ms
 from proxy.relay.stream_accounting import StreamTally, body_usage
 from proxy.relay.upstream import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
-from proxy.request_context import named_model, parse_body, request_id
+from proxy.request_context import named_model, parse_body, request_id, without_client_controls
 from proxy.runtime import Runtime
 from proxy.types import Outcome
 
@@ -75,7 +75,7 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     try:
         server = rt.settings.server
         raw = await read_body(headers, receive, server.max_body_bytes, server.body_timeout_s)
-        body = _read(raw, headers, path, rt.default_model())
+        body = _read(raw, headers, path, rt.default_model(), server.max_json_depth)
         model = body.model
         # No output tokens: the body bounds the input the key is charged for (an audio
         # file's bytes are no text: its request is counted, not its bytes).
@@ -95,12 +95,14 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     note(scope, queued_ms=wait_ms(call.queued_s))
 
 
-def _read(raw: bytes, headers: dict[str, str], path: str, default_model: str | None
-          ) -> _Body:
+def _read(raw: bytes, headers: dict[str, str], path: str, default_model: str | None,
+          max_depth: int) -> _Body:
     """The body and the model it names (`default_model` if it names none, then written
     into the body: not on the Messages API's routes, whose schema requires one)."""
     if path not in AUDIO_PATHS:
-        data = parse_body(raw)
+        data = parse_body(raw, max_depth)
+        if (kept := without_client_controls(data)) is not data:
+            data, raw = kept, orjson.dumps(kept)
         if path.startswith("/v1/messages"):
             default_model = None
         model = named_model(data, default_model, f" on {path}")

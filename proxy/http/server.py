@@ -1,6 +1,6 @@
-"""Run the proxy under uvicorn (uvloop + httptools, with a deadline on request headers:
-proxy/http/protocol.py): blocking for the CLI, or as a task in the current event loop
-for tests and benchmarks."""
+"""Run the proxy under uvicorn (uvloop + httptools, with bounds on each connection's
+headers and deadlines: proxy/http/protocol.py): blocking for the CLI, or as a task in
+the current event loop for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ import uvicorn
 from policies.base import Policy
 from proxy.config import Settings
 from proxy.http.app import LanewayApp
-from proxy.http.protocol import with_header_timeout
+from proxy.http.protocol import ConnectionLimits, guarded_protocol
+
+
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    server = settings.server
+    return ConnectionLimits(
+        header_timeout_s=server.header_timeout_s, request_timeout_s=server.request_timeout_s,
+        keep_alive_s=server.keep_alive_s, write_timeout_s=server.write_timeout_s,
+        max_header_bytes=server.max_header_bytes, max_header_count=server.max_header_count)
 
 
 def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
@@ -24,7 +32,7 @@ def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop",
-        http=with_header_timeout(settings.server.header_timeout_s, app.header_timed_out),
+        http=guarded_protocol(connection_limits(settings), app.refused_by_server),
         lifespan="on",
         access_log=False,
         log_config=None,  # the CLI configures logging once

@@ -202,7 +202,7 @@ class TrackedRelay(Moves):
             await send_bytes(self.send, status, payload, [
                 (b"content-type", b"application/json"),
                 (b"x-laneway-backend", self.leg.backend.name.encode()),
-                (b"x-request-id", self.ctx.request_id.encode())])
+                (b"x-request-id", self.ctx.echo_id.encode())])
             return
         await self._start_stream()
         await self.send({"type": "http.response.body", "more_body": False,
@@ -312,7 +312,7 @@ class TrackedRelay(Moves):
         await self.send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", self.leg.opened.content_type),
             (b"x-laneway-backend", self.leg.backend.name.encode()),
-            (b"x-request-id", self.ctx.request_id.encode()),
+            (b"x-request-id", self.ctx.echo_id.encode()),
         ]})
 
     async def _send(self, body: bytes) -> None:
@@ -337,7 +337,7 @@ class TrackedRelay(Moves):
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"x-laneway-backend", self.leg.backend.name.encode()),
-            (b"x-request-id", self.ctx.request_id.encode()),
+            (b"x-request-id", self.ctx.echo_id.encode()),
         ]})
         self.started = True
         await self.send({"type": "http.response.body", "body": body})

@@ -84,11 +84,29 @@ async def logged(app: Http, scope: Scope, receive: Receive, send: Send) -> None:
                  extra={"fields": fields})
 
 
+# What could end or rewrite a log line in a terminal or a log viewer: C0 and C1
+# controls (CR, LF, ESC, NEL, ...), DEL, Unicode's line and paragraph separators; and
+# the backslash, so that an escape in the log is never the client's own text.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
+    0x2028: "\\u2028", 0x2029: "\\u2029", ord("\\"): "\\\\"}
+_QUOTED = {**_ESCAPES, ord('"'): '\\"'}
+
+
+def printable(text: str) -> str:
+    """`text` on one line, its control characters escaped (`\\x0a`), as every text log
+    line shows what a client sent (a path, a model name): it cannot forge lines."""
+    return text.translate(_ESCAPES)
+
+
 class TextFormatter(logging.Formatter):
-    """The usual line, then the record's fields (if any) as `key=value`."""
+    """The usual line, then the record's fields (if any) as `key=value`; the message
+    and the fields escaped (`printable`), a traceback after them as it is."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -124,5 +142,9 @@ def configure_logging(level: str, fmt: str = "text") -> None:
 
 
 def _text(value: Any) -> str:
+    """A field's value: as is if plain, else quoted, with quotes and controls escaped
+    (a value cannot close its quotes and add a field of its own)."""
     text = str(value)
-    return f'"{text}"' if (" " in text or not text) else text
+    if text and not any(c in text for c in ' "=') and text.isprintable():
+        return printable(text)
+    return '"' + text.translate(_QUOTED) + '"'

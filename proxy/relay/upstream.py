@@ -31,6 +31,7 @@ from proxy.errors import (
 )
 from proxy.observability.tracing import Span, Tracing, answered
 from proxy.relay.stream_accounting import StreamTally
+from proxy.request_context import plain_request_id
 from proxy.types import Backend
 
 log = logging.getLogger("laneway.relay")
@@ -44,6 +45,10 @@ _HOP_HEADERS = frozenset(
      "accept-encoding"}
 )
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
+# What a client must not tell a backend: where the request came from (the backend
+# would believe a forged address), and a scheduling priority of its own choosing.
+_CLIENT_CLAIMS = frozenset({"forwarded", "x-real-ip", "x-vllm-priority"})
+_CLIENT_CLAIM_PREFIX = "x-forwarded-"
 _ERROR_BODY_LIMIT = 64 * 1024
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # how an SSE event ends (vLLM: the first)
 # Whole JSON answers up to this size are parsed to check they are complete; larger ones
@@ -131,15 +136,23 @@ class Opened:
 
 def forward_headers(raw: list[tuple[bytes, bytes]], credentials: bool = True
                     ) -> dict[str, str]:
-    """The client's headers a backend gets: not the hop-by-hop ones, and not the
-    client's credentials without `credentials` (laneway checked them: its keys are not
-    the backends'). A backend with an `api_key` gets that instead (`Upstream._send`)."""
-    dropped = _HOP_HEADERS if credentials else _HOP_HEADERS | _CREDENTIALS
-    return {
-        k.decode("latin-1"): v.decode("latin-1")
-        for k, v in raw
-        if k.decode("latin-1").lower() not in dropped
-    }
+    """The client's headers a backend gets: not the hop-by-hop ones (those named in its
+    `Connection` header too), not its claims of origin or priority (`X-Forwarded-*`,
+    `Forwarded`, `X-Vllm-Priority`), not an `x-request-id` too long or odd to echo, and
+    not the client's credentials without
+    `credentials` (laneway checked them: its keys are not the backends'). A backend
+    with an `api_key` gets that instead (`Upstream._send`)."""
+    dropped = _HOP_HEADERS | _CLIENT_CLAIMS | (frozenset() if credentials else _CREDENTIALS)
+    named = {token.strip().lower() for k, v in raw if k.lower() == b"connection"
+             for token in v.decode("latin-1").split(",")}
+    headers = {}
+    for k, v in raw:
+        name = k.decode("latin-1").lower()
+        if name not in dropped and name not in named \
+                and not name.startswith(_CLIENT_CLAIM_PREFIX) \
+                and (name != "x-request-id" or plain_request_id(v.decode("latin-1"))):
+            headers[k.decode("latin-1")] = v.decode("latin-1")
+    return headers
 
 
 def backend_auth(api_key: str, headers: Mapping[str, str]) -> dict[str, str]:
