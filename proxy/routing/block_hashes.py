@@ -49,7 +49,8 @@ _ALGOS = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
 @dataclass(frozen=True, slots=True)
 class BlockHasher:
     """How one backend hashes its blocks: `--prefix-caching-hash-algo`, its block
-    size, and its PYTHONHASHSEED (None: vLLM's fixed default)."""
+    size (`--block-size`; 128 by default on CPU, 16 on most GPUs), and its
+    PYTHONHASHSEED verbatim, e.g. "4242" (None: unset, vLLM's fixed default)."""
 
     algo: HashAlgo = "sha256"
     block_size: int = 16
