@@ -21,7 +21,7 @@ only under-counts (a missed hit), while a missed removal would over-count foreve
 which is why any doubt drops.
 
 Each data-parallel rank publishes on its own port (endpoint port + rank,
-kv_events.py:529-563): one subscriber per rank. vLLM binds its endpoint when it has
+kv_events.py:529-563): one subscriber per rank (`rank_sources`). vLLM binds its endpoint when it has
 `*` or `::` in it and connects otherwise (kv_events.py:448-456); `bind=True` is for
 the second case: this side binds and vLLM connects to it.
 """
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from dataclasses import dataclass
 from types import TracebackType
 
 import msgspec
@@ -44,7 +44,7 @@ from proxy.fleet.kv_wire import Decoder
 log = logging.getLogger("laneway.kv_events")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class KvEventSource:
     backend: str
     endpoint: str  # tcp://host:port of vLLM's PUB socket (or ours to bind, `bind`)
@@ -53,6 +53,23 @@ class KvEventSource:
     rank: int = 0  # the data-parallel rank this endpoint belongs to
     bind: bool = False
     replay_timeout_s: float = 2.0  # per reply frame; vLLM answers between engine steps
+
+
+def rank_sources(source: KvEventSource, data_parallel_size: int) -> list[KvEventSource]:
+    """One source per data-parallel rank of a backend: rank r publishes (and replays)
+    on the configured port + r (vLLM's `offset_endpoint_port`)."""
+    return [dataclasses.replace(source, rank=rank,
+                                endpoint=_offset_port(source.endpoint, rank),
+                                replay_endpoint=source.replay_endpoint
+                                and _offset_port(source.replay_endpoint, rank))
+            for rank in range(data_parallel_size)]
+
+
+def _offset_port(endpoint: str, rank: int) -> str:
+    address, _, port = endpoint.rpartition(":")
+    if rank == 0 or not port.isdigit() or int(port) == 0:
+        return endpoint
+    return f"{address}:{int(port) + rank}"
 
 
 class KvEventSubscriber:

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from proxy.fleet.kv_events import KvEventSource, KvEventSubscriber
+from proxy.fleet.kv_events import KvEventSource, KvEventSubscriber, rank_sources
 from proxy.fleet.kv_index import KvIndex
 
 TOPIC = b"kv"
@@ -252,3 +252,14 @@ async def test_bind_mode_and_malformed_messages() -> None:
         pub.close(linger=0)
         context.term()
     assert subscriber._task is None
+
+
+def test_rank_sources_offset_the_ports() -> None:
+    source = KvEventSource("a", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", topic="kv")
+    ranks = rank_sources(source, 3)
+    assert [(s.rank, s.endpoint, s.replay_endpoint) for s in ranks] == [
+        (0, "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558"),
+        (1, "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5559"),
+        (2, "tcp://10.0.0.5:5559", "tcp://10.0.0.5:5560")]
+    assert all(s.topic == "kv" and s.backend == "a" for s in ranks)
+    assert rank_sources(KvEventSource("a", "tcp://h:5557"), 2)[1].replay_endpoint is None
