@@ -14,7 +14,9 @@ only, and a new subscriber sees nothing published before it connected. So:
   and rebuild from whatever the buffer holds (a *resync*);
 * a sequence number at or below the last one heard live: the server restarted, its
   cache is empty; drop and rebuild the same way;
-* batches a replay already applied come again live: skipped.
+* batches a replay already applied come again live: skipped;
+* the connection dropped (a ZMQ socket monitor): the next batch checks continuity as
+  after a gap, even when its number is the one expected.
 
 Without a replay endpoint a gap is a resync from the batch at hand. A dropped rank
 only under-counts (a missed hit), while a missed removal would over-count forever,
@@ -37,6 +39,7 @@ from types import TracebackType
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from proxy.fleet.kv_index import KvIndex
 from proxy.fleet.kv_wire import Decoder
@@ -84,7 +87,8 @@ class KvEventSubscriber:
         self._context = context or zmq.asyncio.Context()
         self._decoder = Decoder()
         self._sub: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._suspect = False  # the connection dropped: the server may have restarted
         self._next: int | None = None  # the next sequence number to apply
         self._last_ts: float | None = None  # the timestamp of the batch before it
         self._last_live: int | None = None  # the last number heard on the PUB socket
@@ -97,6 +101,7 @@ class KvEventSubscriber:
         self.replays = 0  # replay requests sent
         self.resyncs = 0  # times this rank's blocks were dropped and rebuilt
         self.restarts = 0  # sequence restarts seen (a restarted server)
+        self.disconnects = 0  # connections to the publisher lost
 
     @property
     def next_seq(self) -> int | None:
@@ -111,15 +116,19 @@ class KvEventSubscriber:
         else:
             sub.connect(self.source.endpoint)
         self._sub = sub
-        self._task = asyncio.create_task(self._run(), name=f"kv-events {self.source.backend}")
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        name = f"kv-events {self.source.backend} rank {self.source.rank}"
+        self._tasks = [asyncio.create_task(self._run(), name=name),
+                       asyncio.create_task(self._watch(monitor), name=f"{name} monitor")]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._tasks = []
         if self._sub is not None:
+            self._sub.disable_monitor()
             self._sub.close(linger=0)
             self._sub = None
         if self._own_context:
@@ -142,7 +151,20 @@ class KvEventSubscriber:
                 continue
             await self._on_live(int.from_bytes(frames[1], "big"), frames[2])
 
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """A dropped connection makes the next batch check continuity even without a
+        gap: a server that restarted meanwhile may have numbered up to where we were."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.disconnects += 1
+                    self._suspect = True
+        finally:
+            monitor.close(linger=0)
+
     async def _on_live(self, seq: int, payload: bytes) -> None:
+        suspect, self._suspect = self._suspect, False
         if self._last_live is not None and seq <= self._last_live:
             log.info("kv events of %s restarted at %d", self.source.backend, seq)
             self.restarts += 1
@@ -150,8 +172,9 @@ class KvEventSubscriber:
         self._last_live = seq
         if self._next is not None and seq < self._next:
             return  # a replay applied it already
-        if (self._next is None and seq > 0) or (self._next is not None and seq > self._next):
-            if self._next is not None:
+        if (self._next is None and seq > 0) or (self._next is not None
+                                                 and (seq > self._next or suspect)):
+            if self._next is not None and seq > self._next:
                 self.gaps += 1
             await self._catch_up()
             if self._next is not None and seq < self._next:

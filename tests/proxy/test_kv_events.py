@@ -68,6 +68,19 @@ class FakePublisher:
     def restart(self) -> None:
         self.buffer.clear()
 
+    def reopen(self, context: zmq.asyncio.Context) -> None:
+        """A new PUB socket on the same port: the old connection drops."""
+        endpoint = self.endpoint
+        self.pub.close(linger=0)
+        self.pub = context.socket(zmq.XPUB)
+        for _ in range(100):  # the closed socket's port is released asynchronously
+            try:
+                self.pub.bind(endpoint)
+                return
+            except zmq.ZMQError:
+                time.sleep(0.02)
+        self.pub.bind(endpoint)
+
     async def _serve_replay(self) -> None:
         while True:
             client, _, start = await self.router.recv_multipart()
@@ -181,6 +194,29 @@ async def test_gap_across_a_restart_is_a_resync(context: zmq.asyncio.Context) ->
     await publisher.close()
 
 
+async def test_restart_behind_a_dropped_connection(context: zmq.asyncio.Context) -> None:
+    """The server restarts while we are disconnected and numbers exactly up to where we
+    were: no gap, no backwards step; the dropped connection makes the check happen."""
+    index = KvIndex()
+    publisher, subscriber = await subscribed(context, index)
+    await publisher.publish(0, [stored(1, 2)], ts=100.0)
+    await publisher.publish(1, [stored(3, parent=2)], ts=101.0)
+    await until(lambda: subscriber.next_seq == 2)
+    publisher.restart()
+    publisher.reopen(context)
+    await until(lambda: subscriber.disconnects == 1)
+    await publisher.subscribed()
+    await publisher.publish(0, [stored(10)], live=False, ts=200.0)
+    await publisher.publish(1, [stored(11)], live=False, ts=201.0)
+    await publisher.publish(2, [stored(12)], ts=202.0)
+    await until(lambda: subscriber.next_seq == 3 and subscriber.resyncs == 1)
+    assert index.longest_prefix("a", [1, 2, 3]) == 0
+    assert all(index.copies("a", 0, h) == 1 for h in (10, 11, 12))
+    assert (subscriber.gaps, subscriber.restarts) == (0, 0)
+    await subscriber.stop()
+    await publisher.close()
+
+
 async def test_gap_past_the_replay_buffer_is_a_resync(context: zmq.asyncio.Context) -> None:
     index = KvIndex()
     publisher, subscriber = await subscribed(context, index)
@@ -251,7 +287,7 @@ async def test_bind_mode_and_malformed_messages() -> None:
         assert subscriber.next_seq == 2 and subscriber.resyncs == 0
         pub.close(linger=0)
         context.term()
-    assert subscriber._task is None
+    assert subscriber._tasks == []
 
 
 def test_rank_sources_offset_the_ports() -> None:
