@@ -131,7 +131,7 @@ class KvEventSubscriber:
             self._sub.disable_monitor()
             self._sub.close(linger=0)
             self._sub = None
-        if self._own_context:
+        if self._own_context and not self._context.closed:
             self._context.term()
 
     async def __aenter__(self) -> KvEventSubscriber:
