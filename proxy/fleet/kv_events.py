@@ -149,7 +149,14 @@ class KvEventSubscriber:
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.decode_errors += 1
                 continue
-            await self._on_live(int.from_bytes(frames[1], "big"), frames[2])
+            if frames[0] != self.source.topic.encode():
+                continue  # ZMQ filters by prefix: "kv" also lets "kv2" through
+            try:
+                await self._on_live(int.from_bytes(frames[1], "big"), frames[2])
+            except zmq.ZMQError:  # the replay socket failed: the state is unsure
+                log.exception("kv events of %s: replay failed", self.source.backend)
+                self._forget()
+                self.resyncs += 1
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         """A dropped connection makes the next batch check continuity even without a

@@ -136,9 +136,12 @@ async def test_live_events_feed_the_index(context: zmq.asyncio.Context) -> None:
     assert index.copies("a", 0, 1) == 2
     assert (subscriber.batches, subscriber.events, subscriber.unknown_events) == (2, 4, 1)
     assert (subscriber.gaps, subscriber.replays, subscriber.resyncs) == (0, 0, 0)
+    await publisher.pub.send_multipart([TOPIC + b"2", (2).to_bytes(8, "big"),
+                                        msgspec.msgpack.encode([1.0, [stored(8)], 0])])
     await publisher.publish(2, [{"type": "AllBlocksCleared"}])
     await until(lambda: subscriber.next_seq == 3)
-    assert index.size("a") == 0
+    assert index.size("a") == 0  # cleared, and topic "kv2" was not ours
+    assert subscriber.restarts == 0 and subscriber.batches == 3
     await subscriber.stop()
     await publisher.close()
 
