@@ -94,7 +94,7 @@ async def test_switch_policy_and_params_at_runtime() -> None:
 
 async def test_reload_applies_backends_policy_and_auth(tmp_path: Path) -> None:
     async with fleet(FakeConfig(), FakeConfig()) as (proxy, fakes):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         path = tmp_path / "laneway.yaml"
         rt.config_path = str(path)
@@ -142,7 +142,7 @@ async def test_a_reload_reads_and_builds_off_the_event_loop(
                         slow(reconfigure.load_settings_and_policy))
     monkeypatch.setattr(base, "build_policy", slow(base.build_policy))  # the config's check
     async with fleet(FakeConfig()) as (proxy, fakes):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         path = tmp_path / "laneway.yaml"
         rt.config_path = str(path)

@@ -116,7 +116,7 @@ async def test_a_transcription_stream_that_ends_without_done_ends_with_an_error(
         answer = await http.post("/v1/audio/transcriptions",
                                  data={"model": "whisper", "stream": "true"},
                                  files={"file": ("a.wav", AUDIO, "audio/wav")})
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         metrics = rt.metrics.render().decode()
     events = [e for e in answer.text.split("\n\n") if e]

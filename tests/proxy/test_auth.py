@@ -74,7 +74,7 @@ async def test_tokens_charged_up_front_then_reconciled_with_usage() -> None:
     # below the up-front charge; only a reconciled window admits the third request.
     async with fleet(FakeConfig(eos_after=5), auth=keys(tokens_per_minute=120)) as (
             proxy, _):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         first = await post(proxy, {**CHAT, "max_tokens": 100}, headers=bearer("sk-alice"))
         used = charged(rt.auth.limiter, "alice:tokens")

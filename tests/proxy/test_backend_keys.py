@@ -80,7 +80,7 @@ async def test_a_wrong_key_is_the_backends_401_relayed() -> None:
 
 async def test_a_reload_with_a_new_key_replaces_the_backend(tmp_path: Path) -> None:
     async with fleet(FakeConfig(api_key="old"), keys=("old",)) as (proxy, fakes):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         path = tmp_path / "laneway.yaml"
         rt.config_path = str(path)

@@ -45,8 +45,8 @@ async def test_adapters_loaded_and_unloaded_at_run_time_follow_the_next_read() -
     async with fleet(FakeConfig(), FakeConfig()) as (proxy, fakes):
         before = await post(proxy, SQL)
         fakes[0].app.config = dataclasses.replace(fakes[0].app.config, aliases=("sql-lora",))
-        assert proxy.http.app.runtime is not None
-        discovery = proxy.http.app.runtime.discovery
+        assert proxy.app.runtime is not None
+        discovery = proxy.app.runtime.discovery
         assert await discovery.once() == 1
         loaded = [await post(proxy, SQL) for _ in range(2)]
         fakes[0].app.config = dataclasses.replace(fakes[0].app.config, aliases=())
@@ -104,8 +104,8 @@ async def test_another_replicas_notice_reads_the_backends_it_names() -> None:
     from another replica reads the named backends' lists now (unknown names skipped)."""
     async with fleet(FakeConfig(), FakeConfig(), poller={"models_interval_s": 3600}) as (
             proxy, fakes):
-        assert proxy.http.app.runtime is not None
-        discovery = proxy.http.app.runtime.discovery
+        assert proxy.app.runtime is not None
+        discovery = proxy.app.runtime.discovery
         discovery.announce(["f1", "f0"])
         discovery.announce(["f1"])
         assert discovery.export_updates() == [["f0", "f1"]]
@@ -115,7 +115,7 @@ async def test_another_replicas_notice_reads_the_backends_it_names() -> None:
         discovery.merge_updates([["f1", "nope"], "f0", [3]])
         for _ in range(50):
             await asyncio.sleep(0.01)
-            served = proxy.http.app.runtime.registry.served_by("f1")
+            served = proxy.app.runtime.registry.served_by("f1")
             if "sql-lora" in served:
                 break
         answers = [await post(proxy, SQL) for _ in range(2)]
@@ -141,7 +141,7 @@ async def test_a_backend_that_does_not_list_its_configured_model_gets_none_of_it
         assert other.status_code == 200 and other.headers["x-laneway-backend"] == "wrong"
         assert [b["serves"] for b in described] == [["fake"], ["other"]]
         wrong.app.config = dataclasses.replace(wrong.app.config, aliases=("fake",))
-        await proxy.http.app.runtime.discovery.once()  # (its next read)
+        await proxy.app.runtime.discovery.once()  # (its next read)
         served = {(await post(proxy, {**CHAT, "max_tokens": 2})).headers["x-laneway-backend"]
                   for _ in range(4)}
         assert served == {"f0", "wrong"}

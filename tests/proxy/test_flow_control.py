@@ -62,8 +62,8 @@ async def _send_in_order(proxy: Any, fakes: list[RunningFake],
     SLOW's pace), so that it holds its room while the others line up (at the fakes'
     16, ~0.3 s, it ended before them on a loaded machine), and it must not have ended
     before they did."""
-    assert proxy.http.app.runtime is not None
-    flow = proxy.http.app.runtime.flow
+    assert proxy.app.runtime is not None
+    flow = proxy.app.runtime.flow
     tasks: list[asyncio.Task[httpx.Response]] = []
     for text, headers in requests:
         before = sum(f.app.stats.requests for f in fakes) + flow.queued
@@ -261,7 +261,7 @@ async def test_turning_flow_control_off_releases_the_waiting_requests() -> None:
         waiting = asyncio.create_task(post(proxy, _chat("waiting")))
         await asyncio.sleep(0.2)
         assert _asked(fakes) == ["busy"]
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         new = rt.settings.model_copy(update={"flow_control": FlowControlConfig()})
         apply_settings(rt, new, rt.router.policy)
         await asyncio.sleep(0.3)  # a few of flow control's ticks; busy runs ~3 s

@@ -67,9 +67,9 @@ async def test_unreachable_backend_fails_over_and_is_marked_down() -> None:
     # Slow poller: the dead backend is found by the relay, not by a scrape.
     async with fleet(FakeConfig(), extra_backends=dead,
                      poller={"interval_s": 30}) as (proxy, _):
-        proxy.http.app.runtime.registry.publish(  # type: ignore[union-attr]
-            {**proxy.http.app.runtime.registry.stats,  # type: ignore[union-attr]
-             "dead": proxy.http.app.runtime.registry.stats["f0"]})  # type: ignore[union-attr]
+        proxy.app.runtime.registry.publish(  # type: ignore[union-attr]
+            {**proxy.app.runtime.registry.stats,  # type: ignore[union-attr]
+             "dead": proxy.app.runtime.registry.stats["f0"]})  # type: ignore[union-attr]
         responses = [await post(proxy, CHAT) for _ in range(4)]
         health = (await httpx.AsyncClient().get(f"{proxy.url}/admin/health",
                                                 headers=ADMIN)).json()
@@ -115,7 +115,7 @@ async def test_mid_stream_death_ends_with_error_event() -> None:
 async def test_a_stream_that_ends_without_its_end_event_ends_with_an_error(
         path: str, body: dict[str, Any], error: str) -> None:
     async with fleet(FakeConfig(end_after_tokens=3)) as (proxy, _):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         response = await post(proxy, {**body, "stream": True}, path)
         metrics = rt.metrics.render().decode()
@@ -162,7 +162,7 @@ async def test_client_disconnect_cancels_upstream() -> None:
                 break
             await asyncio.sleep(0.02)
         assert stats.running == 0 and stats.cancelled == 1 and stats.finished == 0
-        assert proxy.http.app.runtime.registry.inflight["f0"] == 0  # type: ignore[union-attr]
+        assert proxy.app.runtime.registry.inflight["f0"] == 0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -438,7 +438,7 @@ async def test_a_fleet_whose_scrapes_all_fail_still_serves_in_panic_mode(panic: 
     panic mode routes anyway; without it the proxy answers 503 at once."""
     poller = {"interval_s": 30, "route_when_all_unhealthy": panic}
     async with fleet(FakeConfig(), FakeConfig(), poller=poller) as (proxy, _):
-        runtime = proxy.http.app.runtime
+        runtime = proxy.app.runtime
         assert runtime is not None
         registry = runtime.registry
         # Start-up polls once, then the poller's first tick polls again at once: wait for

@@ -153,7 +153,7 @@ async def test_a_retry_carries_the_handle_only_after_a_connect_failure(
     dead = {"name": "dead", "url": "http://127.0.0.1:9", "model": "fake"}
     async with pd_fleet(tmp_path, FakeConfig(), extra_decoders=(dead,),
                         poller={"interval_s": 30}) as (proxy, _, (healthy,)):
-        registry = proxy.http.app.runtime.registry  # type: ignore[union-attr]
+        registry = proxy.app.runtime.registry  # type: ignore[union-attr]
         registry.publish({**registry.stats, "dead": registry.stats["f0"]})
         responses = [await post(proxy, COMPLETION, "/v1/completions") for _ in range(2)]
         tried_dead = not registry.is_healthy("dead")

@@ -21,7 +21,7 @@ def sdk(url: str, key: str = "sk-alice") -> anthropic.AsyncAnthropic:
 async def test_the_sdk_gets_whole_and_streamed_messages() -> None:
     async with fleet(FakeConfig(tpot_s=0.001), FakeConfig(tpot_s=0.001),
                      auth=keys(tokens_per_minute=10_000)) as (proxy, fakes):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         client = sdk(proxy.url)
         raw = await client.messages.with_raw_response.create(

@@ -263,7 +263,7 @@ async def test_rerouting_policy_is_asked_every_tau_tokens_and_can_move() -> None
                      policy={"name": MoveToOther.name},
                      migration={"check_every_tokens": 10}) as (proxy, fakes):
         response = await post(proxy, {**CHAT, "max_tokens": 35})  # non-streamed: tracked too
-        policy = proxy.http.app.runtime.router.policy  # type: ignore[union-attr]
+        policy = proxy.app.runtime.router.policy  # type: ignore[union-attr]
     assert response.json()["choices"][0]["message"]["content"] == expected_text(35)
     assert [p.generated >= 10 * (i + 1) for i, p in enumerate(policy.checks)] == [True] * 3
     assert policy.checks[0].backend.name == "f0" and policy.checks[1].backend.name == "f1"
@@ -275,7 +275,7 @@ async def test_rerouting_policy_is_asked_every_tau_tokens_and_can_move() -> None
 
 async def test_move_to_another_tokenizer_retokenizes_prompt_and_text() -> None:
     async with fleet(FakeConfig(tpot_s=0.03), FakeConfig(), **FORCED) as (proxy, fakes):
-        runtime = proxy.http.app.runtime
+        runtime = proxy.app.runtime
         assert runtime is not None
         other = runtime.registry.remove("f1")
         runtime.registry.add(dataclasses.replace(

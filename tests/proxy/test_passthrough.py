@@ -34,7 +34,7 @@ async def test_embeddings_are_relayed_untouched_to_the_least_loaded_backend() ->
         'model="fake",status="200"} 2.0' in metrics
     assert 'laneway_passthrough_seconds_count{endpoint="/v1/embeddings",model="fake"} 4.0' \
         in metrics
-    assert proxy.http.app.runtime.registry.inflight == {"f0": 0, "f1": 0}  # type: ignore[union-attr]
+    assert proxy.app.runtime.registry.inflight == {"f0": 0, "f1": 0}  # type: ignore[union-attr]
 
 
 async def test_tokenize_reaches_a_generation_backend() -> None:
@@ -107,7 +107,7 @@ async def test_a_client_that_leaves_cancels_the_backends_work() -> None:
             if stats.cancelled:
                 break
             await asyncio.sleep(0.02)
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         assert stats.cancelled == 1
         assert rt.registry.inflight["f0"] == 0
@@ -120,7 +120,7 @@ async def test_a_client_that_leaves_cancels_the_backends_work() -> None:
 async def test_keys_limit_models_and_are_charged_the_backends_usage() -> None:
     async with fleet(FakeConfig(), FakeConfig(model="other"),
                      auth=keys(tokens_per_minute=10_000)) as (proxy, _):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         anonymous = await post(proxy, EMBED, "/v1/embeddings")
         denied = await post(proxy, EMBED, "/v1/embeddings", headers=bearer("sk-bob"))

@@ -19,7 +19,7 @@ ASK = {"model": "fake", "input": "hello there", "max_output_tokens": 4}
 async def test_a_response_is_routed_relayed_and_counted() -> None:
     async with fleet(FakeConfig(), FakeConfig(), auth=keys(tokens_per_minute=10_000)) as (
             proxy, fakes):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         answers = [await post(proxy, ASK, "/v1/responses", headers=bearer("sk-alice"))
                    for _ in range(2)]
@@ -37,7 +37,7 @@ async def test_a_response_is_routed_relayed_and_counted() -> None:
 
 async def test_a_stream_ends_with_its_own_end_event_not_done() -> None:
     async with fleet(FakeConfig(tpot_s=0.002)) as (proxy, fakes):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         async with httpx.AsyncClient() as http:
             direct = (await http.post(f"{fakes[0].url}/v1/responses",
@@ -64,7 +64,7 @@ async def test_a_stream_cut_mid_way_ends_with_a_responses_error_event() -> None:
 
 async def test_previous_response_id_goes_where_that_response_is_stored() -> None:
     async with fleet(FakeConfig(), FakeConfig(), FakeConfig()) as (proxy, fakes):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         first = await post(proxy, ASK, "/v1/responses")
         home = first.headers["x-laneway-backend"]
@@ -91,7 +91,7 @@ async def test_previous_response_id_goes_where_that_response_is_stored() -> None
 
 async def test_stored_responses_are_read_and_cancelled_on_their_backend() -> None:
     async with fleet(FakeConfig(), FakeConfig(), auth=keys()) as (proxy, _):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         made = [await post(proxy, ASK, "/v1/responses", headers=bearer("sk-alice"))
                 for _ in range(2)]
@@ -209,7 +209,7 @@ async def test_a_streamed_retrieval_that_ends_without_its_end_event_is_broken() 
     """A stream that ends cleanly before `response.completed` is not a finished answer:
     the client gets an error event, and the backend's failure is counted."""
     async with fleet(FakeConfig(end_after_tokens=2)) as (proxy, _):
-        rt = proxy.http.app.runtime
+        rt = proxy.app.runtime
         assert rt is not None
         made = await post(proxy, ASK, "/v1/responses")
         async with httpx.AsyncClient(base_url=proxy.url) as http:
