@@ -7,6 +7,7 @@ Unknown keys and bad values fail at start with the key's dotted path in the mess
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,6 +34,13 @@ from proxy.tls import check_server_tls, upstream_context
 
 if TYPE_CHECKING:
     from policies.base import Policy
+
+
+# A backend's label `scheduler: slice` (the SLICE plugin: vllm_xargs and priority) or
+# `scheduler: priority` (`--scheduling-policy priority`: priority only) opts it in to
+# receiving a request's SLO class (proxy/admission/slo_classes.py).
+SCHEDULER_LABEL, SCHEDULERS = "scheduler", ("slice", "priority")
+_SLO_CLASS_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class ConfigError(ValueError):
@@ -318,6 +326,35 @@ class ApiKeyConfig(_Section):
     priority: int = Field(0, description="flow control: while backends are full, this "
                           "key's requests leave the proxy's queue before those of keys "
                           "with a lower priority")
+    slo_class: str | None = Field(None, description="the SLO class (`slo_classes`) of "
+                                  "this key's requests; null: `default_slo_class`")
+
+
+class SloClassConfig(_Section):
+    """One SLO class (docs/slice.md, SLO classes in the proxy): what a backend running
+    the SLICE scheduler is told about the class's requests, and what the class's
+    metrics judge them by. Either `ttft_ms` (a non-real-time class) or `deadline_ms`
+    (a real-time one)."""
+
+    tpot_ms: float = Field(gt=0, description="time per output token the class needs "
+                           "(ms; the SLICE scheduler's decode rate is 1000 / tpot_ms "
+                           "tokens a second); met when the stream's mean TPOT is within")
+    ttft_ms: float | None = Field(None, gt=0, description="time to first token (ms): met "
+                                  "when the first token and the mean TPOT are within")
+    deadline_ms: float | None = Field(None, gt=0, description="end-to-end deadline (ms), "
+                                      "sent as what is left of it when the request (or a "
+                                      "migrated continuation) is sent; met when the last "
+                                      "byte is within")
+    utility: float = Field(1.0, gt=0, description="the SLICE scheduler's utility U: a "
+                           "class worth more is selected first when not all fit")
+    priority: int = Field(0, description="vLLM's `priority` sent to `scheduler: slice` "
+                          "and `scheduler: priority` backends: lower runs first")
+
+    @model_validator(mode="after")
+    def _one_latency_bound(self) -> SloClassConfig:
+        if (self.ttft_ms is None) == (self.deadline_ms is None):
+            raise ValueError("an SLO class sets either ttft_ms or deadline_ms")
+        return self
 
 
 class AuthConfig(_Section):
@@ -436,6 +473,12 @@ class Settings(BaseSettings):
         default_factory=dict, description="request model -> models (or groups) tried in "
         "order when none of its backends answered before the first byte: none healthy, "
         "or every attempt failed (README, Model fallbacks)")
+    slo_classes: dict[str, SloClassConfig] = Field(
+        default_factory=dict, description="SLO classes by name (docs/slice.md): a "
+        "request's class is its key's `slo_class`, with `auth` off its "
+        "`x-laneway-slo-class` header, else `default_slo_class`; empty: no classes")
+    default_slo_class: str | None = Field(None, description="the class of a request "
+                                          "that names none; required with slo_classes")
     policy: PolicyConfig = PolicyConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     poller: PollerConfig = PollerConfig()
@@ -474,6 +517,28 @@ class Settings(BaseSettings):
             if not fallbacks or model in fallbacks or len(set(fallbacks)) < len(fallbacks):
                 raise ValueError(f"model_fallbacks of {model!r} must name other models, "
                                  "each once")
+        return self
+
+    @model_validator(mode="after")
+    def _slo_classes_exist(self) -> Settings:
+        classes = self.slo_classes
+        for name in classes:
+            if not _SLO_CLASS_NAME.fullmatch(name):
+                raise ValueError(f"SLO class name {name!r} must match "
+                                 f"{_SLO_CLASS_NAME.pattern} (it is a metric label)")
+        if classes and self.default_slo_class is None:
+            raise ValueError("default_slo_class is required with slo_classes")
+        named: list[tuple[str, str | None]] = [("default_slo_class", self.default_slo_class)]
+        named += [
+            (f"auth.keys[{key.name}].slo_class", key.slo_class) for key in self.auth.keys]
+        for where, chosen in named:
+            if chosen is not None and chosen not in classes:
+                raise ValueError(f"{where}: no SLO class {chosen!r} in slo_classes")
+        for backend in self.backends:
+            scheduler = backend.labels.get(SCHEDULER_LABEL)
+            if scheduler is not None and scheduler not in SCHEDULERS:
+                raise ValueError(f"backend {backend.name}: label {SCHEDULER_LABEL}: "
+                                 f"{scheduler!r} is not one of {', '.join(SCHEDULERS)}")
         return self
 
     @classmethod

@@ -186,8 +186,8 @@ class Runtime:
     def finished(self, ctx: RequestContext, grant: Grant | None,
                  outcome: Outcome | None, predicted_tokens: float | None = None) -> None:
         """A request ended (`outcome` None: no backend answered): settle its token
-        charge, count its SLO and how far its length prediction (`predicted_tokens`,
-        at arrival) was from its answer."""
+        charge, count its SLO (and its SLO class's) and how far its length prediction
+        (`predicted_tokens`, at arrival) was from its answer."""
         self.auth.settle(grant, outcome)
         if predicted_tokens is not None and outcome is not None:
             self.metrics.observe_length(ctx.model, predicted_tokens, outcome)
@@ -196,6 +196,8 @@ class Runtime:
                    and outcome.e2e_s * 1000 <= ctx.slo_ms)
             self.metrics.slo.labels(ctx.model, self.router.policy_name,
                                     "true" if met else "false").inc()
+        if ctx.slo_class is not None:
+            self.metrics.observe_slo_class(ctx.slo_class, outcome)
 
     def models_to_try(self, model: str) -> Iterator[str]:
         """`model`, then the models a request for it may fall back to (`model_fallbacks`),

@@ -48,6 +48,20 @@ UNKNOWN_STATS = BackendStats()
 
 
 @dataclass(frozen=True, slots=True)
+class SloTarget:
+    """A request's SLO class as configured (`slo_classes`, docs/slice.md): what a
+    backend running the SLICE scheduler is told, and what the class's metrics judge
+    the relayed stream by. Fixed at admission, so a reload never changes it mid-way."""
+
+    name: str
+    tpot_ms: float
+    utility: float
+    priority: int = 0  # vLLM's `priority`: lower runs first
+    ttft_ms: float | None = None  # non-real-time classes: TTFT and TPOT bounds
+    deadline_ms: float | None = None  # real-time classes: end to end
+
+
+@dataclass(frozen=True, slots=True)
 class RequestContext:
     """What the proxy knows about a request before it is routed."""
 
@@ -65,6 +79,7 @@ class RequestContext:
     # the client's own x-request-id (short and plain: proxy/request_context.py), echoed to it;
     # never a key of the proxy's (two requests may send the same one)
     client_id: str | None = None
+    slo_class: SloTarget | None = None  # set at admission when `slo_classes` are on
 
     @property
     def echo_id(self) -> str:

@@ -33,6 +33,7 @@ class ApiKey:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     priority: int = 0  # flow control: higher leaves the queue first
+    slo_class: str | None = None  # its requests' SLO class (None: the default one)
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -40,7 +41,7 @@ class ApiKey:
     @classmethod
     def from_config(cls, cfg: ApiKeyConfig) -> ApiKey:
         return cls(cfg.name, frozenset(cfg.models), cfg.requests_per_minute,
-                   cfg.tokens_per_minute, cfg.priority)
+                   cfg.tokens_per_minute, cfg.priority, cfg.slo_class)
 
 
 @dataclass(frozen=True, slots=True)

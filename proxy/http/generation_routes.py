@@ -21,6 +21,8 @@ import orjson
 
 from proxy.admission.auth import Grant
 from proxy.admission.flow_control import ANYONE, Place
+from proxy.admission.slo_classes import class_of
+from proxy.admission.slo_classes import upstream_body as slo_body
 from proxy.asgi import ClientGone, Receive, Scope, Send, header_map, read_body
 from proxy.errors import ProxyError, RequestDropped
 from proxy.http.stored_responses import home_of, response_id_in
@@ -54,7 +56,7 @@ from proxy.request_context import (
 )
 from proxy.routing.kv_transfer import handle_of, without_handle
 from proxy.runtime import Runtime
-from proxy.types import Endpoint, Outcome, Prediction, RequestContext
+from proxy.types import Backend, Endpoint, Outcome, Prediction, RequestContext
 
 _PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
                                "responses": "/v1/responses", "messages": "/v1/messages"}
@@ -90,6 +92,7 @@ async def handle_completion(
                                anthropic=endpoint == "messages")
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
         place = rt.queue_place(grant, headers)
+        ctx = dataclasses.replace(ctx, slo_class=class_of(rt.settings, grant, headers))
     except ClientGone:
         return
     except ProxyError as err:
@@ -259,7 +262,8 @@ class Exchange:
                 opened = await rt.upstream.open(
                     backend, _PATHS[ctx.endpoint],
                     self._upstream_body(body if tracked else self.body,
-                                        rt.registry.model_on(backend, ctx.model), kv_handle),
+                                        rt.registry.model_on(backend, ctx.model), kv_handle,
+                                        backend),
                     self.headers, stream if tracked else ctx.stream)
                 if tracked and not opened.complete:
                     await self._relay_tracked(opened, guard, pred)
@@ -303,15 +307,21 @@ class Exchange:
         return True
 
     def _upstream_body(self, body: bytes, model: str,
-                       kv_handle: Mapping[str, Any] | None) -> bytes:
+                       kv_handle: Mapping[str, Any] | None, backend: Backend) -> bytes:
         """`body` naming `model` (a model group's request goes to a member model: see
         Registry.model_on), with the prefill leg's KV handle if there is one
-        (proxy/routing/kv_transfer.py)."""
+        (proxy/routing/kv_transfer.py), and the request's SLO class as `backend` takes
+        it (proxy/admission/slo_classes.py)."""
         changes: dict[str, Any] = {}
         if model != (self.fallback_from or self.ctx.model):  # what the body names
             changes["model"] = model
         if kv_handle is not None:
             changes["kv_transfer_params"] = dict(kv_handle)
+        slo = self.ctx.slo_class
+        if slo is not None:
+            return orjson.dumps(slo_body(orjson.loads(body) | changes, slo, backend,
+                                         self.ctx.endpoint,
+                                         time.monotonic() - self.ctx.arrived_at))
         return orjson.dumps(orjson.loads(body) | changes) if changes else body
 
     def _predict(self) -> Prediction:

@@ -19,12 +19,13 @@ from typing import Any
 
 import orjson
 
+from proxy.admission.slo_classes import upstream_body as slo_body
 from proxy.migration.eligibility import Tracking, continuation_body, tokenize_bodies, tokenizer_of
 from proxy.migration.generation import Generation
 from proxy.migration.legs import Leg
 from proxy.relay.upstream import Opened, UpstreamFailure
 from proxy.runtime import Runtime
-from proxy.types import Backend
+from proxy.types import Backend, SloTarget
 
 _PATH = "/v1/completions"
 _ERROR_DETAIL = 300
@@ -47,6 +48,16 @@ class Continuation:
     headers: dict[str, str]
     model: str  # the client's model, for metrics
     chat: bool  # the client's endpoint (how its prompt is re-tokenized)
+    slo: SloTarget | None = None  # the request's SLO class, carried to every target
+    arrived_at: float = 0.0  # when the request arrived (what is left of a deadline)
+
+    def body_for(self, target: Backend, body: bytes) -> bytes:
+        """A continuation `body` as `target` takes the request's SLO class (with what
+        is left of its deadline now; proxy/admission/slo_classes.py)."""
+        if self.slo is None:
+            return body
+        return orjson.dumps(slo_body(orjson.loads(body), self.slo, target, "completions",
+                                     time.monotonic() - self.arrived_at))
 
 
 async def sequence_for(c: Continuation, gen: Generation, target: Backend
@@ -95,7 +106,8 @@ async def open_continuation(c: Continuation, gen: Generation, target: Backend,
         body = continuation_body(c.data, c.tracking, c.rt.registry.model_on(target, c.model),
                                  sequence[:len(sequence) - left_out], done - left_out,
                                  output_from=output_from, context=context)
-        opened = await c.rt.upstream.open(target, _PATH, body, c.headers, stream=True)
+        opened = await c.rt.upstream.open(target, _PATH, c.body_for(target, body),
+                                          c.headers, stream=True)
         _check(opened)
     except UpstreamFailure as failure:
         guard.close()
@@ -195,8 +207,9 @@ class Handoff:
         model = self.c.rt.registry.model_on(self.target, self.c.model)
         body = continuation_body(self.c.data, self.c.tracking, model, sequence,
                                  gen.generated, warm=True)
-        return await self.c.rt.upstream.open(self.target, _PATH, body, self.c.headers,
-                                             stream=False)
+        return await self.c.rt.upstream.open(self.target, _PATH,
+                                             self.c.body_for(self.target, body),
+                                             self.c.headers, stream=False)
 
     @property
     def ready(self) -> bool:

@@ -48,7 +48,8 @@ class TrackedRelay(Moves):
                  pred: Prediction = NO_PREDICTION) -> None:
         self.rt, self.ctx, self.tracking, self.send = rt, ctx, tracking, send
         self.pred = pred
-        self.c = Continuation(rt, data, tracking, headers, ctx.model, ctx.endpoint == "chat")
+        self.c = Continuation(rt, data, tracking, headers, ctx.model, ctx.endpoint == "chat",
+                              ctx.slo_class, ctx.arrived_at)
         self.gen = Generation(tracking.stops, tracking.include_stop,
                               min_tokens=tracking.min_tokens)
         self.forced_after = forced_after

@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy.types import Backend, BackendStats, Outcome
+from proxy.types import Backend, BackendStats, Outcome, SloTarget
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
@@ -110,6 +110,16 @@ class Metrics:
             "laneway_slo_requests", "Requests that carried an SLO (x-laneway-slo-ms), by "
             "whether they finished within it (failures count as missed)",
             ["model", "policy", "met"], registry=r)
+        self.slo_class_requests = Counter(
+            "laneway_slo_class_requests", "Requests by SLO class (slo_classes) and whether "
+            "the relayed answer met it (met, missed; a failed or abandoned one missed)",
+            ["slo_class", "outcome"], registry=r)
+        self.slo_class_ttft = Histogram(
+            "laneway_slo_class_ttft_seconds", "Time to first token of answered requests, "
+            "by SLO class", ["slo_class"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.slo_class_tpot = Histogram(
+            "laneway_slo_class_tpot_seconds", "Mean time per output token of answered "
+            "streams, by SLO class", ["slo_class"], buckets=_TPOT_BUCKETS, registry=r)
         self.passthrough = Counter(
             "laneway_passthrough_requests", "Requests on the endpoints that generate "
             "nothing (embeddings, score, rerank, pooling, tokenize, ...), by outcome",
@@ -178,6 +188,17 @@ class Metrics:
                 tpot.observe(outcome.tpot_s)
             e2e.observe(outcome.e2e_s)
 
+    def observe_slo_class(self, target: SloTarget, outcome: Outcome | None) -> None:
+        """A request of SLO class `target` ended (`outcome` None: no backend answered).
+        The label is a configured class's name, never the client's text."""
+        met = outcome is not None and slo_met(target, outcome)
+        self.slo_class_requests.labels(target.name, "met" if met else "missed").inc()
+        if outcome is not None and outcome.ok:
+            if outcome.ttft_s is not None:
+                self.slo_class_ttft.labels(target.name).observe(outcome.ttft_s)
+            if outcome.tpot_s is not None:
+                self.slo_class_tpot.labels(target.name).observe(outcome.tpot_s)
+
     def observe_passthrough(self, endpoint: str, model: str, outcome: Outcome) -> None:
         self.passthrough.labels(endpoint, model, outcome.backend, str(outcome.status)).inc()
         if outcome.ok:
@@ -194,6 +215,23 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def slo_met(target: SloTarget, outcome: Outcome) -> bool:
+    """Whether an answer met its class, as SLICE's evaluation judges (Sec. VI-A): a
+    real-time class by its completion within the deadline, any other by its TTFT and
+    its mean TPOT. An answer without a TPOT (not streamed, or one token) must arrive
+    whole within TTFT + TPOT for each further token."""
+    if not outcome.ok:
+        return False
+    if target.deadline_ms is not None:
+        return outcome.e2e_s * 1000 <= target.deadline_ms
+    ttft_ms = target.ttft_ms if target.ttft_ms is not None else float("inf")
+    if outcome.tpot_s is None:  # (its "TTFT" is the whole answer's time)
+        later_tokens = max(0, outcome.completion_tokens - 1)
+        return outcome.e2e_s * 1000 <= ttft_ms + target.tpot_ms * later_tokens
+    return (outcome.ttft_s is not None and outcome.ttft_s * 1000 <= ttft_ms
+            and outcome.tpot_s * 1000 <= target.tpot_ms)
 
 
 class _BackendCollector(Collector):

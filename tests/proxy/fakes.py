@@ -21,10 +21,11 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @contextlib.asynccontextmanager
-async def fleet(*configs: FakeConfig, keys: tuple[str | None, ...] = (), **sections: Any
+async def fleet(*configs: FakeConfig, keys: tuple[str | None, ...] = (),
+                labels: tuple[dict[str, str], ...] = (), **sections: Any
                 ) -> AsyncIterator[tuple[RunningProxy, list[RunningFake]]]:
     """A proxy in front of one fake per config (backends f0, f1, …; `keys[i]`: f{i}'s
-    `api_key`); `sections`: the rest of the proxy's settings."""
+    `api_key`, `labels[i]` its labels); `sections`: the rest of the proxy's settings."""
     async with contextlib.AsyncExitStack() as stack:
         fakes = [await stack.enter_async_context(serve_fake(c)) for c in configs]
         backends = [{"name": f"f{i}", "url": f.url, "model": f.app.config.model}
@@ -32,6 +33,8 @@ async def fleet(*configs: FakeConfig, keys: tuple[str | None, ...] = (), **secti
         for backend, key in zip(backends, keys, strict=False):
             if key is not None:
                 backend["api_key"] = key
+        for backend, backend_labels in zip(backends, labels, strict=False):
+            backend["labels"] = backend_labels  # type: ignore[assignment]
         settings = Settings(
             server={"port": 0, **sections.pop("server", {})},  # type: ignore[arg-type]
             backends=backends + sections.pop("extra_backends", []),  # type: ignore[arg-type]
