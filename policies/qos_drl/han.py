@@ -14,7 +14,7 @@ what is ~100 lines here. Request nodes are held packed, only the present ones (a
 filled (paper fleet, λ 5), and computing every slot made a SAC update (batch 32) take
 ~24 ms here instead of ~15. An absent slot's message was masked to exactly 0, so the
 packed network computes the same embeddings with the same parameters (checkpoints of
-the dense one load and decide identically; tests/policies/test_qos_han.py keeps the
+the dense one load and decide identically; tests/policies/qos_drl/test_qos_han.py keeps the
 dense form as the reference).
 
 Relations with one source per target (A → each expert, each expert → its request

@@ -9,7 +9,7 @@ stays while any copy does. Each data-parallel rank of a backend is its own cache
 
 Memory: one dict per backend whose key is the hash with the rank above bit 64 (rank 0
 keys are the bare hash), value the copy count (a cached small int). Measured with
-tracemalloc (tests/proxy/test_kv_index.py): 66 to 96 bytes per block (a 36-byte int
+tracemalloc (tests/proxy/fleet/test_kv_index.py): 66 to 96 bytes per block (a 36-byte int
 key plus the dict's slot, by how full its table is), so the default cap of 1,000,000
 blocks bounds a backend at ~100 MB; a GPU holds far fewer (80 GB of an 8B model's KV
 is ~30,000 blocks of 16 tokens). Past the cap the oldest

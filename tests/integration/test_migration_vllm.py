@@ -376,7 +376,7 @@ def test_killing_the_source_mid_stream_loses_nothing(
 def test_disconnect_after_a_move_leaves_nothing_running(vllm_fleet: list[Running]) -> None:
     """The client leaves once its stream moved: the target's request is aborted and the
     source's already was. (Leaving mid-handoff is tested deterministically against the
-    fakes, tests/proxy/test_migration.py: here that window is a few ms.)"""
+    fakes, tests/proxy/migration/test_migration.py: here that window is a few ms.)"""
     pair = two_same(vllm_fleet)
     with running_proxy(config(pair)) as proxy, httpx.Client(base_url=proxy.url,
                                                             timeout=60) as http:
@@ -447,7 +447,7 @@ def test_a_drain_under_flow_control_moves_the_stream_onto_a_full_backend(
         vllm_fleet: list[Running]) -> None:
     """With room for one request per backend and both backends busy, draining one moves
     its stream anyway (a move that must happen takes a full backend rather than lose the
-    stream; tests/proxy/test_flow_control.py has the cases with room), and the answer is
+    stream; tests/proxy/admission/test_flow_control.py has the cases with room), and the answer is
     the unmoved one."""
     pair = two_same(vllm_fleet)
     reference = ask(pair[0].url, True, tied(True, body(True, True, ignore_eos=True,

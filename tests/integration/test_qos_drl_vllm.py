@@ -15,7 +15,7 @@ import torch
 from bench.harness.proxy_process import running_proxy
 from bench.models.backends import Running
 from policies.qos_drl.sac import load_checkpoint
-from tests.policies.test_qos_drl import EXPERTS, checkpoint
+from tests.policies.qos_drl.test_qos_drl import EXPERTS, checkpoint
 
 pytestmark = pytest.mark.vllm
 

@@ -41,6 +41,7 @@ from proxy.migration.eligibility import (
 from proxy.request_context import build_context, parse_body
 from proxy.types import Endpoint
 from tests.policies.test_params_edges import cases as policy_cases
+from tests.proxy.admission.test_auth import keys
 from tests.proxy.fakes import ADMIN as ADMIN_HEADERS
 from tests.proxy.fakes import ADMIN_TOKEN, fleet
 from tests.proxy.fuzzing import (
@@ -56,7 +57,6 @@ from tests.proxy.fuzzing import (
     fuzz,
     on_a_thread,
 )
-from tests.proxy.test_auth import keys
 
 
 @dataclass(frozen=True)

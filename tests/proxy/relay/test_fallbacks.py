@@ -11,7 +11,7 @@ import pytest
 from bench.fakes.fake_vllm import FakeConfig
 from proxy.config import ConfigError, Settings
 from tests.proxy.fakes import CHAT, fleet, post
-from tests.proxy.test_migration import expected_text, stream_text
+from tests.proxy.migration.test_migration import expected_text, stream_text
 
 BIG = {**CHAT, "model": "big", "max_tokens": 3}
 DOWN = {"name": "gone", "url": "http://127.0.0.1:9", "model": "gone"}  # refuses

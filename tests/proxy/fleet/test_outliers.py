@@ -18,7 +18,7 @@ from proxy.fleet.poller import Poller
 from proxy.fleet.registry import Registry
 from proxy.types import Backend
 from tests.proxy.fakes import ADMIN, CHAT, fleet, post
-from tests.proxy.test_poller import MetricsServer, serving
+from tests.proxy.fleet.test_poller import MetricsServer, serving
 
 
 class Clock:

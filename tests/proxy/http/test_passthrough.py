@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from bench.fakes.fake_vllm import FakeConfig
+from tests.proxy.admission.test_auth import bearer, keys
 from tests.proxy.fakes import fleet, post
-from tests.proxy.test_auth import bearer, keys
 
 EMBED = {"model": "fake", "input": ["the first text", "another one"], "dimensions": 8}
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from bench.studies.qos.update_speed import main
-from tests.bench.test_qos_train import DATA
+from tests.bench.studies.qos.test_qos_train import DATA
 
 
 def test_packed_and_dense_updates_are_timed_on_simulated_states(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from bench.studies.qos.evaluate import bert_router, evaluate, round_robin, short
 from bench.studies.qos.setup import fit_coefficients
 from bench.studies.qos.sim import QosSim, TraceArrivals, spread_groups
 from policies.qos_drl.impact import impact
-from tests.bench.qos_helpers import pool, specs
+from tests.bench.studies.qos.qos_helpers import pool, specs
 
 
 def test_coefficients_are_the_step_models_slopes() -> None:

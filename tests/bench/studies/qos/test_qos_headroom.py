@@ -18,7 +18,7 @@ from bench.studies.qos.headroom import (
 )
 from bench.studies.qos.setup import partly_oracle
 from bench.studies.qos.sim import QosSim
-from tests.bench.qos_helpers import pool, specs
+from tests.bench.studies.qos.qos_helpers import pool, specs
 
 
 def test_what_if_finishes_the_fleet_on_a_copy_and_leaves_the_simulator_as_it_was() -> None:
@@ -46,7 +46,8 @@ def test_what_if_finishes_the_fleet_on_a_copy_and_leaves_the_simulator_as_it_was
 
 
 def test_lookahead_takes_the_better_expert_while_it_meets_the_limit_then_the_other() -> None:
-    # every prompt: 0.9 on the slow expert, 0.2 on the fast one (tests.bench.qos_helpers)
+    # every prompt: 0.9 on the slow expert, 0.2 on the fast one
+    # (tests.bench.studies.qos.qos_helpers)
     idle = QosSim(specs(), pool(), rate=0.5, limit_s=1.0, seed=1)
     idle.arrive()
     assert lookahead(true_qos)(idle) == 1

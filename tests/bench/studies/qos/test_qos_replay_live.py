@@ -18,7 +18,7 @@ from bench.studies.qos.replay_live import (
     replay,
     run_name,
 )
-from tests.bench.qos_helpers import pool, specs
+from tests.bench.studies.qos.qos_helpers import pool, specs
 
 RATE, SEED = 5.0, 3
 

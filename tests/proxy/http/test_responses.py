@@ -10,8 +10,8 @@ import pytest
 
 from bench.fakes.fake_vllm import FakeConfig
 from proxy.state.response_homes import ResponseHomes
+from tests.proxy.admission.test_auth import bearer, keys
 from tests.proxy.fakes import charged, fleet, post
-from tests.proxy.test_auth import bearer, keys
 
 ASK = {"model": "fake", "input": "hello there", "max_output_tokens": 4}
 

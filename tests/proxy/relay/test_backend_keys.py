@@ -14,9 +14,9 @@ from bench.fakes.fake_vllm import FakeConfig
 from proxy.config import Settings
 from proxy.runtime import backends_from
 from proxy.types import Backend
+from tests.proxy.admission.test_auth import keys
 from tests.proxy.fakes import ADMIN, CHAT, fleet, post
-from tests.proxy.test_auth import keys
-from tests.proxy.test_migration import expected_text, migrated_comments, stream_text
+from tests.proxy.migration.test_migration import expected_text, migrated_comments, stream_text
 
 ASK = {**CHAT, "max_tokens": 3}
 

@@ -8,8 +8,8 @@ import anthropic
 import pytest
 
 from bench.fakes.fake_vllm import FakeConfig
+from tests.proxy.admission.test_auth import keys
 from tests.proxy.fakes import charged, fleet, post
-from tests.proxy.test_auth import keys
 
 ASK = {"model": "fake", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -13,8 +13,8 @@ import pytest
 
 from bench.fakes.fake_vllm import FakeConfig
 from proxy.observability.access_log import JsonFormatter, TextFormatter
+from tests.proxy.admission.test_auth import bearer, keys
 from tests.proxy.fakes import CHAT, fleet, post
-from tests.proxy.test_auth import bearer, keys
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:

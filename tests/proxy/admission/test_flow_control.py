@@ -19,7 +19,7 @@ from proxy.observability.metrics import Metrics
 from proxy.reconfigure import apply_settings
 from proxy.types import Backend, BackendStats
 from tests.proxy.fakes import ADMIN, CHAT, fleet, post
-from tests.proxy.test_migration import (
+from tests.proxy.migration.test_migration import (
     MoveToOther,
     continuation_bodies,
     expected_text,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.studies.qos.select import main
 from bench.studies.qos.train import train
-from tests.bench.test_qos_train import DATA
+from tests.bench.studies.qos.test_qos_train import DATA
 
 
 def test_the_run_s_checkpoints_are_ranked_on_a_larger_evaluation(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import httpx
 from bench.fakes.fake_vllm import FakeConfig, serve_fake
 from proxy.fleet.discovery import context_length, model_ids, model_list
 from tests.proxy.fakes import ADMIN, CHAT, fleet, post
-from tests.proxy.test_migration import (
+from tests.proxy.migration.test_migration import (
     continuation_bodies,
     expected_text,
     migrated_comments,

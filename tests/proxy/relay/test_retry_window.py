@@ -10,7 +10,7 @@ import httpx
 
 from bench.fakes.fake_vllm import FakeConfig
 from tests.proxy.fakes import ADMIN, ADMIN_TOKEN, CHAT, fleet, post
-from tests.proxy.test_migration import expected_text, stream_text
+from tests.proxy.migration.test_migration import expected_text, stream_text
 
 ONE_TRY = {"max_attempts": 1}
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from bench.studies.qos.online_latency import main
-from tests.policies.test_qos_drl import checkpoint
+from tests.policies.qos_drl.test_qos_drl import checkpoint
 
 
 def test_each_mode_is_timed_and_only_the_online_ones_update(tmp_path: Path) -> None:
