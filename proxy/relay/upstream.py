@@ -270,8 +270,12 @@ class Upstream:
         if backend.api_key is not None:
             headers = backend_auth(backend.api_key, headers)
         self._sent(backend.name)
+        # A redirect is not followed: it would send the prompt (and, on the same origin,
+        # the backend's key) to a host neither the config nor admin.backend_allowlist
+        # names, and relay that host's answer to the client (docs/security.md).
         return await self._session.request(
-            method, backend.url + path, data=body, headers=headers, timeout=self._timeout)
+            method, backend.url + path, data=body, headers=headers, timeout=self._timeout,
+            allow_redirects=False)
 
     async def _first_bytes(
         self, backend: Backend, response: aiohttp.ClientResponse, stream: bool
