@@ -80,6 +80,7 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     headers = header_map(scope)
     try:
         server = rt.settings.server
+        rt.auth.key_of(headers)  # a 401 before a stranger's body is read and parsed
         raw = await read_body(headers, receive, server.max_body_bytes, server.body_timeout_s)
         body = _read(raw, headers, path, rt.default_model(), server.max_json_depth)
         model = body.model
