@@ -46,8 +46,11 @@ _HOP_HEADERS = frozenset(
 )
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 # What a client must not tell a backend: where the request came from (the backend
-# would believe a forged address), and a scheduling priority of its own choosing.
-_CLIENT_CLAIMS = frozenset({"forwarded", "x-real-ip", "x-vllm-priority"})
+# would believe a forged address), a scheduling priority of its own choosing, and the
+# data-parallel engine of a vLLM with several (vLLM honours `X-data-parallel-rank`:
+# a client could pile its requests, and others', onto one rank).
+_CLIENT_CLAIMS = frozenset({"forwarded", "x-real-ip", "x-vllm-priority",
+                            "x-data-parallel-rank"})
 _CLIENT_CLAIM_PREFIX = "x-forwarded-"
 _ERROR_BODY_LIMIT = 64 * 1024
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # how an SSE event ends (vLLM: the first)
