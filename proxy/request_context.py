@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import re
 import time
@@ -109,6 +110,21 @@ def without_client_controls(data: dict[str, Any]) -> dict[str, Any]:
         kept = {k: v for k, v in xargs.items() if not str(k).startswith(_LANEWAY_XARGS)}
         return {k: v for k, v in data.items() if k not in dropped} | {"vllm_xargs": kept}
     return {k: v for k, v in data.items() if k not in dropped} if dropped else data
+
+
+def form_xargs_without_controls(value: bytes) -> str | None:
+    """A form upload's `vllm_xargs` field (a JSON string, which vLLM's audio routes read
+    with `json.loads`) without its `laneway_` keys; None when it has none (or is no JSON
+    object: vLLM refuses that itself). Read as vLLM reads it, escapes included."""
+    try:
+        xargs = json.loads(value.decode("utf-8", errors="replace"))
+    except ValueError:
+        return None
+    if not isinstance(xargs, dict) or not any(str(k).startswith(_LANEWAY_XARGS)
+                                              for k in xargs):
+        return None
+    return json.dumps({k: v for k, v in xargs.items()
+                       if not str(k).startswith(_LANEWAY_XARGS)})
 
 
 def build_context(

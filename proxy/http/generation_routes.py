@@ -72,6 +72,7 @@ async def handle_completion(
     headers = header_map(scope)
     server = rt.settings.server
     try:
+        rt.auth.key_of(headers)  # a 401 before a stranger's body is read and parsed
         body = await read_body(headers, receive, server.max_body_bytes, server.body_timeout_s)
         data = parse_body(body, server.max_json_depth)
         if (kept := without_client_controls(data)) is not data:

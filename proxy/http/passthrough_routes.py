@@ -38,7 +38,13 @@ from proxy.http import multipart
 from proxy.observability.access_log import note, wait_ms
 from proxy.relay.stream_accounting import StreamTally, body_usage
 from proxy.relay.upstream import Opened, UpstreamFailure, exhausted, forward_headers, relay_answer
-from proxy.request_context import named_model, parse_body, request_id, without_client_controls
+from proxy.request_context import (
+    form_xargs_without_controls,
+    named_model,
+    parse_body,
+    request_id,
+    without_client_controls,
+)
 from proxy.runtime import Runtime
 from proxy.types import Outcome
 
@@ -74,6 +80,7 @@ async def handle_passthrough(rt: Runtime, scope: Scope, receive: Receive, send: 
     headers = header_map(scope)
     try:
         server = rt.settings.server
+        rt.auth.key_of(headers)  # a 401 before a stranger's body is read and parsed
         raw = await read_body(headers, receive, server.max_body_bytes, server.body_timeout_s)
         body = _read(raw, headers, path, rt.default_model(), server.max_json_depth)
         model = body.model
@@ -112,7 +119,13 @@ def _read(raw: bytes, headers: dict[str, str], path: str, default_model: str | N
     if boundary is None:
         raise InvalidRequest(f"{path} takes a multipart/form-data upload (the audio file "
                              "and the request's fields), as OpenAI's does.")
-    spans = multipart.field_spans(raw, boundary, "model", "stream")
+    fields = ("model", "stream", "vllm_xargs")
+    spans = multipart.field_spans(raw, boundary, *fields)
+    xargs = spans.get("vllm_xargs")
+    if xargs is not None and (clean := form_xargs_without_controls(
+            raw[xargs[0]:xargs[1]])) is not None:  # as from a JSON body's `vllm_xargs`
+        raw = multipart.replaced(raw, xargs, clean)
+        spans = multipart.field_spans(raw, boundary, *fields)
     span, stream = spans.get("model"), spans.get("stream")
     try:
         model = raw[span[0]:span[1]].decode() if span is not None else ""

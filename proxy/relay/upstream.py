@@ -46,8 +46,11 @@ _HOP_HEADERS = frozenset(
 )
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 # What a client must not tell a backend: where the request came from (the backend
-# would believe a forged address), and a scheduling priority of its own choosing.
-_CLIENT_CLAIMS = frozenset({"forwarded", "x-real-ip", "x-vllm-priority"})
+# would believe a forged address), a scheduling priority of its own choosing, and the
+# data-parallel engine of a vLLM with several (vLLM honours `X-data-parallel-rank`:
+# a client could pile its requests, and others', onto one rank).
+_CLIENT_CLAIMS = frozenset({"forwarded", "x-real-ip", "x-vllm-priority",
+                            "x-data-parallel-rank"})
 _CLIENT_CLAIM_PREFIX = "x-forwarded-"
 _ERROR_BODY_LIMIT = 64 * 1024
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # how an SSE event ends (vLLM: the first)
@@ -270,8 +273,12 @@ class Upstream:
         if backend.api_key is not None:
             headers = backend_auth(backend.api_key, headers)
         self._sent(backend.name)
+        # A redirect is not followed: it would send the prompt (and, on the same origin,
+        # the backend's key) to a host neither the config nor admin.backend_allowlist
+        # names, and relay that host's answer to the client (docs/security.md).
         return await self._session.request(
-            method, backend.url + path, data=body, headers=headers, timeout=self._timeout)
+            method, backend.url + path, data=body, headers=headers, timeout=self._timeout,
+            allow_redirects=False)
 
     async def _first_bytes(
         self, backend: Backend, response: aiohttp.ClientResponse, stream: bool
