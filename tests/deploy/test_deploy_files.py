@@ -66,7 +66,8 @@ def test_compose_services_ports_healthchecks_and_mounts() -> None:
                 assert source in stack["volumes"], f"{name}: undeclared volume {source}"
     published = {n: s.get("ports", []) for n, s in services.items()}
     assert published["lb"] == ["8000:8000"]
-    assert published["prometheus"] == ["9090:9090"] and published["grafana"] == ["3000:3000"]
+    assert published["prometheus"] == ["127.0.0.1:9090:9090"]  # loopback: docs/security.md
+    assert published["grafana"] == ["3000:3000"]
     assert not published["laneway-1"] and not published["redis"]  # behind the balancer
     for name in ("laneway-1", "laneway-2"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
