@@ -49,6 +49,9 @@ def nested_model(tp: Any) -> tuple[type[BaseModel], str] | None:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
         return args[0], "[]"
+    if origin is dict and len(args) == 2 and isinstance(args[1], type) \
+            and issubclass(args[1], BaseModel):  # name -> section (slo_classes)
+        return args[1], ""
     if origin in (typing.Union, types.UnionType):
         for arg in args:
             found = nested_model(arg)
