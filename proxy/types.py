@@ -62,6 +62,11 @@ class RequestContext:
     slo_ms: float | None = None
     expected_tokens: int | None = None  # the client's length hint (header), if any
     arrived_at: float = 0.0
+    # the client's cost budget (x-laneway-budget): the share of prompt tokens the
+    # constrained side may process, in [0, 1] (DiSCo's b; policies/disco)
+    budget: float | None = None
+    # how fast the client reads, tokens/s (x-laneway-read-rate; 0: a machine reader)
+    read_rate: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,7 +108,7 @@ class Disco:
     # -- the request path --------------------------------------------------------------
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
-        return self.decide(ctx, view)
+        return self.decide(ctx, view, ctx.budget)  # (the client's x-laneway-budget)
 
     def decide(self, ctx: RequestContext, view: ClusterView,
                budget: float | None = None) -> Decision:
@@ -183,7 +183,8 @@ class Disco:
             return None
         t_m = (self._ecdf.quantile(self._p.migration_quantile) if target_side == "server"
                else self._line.ttft(context))
-        if _buffered(progress, self._p.read_rate) < buffer_target(self._p.read_rate, t_m):
+        read_rate = self._p.read_rate if ctx.read_rate is None else ctx.read_rate
+        if _buffered(progress, read_rate) < buffer_target(read_rate, t_m):
             return None
         return Decision(target, f"disco: migrate to the cheaper decoder (t_m {t_m:.3g}s)")
 

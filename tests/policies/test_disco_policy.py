@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -85,6 +86,8 @@ def test_disco_s_races_only_the_long_prompts(tmp_path: Path) -> None:
     assert long.backend == DEVICE and long.hedge == Hedge(SERVER, 0.0)
     everything = policy.decide(ctx(SHORT), FLEET, budget=1.0)
     assert everything.hedge == Hedge(SERVER, 0.0)
+    asked = dataclasses.replace(ctx(SHORT), budget=1.0)  # the client's x-laneway-budget
+    assert policy.pick(asked, NO_PREDICTION, FLEET).hedge == Hedge(SERVER, 0.0)
 
 
 @pytest.mark.parametrize(("mode", "primary", "hedged"), [("device", SERVER, DEVICE),
@@ -136,6 +139,8 @@ def test_migration_waits_for_the_readers_buffer(tmp_path: Path) -> None:
     assert policy.reroute(request, pred, early, others) is None
     moved = policy.reroute(request, pred, ready, others)
     assert moved is not None and moved.backend == SERVER
+    machine = dataclasses.replace(request, read_rate=0.0)  # x-laneway-read-rate: 0
+    assert policy.reroute(machine, pred, early, others) is not None  # no buffer to fill
     off = disco(tmp_path, exchange_rate=5.0, migration=False)
     assert off.reroute(request, pred, ready, others) is None
     # the server decodes cheaper than the device: never back to the device

@@ -191,3 +191,12 @@ async def test_disco_learns_the_lost_server_leg_as_censored(tmp_path: Path) -> N
     assert fakes[1].app.stats.requests == fakes[1].app.stats.cancelled == 1
     window = policy._ttft  # (the policy's own F window: the prior, then the lost leg)
     assert len(window) == 31 and list(window._censored)[-1] is True
+
+
+async def test_a_bad_budget_header_is_a_clear_400() -> None:
+    async with fleet(FakeConfig(), policy={"name": "disco"}) as (proxy, fakes):
+        bad = await post(proxy, STREAM, headers={"x-laneway-budget": "2"})
+        good = await post(proxy, STREAM, headers={"x-laneway-budget": "0.5",
+                                                  "x-laneway-read-rate": "8"})
+    assert bad.status_code == 400 and "x-laneway-budget" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and fakes[0].app.stats.requests == 1

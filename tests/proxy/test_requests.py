@@ -44,6 +44,22 @@ def test_bad_expected_tokens_header(value: str) -> None:
         ctx_of(CHAT, headers={"x-laneway-expected-tokens": value})
 
 
+def test_budget_and_read_rate_headers() -> None:
+    ctx = ctx_of(CHAT, headers={"x-laneway-budget": "0.25", "x-laneway-read-rate": "0"})
+    assert (ctx.budget, ctx.read_rate) == (0.25, 0.0)
+    assert (ctx_of(CHAT).budget, ctx_of(CHAT).read_rate) == (None, None)
+    assert ctx_of(CHAT, headers={"x-laneway-budget": "1"}).budget == 1.0
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("x-laneway-budget", "1.01"), ("x-laneway-budget", "-0.1"), ("x-laneway-budget", "nan"),
+    ("x-laneway-budget", "half"), ("x-laneway-read-rate", "inf"),
+    ("x-laneway-read-rate", "-1"), ("x-laneway-read-rate", "1e6")])
+def test_bad_budget_and_read_rate_headers(name: str, value: str) -> None:
+    with pytest.raises(InvalidRequest, match=name):
+        ctx_of(CHAT, headers={name: value})
+
+
 def test_content_parts_are_text() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
              {"type": "text", "text": "b"}]
