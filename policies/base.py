@@ -89,6 +89,21 @@ class Replicated(Protocol):
         ...
 
 
+@runtime_checkable
+class Recomputing(Protocol):
+    """A policy with tables rebuilt from what it learned (DiSCo's wait and race
+    tables): the proxy calls `recompute` from a background task every
+    `recompute_interval_s` seconds, off the request path (0: never; the policy keeps
+    its own schedule)."""
+
+    @property
+    def recompute_interval_s(self) -> float: ...
+
+    def recompute(self) -> None:
+        """Rebuild the tables (synchronous, milliseconds at most)."""
+        ...
+
+
 PolicyFactory = Callable[[Any], Policy]
 POLICIES: dict[str, type[Any]] = {}
 

@@ -6,8 +6,9 @@ server) and may carry their own prices, labels `cost_prefill` / `cost_decode` (a
 server's in $ per 1M tokens, a device's in J per token), else the params' prices.
 
 `pick` is a table lookup: the tables (Algorithm 2's waits, Algorithm 3's threshold)
-are rebuilt from the learned distributions every `recompute_every` outcomes in
-`observe`, or when the proxy's background task calls `recompute`. A DiSCo-D decision
+are rebuilt from the learned distributions by the proxy's background task every
+`recompute_interval_s` (policies.base.Recomputing), or with that 0 (offline use) every
+`recompute_every` outcomes in `observe`. A DiSCo-D decision
 is the server with the device as a `Hedge` after w(l); a DiSCo-S decision is the
 device, with the server as a `Hedge` at 0 for the prompts Algorithm 3 races.
 """
@@ -79,6 +80,11 @@ class Disco:
         self.recompute()
 
     # -- tables, off the request path ------------------------------------------------
+
+    @property
+    def recompute_interval_s(self) -> float:
+        """The proxy's background task recomputes this often (policies.base.Recomputing)."""
+        return self._p.recompute_interval_s
 
     def recompute(self) -> None:
         """Rebuild both tables for the configured budget from the windows."""
@@ -154,6 +160,8 @@ class Disco:
                 self._ttft.add(outcome.e2e_s, censored=True)
         elif outcome.ttft_s is not None and outcome.prompt_tokens:
             self._device.add(outcome.prompt_tokens, outcome.ttft_s)
+        if self._p.recompute_interval_s > 0.0:  # the proxy's background task does it
+            return
         self._since_recompute += 1
         if self._since_recompute >= self._p.recompute_every:
             self._since_recompute = 0

@@ -116,8 +116,10 @@ def outcome(backend: str, status: int, ttft_s: float | None, e2e_s: float) -> Ou
 
 
 def test_a_lost_server_leg_is_censored_not_dropped(tmp_path: Path) -> None:
-    dropped = disco(tmp_path, exchange_rate=5.0, recompute_every=10, ttft_window=510)
-    censored = disco(tmp_path, exchange_rate=5.0, recompute_every=10, ttft_window=510)
+    dropped = disco(tmp_path, exchange_rate=5.0, recompute_every=10, ttft_window=510,
+                    recompute_interval_s=0)
+    censored = disco(tmp_path, exchange_rate=5.0, recompute_every=10, ttft_window=510,
+                     recompute_interval_s=0)
     before = censored.wait_table().w_tail
     for _ in range(10):  # aborted at 0.3 s: only known to be slower than that
         censored.observe(outcome("cloud", 499, None, 0.3))

@@ -171,7 +171,8 @@ async def test_disco_learns_the_lost_server_leg_as_censored(tmp_path: Path) -> N
     prior = tmp_path / "ttft.json"
     prior.write_text(json.dumps([0.1] * 30))
     params = {"mode": "server", "budget": 1.0, "ttft_prior": str(prior), "migration": False,
-              "recompute_every": 1}  # the first request's length makes the race table
+              "recompute_every": 1, "recompute_interval_s": 0}  # (in observe: the first
+    # request's length makes the race table for the second)
     async with fleet(FakeConfig(), FakeConfig(ttft_s=5.0),
                      policy={"name": "disco", "params": params}) as (proxy, fakes):
         runtime = proxy.app.runtime
