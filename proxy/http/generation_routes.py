@@ -253,6 +253,8 @@ class Exchange:
             self.race = None
             try:
                 if hedge is None:  # the common case: no task, no race
+                    if "side" in backend.labels:  # (DiSCo's backends)
+                        rt.metrics.decided(rt.router.policy_name, backend, None)
                     guard.enter_context(rt.registry.guard(backend.name))
                     opened = await open_on(backend)
                 else:
@@ -348,7 +350,8 @@ class Exchange:
             relay.close()
             if self.relay is not None:
                 self.finished = True
-                self._observe(relay.final_outcome(self.client_gone))
+                assert relay.leg is not None  # (the leg it ended on)
+                self._observe(relay.final_outcome(self.client_gone), relay.leg.backend)
 
     def _observe_attempt(self, backend: str, status: int, ran_s: float | None = None
                          ) -> None:
@@ -395,29 +398,33 @@ class Exchange:
             response_id = response_id_in(opened.head)
             if response_id is not None:
                 self.rt.responses.learn(response_id, opened.backend.name)
-        self._observe(outcome)
+        self._observe(outcome, opened.backend)
 
-    def _observe(self, outcome: Outcome) -> None:
-        """The request's final outcome, to metrics and to the policy. After a race the
-        policy learns the winning leg's own times (from its start: a hedge started
-        `delay_s` after the request) and hears about the loser (`_race_observed`)."""
+    def _observe(self, outcome: Outcome, backend: Backend) -> None:
+        """The request's final outcome (it ended on `backend`), to metrics and to the
+        policy. After a race the policy learns the winning leg's own times (from its
+        start: a hedge starts `delay_s` after the request); the loser was observed as
+        it was aborted (`_race`). Requests on backends with a `side` label (DiSCo) count
+        their tokens per side and their cost."""
         self.outcome = outcome
-        self.rt.metrics.observe(outcome)
+        metrics = self.rt.metrics
+        metrics.observe(outcome)
         race = self.race
         if race is None or race.winner is None:
             self.rt.router.observe(outcome)
+            if "side" in backend.labels:
+                metrics.observe_leg(backend, outcome.prompt_tokens, outcome.completion_tokens)
             return
         winner, loser = race.winner, race.loser
         assert winner.started_at is not None
         late = winner.started_at - self.ctx.arrived_at
-        own = dataclasses.replace(
+        self.rt.router.observe(dataclasses.replace(
             outcome, e2e_s=outcome.e2e_s - late,
-            ttft_s=None if outcome.ttft_s is None else outcome.ttft_s - late)
-        self.rt.router.observe(own)
-        self.rt.metrics.observe_leg(winner.backend, outcome.prompt_tokens,
-                                    outcome.completion_tokens)
-        if loser is not None and loser.started_at is not None:
-            self.rt.metrics.observe_leg(loser.backend, outcome.prompt_tokens, 0)
+            ttft_s=None if outcome.ttft_s is None else outcome.ttft_s - late))
+        metrics.observe_leg(backend, outcome.prompt_tokens, outcome.completion_tokens)
+        if loser is not None and loser.started_at is not None and loser.failure is None:
+            # an aborted leg paid its prefill: the whole prompt, as the budget counts it
+            metrics.observe_leg(loser.backend, outcome.prompt_tokens, 0)
 
     async def _race(self, backend: Backend, hedge: Hedge,
                     open_on: Callable[[Backend], Awaitable[Opened]],
@@ -427,7 +434,7 @@ class Exchange:
         censored sample). Raises NoWinner when both failed (each recorded in `failures`)."""
         rt, ctx = self.rt, self.ctx
         race = self.race = new_race(backend, hedge.backend, hedge.delay_s)
-        rt.metrics.hedged(rt.router.policy_name, backend, hedge)
+        rt.metrics.decided(rt.router.policy_name, backend, hedge)
 
         def failed(leg: RaceLeg) -> None:  # the other leg continues, or opens now
             assert leg.failure is not None

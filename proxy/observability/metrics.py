@@ -161,9 +161,9 @@ class Metrics:
         self.state_sync = Histogram(
             "laneway_state_sync_seconds", "Duration of one exchange with the shared state",
             buckets=_LATENCY_BUCKETS, registry=r)
-        self.hedged_decisions = Counter(
-            "laneway_hedged_decisions", "Decisions that raced a second leg (DiSCo), by "
-            "the side of the first leg and of the hedge (backend label `side`)",
+        self.side_decisions = Counter(
+            "laneway_side_decisions", "Decisions on backends with a `side` label "
+            "(DiSCo), by the side of the first leg and of the hedge (`none`: not raced)",
             ["policy", "first", "hedge"], registry=r)
         self.hedge_delay = Histogram(
             "laneway_hedge_delay_seconds", "The delay a policy set before a hedge leg, "
@@ -173,12 +173,13 @@ class Metrics:
             "hedge) and whether the hedge was opened (not: the first leg's token came "
             "before its delay)", ["side", "leg", "hedge_opened"], registry=r)
         self.side_prompt_tokens = Counter(
-            "laneway_side_prompt_tokens", "Prompt tokens per side of raced requests: "
-            "every started leg counts its whole prompt (the realized budget)", ["side"],
+            "laneway_side_prompt_tokens", "Prompt tokens per side (backends with a "
+            "`side` label): every started leg counts its whole prompt, also a race's "
+            "aborted one (the realized budget)", ["side"],
             registry=r)
         self.cost_units = Counter(
-            "laneway_cost_units", "Tokens of raced requests times the backend's price "
-            "label (cost_prefill, cost_decode; its unit: $ per 1M tokens for a server, J "
+            "laneway_cost_units", "Tokens on side-labelled backends times the price "
+            "labels (cost_prefill, cost_decode; their unit: $ per 1M tokens for a server, J "
             "per token for a device), per backend and phase", ["backend", "phase"],
             registry=r)
         r.register(_BackendCollector(registry))
@@ -213,8 +214,13 @@ class Metrics:
         self.length_ratio.labels(model).observe(predicted / actual)
         self.length_error.labels(model).observe(abs(predicted - actual))
 
-    def hedged(self, policy: str, first: Backend, hedge: Hedge) -> None:
-        self.hedged_decisions.labels(policy, side_of(first), side_of(hedge.backend)).inc()
+    def decided(self, policy: str, first: Backend, hedge: Hedge | None) -> None:
+        """A decision on side-labelled backends: which side leads, which one hedges
+        (DiSCo-D: server then device; DiSCo-S: device then server), after how long."""
+        if hedge is None:
+            self.side_decisions.labels(policy, side_of(first), "none").inc()
+            return
+        self.side_decisions.labels(policy, side_of(first), side_of(hedge.backend)).inc()
         self.hedge_delay.labels(side_of(hedge.backend)).observe(hedge.delay_s)
 
     def race_won(self, winner: Any, hedge_opened: bool) -> None:

@@ -177,19 +177,31 @@ async def test_disco_learns_the_lost_server_leg_as_censored(tmp_path: Path) -> N
                      policy={"name": "disco", "params": params}) as (proxy, fakes):
         runtime = proxy.app.runtime
         assert runtime is not None
-        for name, side in (("f0", "device"), ("f1", "server")):
+        for name, labels in (("f0", {"side": "device", "cost_prefill": "0.5",
+                                     "cost_decode": "2"}), ("f1", {"side": "server"})):
             backend = runtime.registry.remove(name)
             runtime.registry.add(type(backend)(backend.name, backend.url, backend.model,
-                                               {"side": side}))
+                                               labels))
         runtime.registry.publish(runtime.registry.stats)
         alone = await post(proxy, STREAM)  # p(l) is empty: the device alone
         response = await post(proxy, STREAM)
         await settled(fakes[1])
         policy = runtime.router.policy
+        metrics = (await httpx.AsyncClient().get(f"{proxy.url}/metrics")).text
     assert isinstance(policy, Disco)
     assert alone.headers["x-laneway-backend"] == "f0"
     assert response.headers["x-laneway-backend"] == "f0" and text_of(response) == EXPECTED
     assert fakes[1].app.stats.requests == fakes[1].app.stats.cancelled == 1
+    prompt = fakes[0].app.stats.prompt_tokens // 2  # (two requests of one prompt)
+    for line in [
+            'laneway_side_decisions_total{first="device",hedge="none",policy="disco"} 1.0',
+            'laneway_side_decisions_total{first="device",hedge="server",policy="disco"} 1.0',
+            'laneway_race_wins_total{hedge_opened="yes",leg="first",side="device"} 1.0',
+            f'laneway_side_prompt_tokens_total{{side="device"}} {2.0 * prompt}',
+            f'laneway_side_prompt_tokens_total{{side="server"}} {1.0 * prompt}',
+            f'laneway_cost_units_total{{backend="f0",phase="prefill"}} {2 * prompt * 0.5}',
+            'laneway_cost_units_total{backend="f0",phase="decode"} 24.0']:  # 12 tokens at 2
+        assert line in metrics
     window = policy._ttft  # (the policy's own F window: the prior, then the lost leg)
     assert len(window) == 31 and list(window._censored)[-1] is True
 
