@@ -8,7 +8,7 @@ index) but never blocks the event loop. Each policy module registers itself in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
@@ -101,6 +101,17 @@ class Recomputing(Protocol):
 
     def recompute(self) -> None:
         """Rebuild the tables (synchronous, milliseconds at most)."""
+        ...
+
+
+@runtime_checkable
+class FleetChecked(Protocol):
+    """A policy that needs certain backends (DiSCo: one on each side); the config check
+    (`laneway check-config`, a reload) refuses a fleet it cannot route."""
+
+    def check_fleet(self, labels: Sequence[Mapping[str, str]]) -> str | None:
+        """What is wrong with backends of these labels (one mapping per backend, in
+        config order), naming the config key; None when they do."""
         ...
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from pydantic import BaseModel
@@ -197,6 +198,23 @@ class Disco:
         return Decision(target, f"disco: migrate to the cheaper decoder (t_m {t_m:.3g}s)")
 
     # -- backends ----------------------------------------------------------------------
+
+    def check_fleet(self, labels: Sequence[Mapping[str, str]]) -> str | None:
+        """Both sides labelled (one for the one-sided baselines), and no other side."""
+        for at, backend in enumerate(labels):
+            if backend.get("side", "server") not in ("device", "server"):
+                return (f"backends[{at}].labels.side: {backend['side']!r} is neither "
+                        "`device` nor `server`")
+        sides = [backend.get("side") for backend in labels]
+        needed = {"server_only": ("server",), "device_only": ("device",)}.get(
+            self._p.strategy, ("device", "server"))
+        missing = [side for side in needed if side not in sides]
+        if not missing:
+            return None
+        return (f"backends[].labels.side: the disco policy (strategy {self._p.strategy}) "
+                f"needs at least one backend labelled "
+                f"{' and one '.join(f'`side: {side}`' for side in needed)}; none is "
+                f"labelled {' or '.join(f'`side: {side}`' for side in missing)}")
 
     def _split(self, view: ClusterView) -> tuple[list[Backend], list[Backend]]:
         devices: list[Backend] = []
