@@ -441,7 +441,8 @@ class Exchange:
             self._attempt_failed(leg.failure, failures, leg.ran_s)
 
         try:
-            await run_race(race, open_on, rt.registry.guard, ctx.endpoint == "chat",
+            await run_race(race, open_on, rt.registry.guard, rt.flow.has_room,
+                           ctx.endpoint == "chat",
                            rt.settings.upstream.read_timeout_s, failed)
         except asyncio.CancelledError:
             for leg in (race.first, race.second):
@@ -459,7 +460,8 @@ class Exchange:
         rt.metrics.race_won(winner, race.hedge_opened)
         log.info("request %s: race %s vs %s (hedge after %.3f s, %s): %s won, token after "
                  "%.3f s%s", ctx.request_id, backend.name, hedge.backend.name, hedge.delay_s,
-                 "opened" if race.hedge_opened else "not opened", winner.backend.name,
+                 "opened" if race.hedge_opened else "full: not opened"
+                 if race.second.no_room else "not opened", winner.backend.name,
                  winner.ran_s, "" if loser is None or loser.started_at is None else
                  f"; {loser.backend.name} aborted after {loser.ran_s:.3f} s")
         return winner.opened

@@ -49,6 +49,7 @@ class RaceLeg:
     token_at: float | None = None  # when it produced its first token (it won)
     ended_at: float | None = None  # when it failed or was aborted
     failure: UpstreamFailure | None = None
+    no_room: bool = False  # its time came while its backend was full (flow control)
     opened: Opened | None = None
     guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -94,14 +95,14 @@ def new_race(first: Backend, second: Backend, delay_s: float) -> Race:
     return Race(RaceLeg(first, False), RaceLeg(second, True), delay_s)
 
 
-async def run_race(race: Race, open_leg: OpenLeg, hold: Hold, chat: bool,
-                   read_timeout_s: float, failed: Callable[[RaceLeg], None]) -> None:
+async def run_race(race: Race, open_leg: OpenLeg, hold: Hold, may_open: Callable[[Backend],
+                   bool], chat: bool, read_timeout_s: float,
+                   failed: Callable[[RaceLeg], None]) -> None:
     """Race `race.first` (now) and `race.second` (after `race.delay_s`, unless the first
-    has a token); `hold(backend name)` is a leg's in-flight slot, `failed(leg)` runs for
-    each leg that fails before its token. The loser is aborted before this returns; the
-    winner keeps its `opened` and `guard` (the caller's to close). Cancelled: both legs
-    aborted."""
-    delay_s = race.delay_s
+    has a token, and only if `may_open(its backend)` then); `hold(backend name)` is a
+    leg's in-flight slot, `failed(leg)` runs for each leg that fails before its token.
+    The loser is aborted before this returns; the winner keeps its `opened` and `guard`
+    (the caller's to close). Cancelled: both legs aborted."""
     runs: dict[asyncio.Task[None], RaceLeg] = {}
 
     def start(leg: RaceLeg) -> None:
@@ -111,11 +112,16 @@ async def run_race(race: Race, open_leg: OpenLeg, hold: Hold, chat: bool,
 
     start(race.first)
     try:
-        hedge_at = time.monotonic() + max(0.0, delay_s)
-        while runs or not race.hedge_opened:
-            wait_s = None if race.hedge_opened else max(0.0, hedge_at - time.monotonic())
-            if not race.hedge_opened and (wait_s == 0.0 or not runs):
-                start(race.second)
+        hedge_at = time.monotonic() + max(0.0, race.delay_s)
+        hedge_due = True
+        while runs or hedge_due:
+            wait_s = max(0.0, hedge_at - time.monotonic()) if hedge_due else None
+            if hedge_due and (wait_s == 0.0 or not runs):
+                hedge_due = False
+                if may_open(race.second.backend):  # (flow control: room there now)
+                    start(race.second)
+                else:
+                    race.second.no_room = True
                 continue
             done, _ = await asyncio.wait(runs, timeout=wait_s,
                                          return_when=asyncio.FIRST_COMPLETED)

@@ -155,6 +155,27 @@ async def test_both_legs_failing_is_the_usual_error() -> None:
     assert inflight == {"f0": 0, "f1": 0}
 
 
+async def test_a_hedge_whose_backend_filled_up_is_not_opened() -> None:
+    """Flow control: f1 had room at the pick; when the hedge's delay is over it is
+    full, so the hedge stays closed and the slow first leg answers."""
+    async with fleet(FakeConfig(ttft_s=2.0), FakeConfig(),
+                     policy={"name": HedgeToSecond.name, "params": {"delay_s": 1.0}},
+                     flow_control={"max_inflight_per_backend": 1}) as (proxy, fakes):
+        runtime = proxy.app.runtime
+        assert runtime is not None
+        request = asyncio.create_task(post(proxy, STREAM))
+        for _ in range(500):  # until the pick sent the first leg
+            if fakes[0].app.stats.requests:
+                break
+            await asyncio.sleep(0.01)
+        with runtime.registry.guard("f1"):  # another request fills f1
+            response = await request
+        inflight = dict(runtime.registry.local_inflight)
+    assert response.headers["x-laneway-backend"] == "f0" and text_of(response) == EXPECTED
+    assert fakes[1].app.stats.requests == 0
+    assert inflight == {"f0": 0, "f1": 0}
+
+
 def test_the_role_chunk_is_not_a_token() -> None:
     role = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""},' \
         b'"logprobs":null,"finish_reason":null}]}'
