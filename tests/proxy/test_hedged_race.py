@@ -5,8 +5,10 @@ the loser is aborted and observed as a censored 499."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import httpx
@@ -60,6 +62,14 @@ async def settled(fake: RunningFake) -> None:
         if fake.app.stats.running == 0 and fake.app.stats.waiting == 0:
             return
         await asyncio.sleep(0.01)
+
+
+def label(runtime: Any, labels: dict[str, dict[str, str]]) -> None:
+    """Give the running proxy's backends these labels (DiSCo's `side`, prices)."""
+    for name, wanted in labels.items():
+        backend = runtime.registry.remove(name)
+        runtime.registry.add(dataclasses.replace(backend, labels=MappingProxyType(wanted)))
+    runtime.registry.publish(runtime.registry.stats)
 
 
 def text_of(response: httpx.Response) -> str:
@@ -198,12 +208,8 @@ async def test_disco_learns_the_lost_server_leg_as_censored(tmp_path: Path) -> N
                      policy={"name": "disco", "params": params}) as (proxy, fakes):
         runtime = proxy.app.runtime
         assert runtime is not None
-        for name, labels in (("f0", {"side": "device", "cost_prefill": "0.5",
-                                     "cost_decode": "2"}), ("f1", {"side": "server"})):
-            backend = runtime.registry.remove(name)
-            runtime.registry.add(type(backend)(backend.name, backend.url, backend.model,
-                                               labels))
-        runtime.registry.publish(runtime.registry.stats)
+        label(runtime, {"f0": {"side": "device", "cost_prefill": "0.5", "cost_decode": "2"},
+                        "f1": {"side": "server"}})
         alone = await post(proxy, STREAM)  # p(l) is empty: the device alone
         response = await post(proxy, STREAM)
         await settled(fakes[1])
@@ -234,3 +240,30 @@ async def test_a_bad_budget_header_is_a_clear_400() -> None:
                                                   "x-laneway-read-rate": "8"})
     assert bad.status_code == 400 and "x-laneway-budget" in bad.json()["error"]["message"]
     assert good.status_code == 200 and fakes[0].app.stats.requests == 1
+
+
+async def test_disco_moves_a_won_server_stream_to_the_cheaper_device() -> None:
+    """DiSCo-S end to end with migration (the existing reroute seam): the server (f1,
+    fast) wins the race against the device (f0); the server's decode is dearer, and a
+    machine reader (x-laneway-read-rate: 0) needs no buffer, so at the first τ check
+    the stream moves to the device; the client sees one whole answer."""
+    params = {"mode": "server", "budget": 1.0, "recompute_every": 1,
+              "recompute_interval_s": 0}
+    async with fleet(FakeConfig(ttft_s=0.2, tpot_s=0.005), FakeConfig(tpot_s=0.03),
+                     policy={"name": "disco", "params": params},
+                     migration={"check_every_tokens": 4}) as (proxy, fakes):
+        runtime = proxy.app.runtime
+        assert runtime is not None
+        label(runtime, {"f0": {"side": "device"}, "f1": {"side": "server"}})
+        body = {**CHAT, "stream": True, "max_tokens": 40}
+        await post(proxy, {**body, "max_tokens": 1})  # p(l) learns the prompt
+        response = await post(proxy, body, headers={"x-laneway-read-rate": "0"})
+        metrics = (await httpx.AsyncClient().get(f"{proxy.url}/metrics")).text
+    assert response.headers["x-laneway-backend"] == "f1"  # the race's winner
+    assert text_of(response) == "".join(f"tok{i} " for i in range(40))
+    assert 'laneway_race_wins_total{hedge_opened="yes",leg="hedge",side="server"} 1.0' \
+        in metrics
+    assert 'laneway_migrations_total{reason="policy",source="f1",target="f0"} 1.0' in metrics
+    continued = [b for b in fakes[0].app.stats.bodies
+                 if isinstance(b.get("prompt"), list) and b.get("stream")]
+    assert len(continued) == 1  # the device continued it from the server's tokens
