@@ -3,20 +3,21 @@ import pytest
 
 from proxy.errors import InvalidRequest
 from proxy.request_context import build_context, normalized, parse_body, prefix_blocks
-from proxy.types import Endpoint
+from proxy.types import Endpoint, RequestContext
 
 LIMIT = 4096
 
 
 def ctx_of(body: dict[str, object], endpoint: Endpoint = "chat",
-           headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+           headers: dict[str, str] | None = None) -> RequestContext:
     return build_context(
         parse_body(orjson.dumps(body)), endpoint, headers or {},
         request_id="r1", max_tokens_limit=LIMIT, session_header="x-session-id", block_chars=8,
     )
 
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there, friend"}]}
+CHAT: dict[str, object] = {
+    "model": "m", "messages": [{"role": "user", "content": "hello there, friend"}]}
 
 
 def test_chat_context() -> None:
@@ -143,6 +144,7 @@ def test_content_the_proxy_cannot_read_is_the_backends_to_judge() -> None:
     ctx = ctx_of({"model": "m", "messages": [{"role": "user", "content": 5},
                                              {"role": "user", "content": {}}, "hi"]})
     assert ctx.prompt_text == "user: \nuser: "
+    messages: object
     for messages in (None, [], "hi"):  # vLLM's Messages API takes [] after a system
         assert ctx_of({"model": "m", "messages": messages}).prompt_text == ""
     assert ctx_of({**CHAT, "user": []}).session is None  # (vLLM: a 400 on chat)
