@@ -46,7 +46,8 @@ class Policy(Protocol):
     def observe(self, outcome: Outcome) -> None:
         """Feedback on a pick: called exactly once per `pick`, also for an attempt
         that failed (then `outcome.ok` is False) so a policy can release what it
-        reserved. May be a no-op."""
+        reserved; a decision with a `hedge` is observed once per leg that started
+        (the race's loser as status 499 with no TTFT). May be a no-op."""
         ...
 
 

@@ -108,7 +108,8 @@ class Decision:
 
     `drop` set: the policy refuses the request (qos_drl's drop action); the client gets
     a 503 `request_dropped` with this text, `backend` is not contacted.
-    `hedge` set: also race a delayed second leg (not dispatched by the proxy yet)."""
+    `hedge` set: also race a delayed second leg (proxy/relay/race.py); each leg that
+    started is observed once (the loser as an aborted 499)."""
 
     backend: Backend
     reason: str = ""
