@@ -243,6 +243,8 @@ class Exchange:
             tried.append(backend.name)
             self.backend_name = backend.name
             hedge = decision.hedge
+            if hedge is not None and hedge.backend.name == backend.name:
+                hedge = None  # (a race against itself would only double the work)
             tracked = self._tracked_on(backend.name) and (
                 hedge is None or self._tracked_on(hedge.backend.name))
             open_on = functools.partial(
