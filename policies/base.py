@@ -8,7 +8,7 @@ index) but never blocks the event loop. Each policy module registers itself in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
@@ -46,7 +46,8 @@ class Policy(Protocol):
     def observe(self, outcome: Outcome) -> None:
         """Feedback on a pick: called exactly once per `pick`, also for an attempt
         that failed (then `outcome.ok` is False) so a policy can release what it
-        reserved. May be a no-op."""
+        reserved; a decision with a `hedge` is observed once per leg that started
+        (the race's loser as status 499 with no TTFT). May be a no-op."""
         ...
 
 
@@ -86,6 +87,32 @@ class Replicated(Protocol):
 
     def merge_updates(self, updates: list[Any]) -> None:
         """Apply writes another replica exported (they are not exported again)."""
+        ...
+
+
+@runtime_checkable
+class Recomputing(Protocol):
+    """A policy with tables rebuilt from what it learned (DiSCo's wait and race
+    tables): the proxy calls `recompute` from a background task every
+    `recompute_interval_s` seconds, off the request path (0: never; the policy keeps
+    its own schedule)."""
+
+    @property
+    def recompute_interval_s(self) -> float: ...
+
+    def recompute(self) -> None:
+        """Rebuild the tables (synchronous, milliseconds at most)."""
+        ...
+
+
+@runtime_checkable
+class FleetChecked(Protocol):
+    """A policy that needs certain backends (DiSCo: one on each side); the config check
+    (`laneway check-config`, a reload) refuses a fleet it cannot route."""
+
+    def check_fleet(self, labels: Sequence[Mapping[str, str]]) -> str | None:
+        """What is wrong with backends of these labels (one mapping per backend, in
+        config order), naming the config key; None when they do."""
         ...
 
 

@@ -599,10 +599,10 @@ def _describe(exc: ValidationError, path: str | Path | None) -> str:
 
 
 def _check_policy(settings: Settings) -> Policy:
-    from policies.base import PolicyLoadError, UnknownPolicyError, build_policy
+    from policies.base import FleetChecked, PolicyLoadError, UnknownPolicyError, build_policy
 
     try:
-        return build_policy(settings.policy.name, settings.policy.params)
+        policy = build_policy(settings.policy.name, settings.policy.params)
     except UnknownPolicyError as exc:
         raise ConfigError(f"policy.name: {exc}") from None
     except PolicyLoadError as exc:
@@ -613,6 +613,11 @@ def _check_policy(settings: Settings) -> Policy:
             for e in exc.errors()
         )
         raise ConfigError(f"config is invalid: {details}") from None
+    if isinstance(policy, FleetChecked):  # (e.g. disco: backends on both sides)
+        problem = policy.check_fleet([backend.labels for backend in settings.backends])
+        if problem is not None:
+            raise ConfigError(f"config is invalid: {problem}")
+    return policy
 
 
 def _check_tls(settings: Settings) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import time
@@ -33,6 +34,10 @@ _ids = itertools.count()
 _ID_PREFIX = os.urandom(4).hex()
 # the client's own estimate of the completion length (e.g. a batch job that knows it)
 EXPECTED_TOKENS_HEADER = "x-laneway-expected-tokens"
+# a cost-aware policy's per-request budget and the reader's pace (DiSCo: docs/disco.md)
+BUDGET_HEADER = "x-laneway-budget"
+READ_RATE_HEADER = "x-laneway-read-rate"
+_MAX_READ_RATE = 1000.0  # tokens/s (as the disco policy's `read_rate` param)
 
 
 # A client's `x-request-id` is echoed and logged only if it is this short and plain;
@@ -163,6 +168,9 @@ def build_context(
         slo_ms=_slo_ms(headers),
         expected_tokens=_expected_tokens(headers),
         arrived_at=time.monotonic(),
+        budget=_bounded_header(headers, BUDGET_HEADER, 1.0, "a number from 0 to 1"),
+        read_rate=_bounded_header(headers, READ_RATE_HEADER, _MAX_READ_RATE,
+                                  f"a number of tokens/s from 0 to {_MAX_READ_RATE:g}"),
     )
 
 
@@ -383,4 +391,19 @@ def _positive_header(headers: Mapping[str, str], name: str, parse: Callable[[str
         value = None
     if value is None or not value > 0 or value == float("inf"):
         raise InvalidRequest(f"Header `{name}` must be {what}.")
+    return value
+
+
+def _bounded_header(headers: Mapping[str, str], name: str, highest: float, what: str
+                    ) -> float | None:
+    """The header's value, if sent: a number in [0, `highest`] or a 400."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= highest:  # (NaN fails both)
+        raise InvalidRequest(f"Header `{name}` must be {what}, got {raw[:40]!r}.")
     return value

@@ -28,6 +28,7 @@ from proxy.observability.access_log import note
 from proxy.observability.metrics import Metrics
 from proxy.observability.tracing import Tracing
 from proxy.relay.upstream import Upstream, UpstreamFailure
+from proxy.routing.recompute import recompute_tables
 from proxy.routing.router import Router
 from proxy.state import build_store, new_replica_id
 from proxy.state.rate_counters import WindowCounters
@@ -120,6 +121,7 @@ class Runtime:
             tables={"responses": self.responses, "discovery": self.discovery},
             leasing=self.flow)
         self._sync_task: asyncio.Task[None] | None = None
+        self._recompute_task: asyncio.Task[None] | None = None  # policies' tables
 
     async def start(self) -> None:
         """Poll once so that health is known before the first request, then keep polling."""
@@ -136,9 +138,12 @@ class Runtime:
                                                       name="laneway-discovery")
         await self.replicator.sync_once()  # shared state before the first request
         self._sync_task = asyncio.create_task(self.replicator.run(), name="laneway-state")
+        self._recompute_task = asyncio.create_task(
+            recompute_tables(lambda: self.router.policy), name="laneway-recompute")
 
     async def close(self) -> None:
-        for task in (self._poll_task, self._sync_task, self._discover_task):
+        for task in (self._poll_task, self._sync_task, self._discover_task,
+                     self._recompute_task):
             await stop_task(task)
         await self.replicator.store.close()
         await self._relay_session.close()

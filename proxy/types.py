@@ -81,6 +81,11 @@ class RequestContext:
     client_id: str | None = None
     slo_class: SloTarget | None = None  # set at admission when `slo_classes` are on
 
+    # the client's cost budget (x-laneway-budget): the share of prompt tokens the
+    # constrained side may process, in [0, 1] (DiSCo's b; policies/disco)
+    budget: float | None = None
+    # how fast the client reads, tokens/s (x-laneway-read-rate; 0: a machine reader)
+    read_rate: float | None = None
     @property
     def echo_id(self) -> str:
         """The `x-request-id` of the answer: the client's own, else `request_id`."""
@@ -126,7 +131,8 @@ class Decision:
 
     `drop` set: the policy refuses the request (qos_drl's drop action); the client gets
     a 503 `request_dropped` with this text, `backend` is not contacted.
-    `hedge` set: also race a delayed second leg (not dispatched by the proxy yet)."""
+    `hedge` set: also race a delayed second leg (proxy/relay/race.py); each leg that
+    started is observed once (the loser as an aborted 499)."""
 
     backend: Backend
     reason: str = ""

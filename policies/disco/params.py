@@ -47,7 +47,10 @@ class DiscoParams(BaseModel):
     min_ttft_samples: int = Field(20, ge=1, le=1_000_000, description="F samples "
                                   "before DiSCo-D hedges (before: server alone)")
     recompute_every: int = Field(50, ge=1, le=1_000_000, description="outcomes per "
-                                 "table recompute")
+                                 "table recompute (recompute_interval_s 0 only)")
+    recompute_interval_s: float = Field(1.0, ge=0, le=3600, description="seconds "
+                                        "between the proxy's background recomputes; "
+                                        "0: in observe, every recompute_every outcomes")
     tokens_per_word: float = Field(1.3, gt=0, le=100, description="prompt tokens per word")
     default_output_tokens: int = Field(128, ge=0, le=1_000_000, description="l_remaining "
                                        "when neither a prediction nor max_tokens says")

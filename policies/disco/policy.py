@@ -6,8 +6,9 @@ server) and may carry their own prices, labels `cost_prefill` / `cost_decode` (a
 server's in $ per 1M tokens, a device's in J per token), else the params' prices.
 
 `pick` is a table lookup: the tables (Algorithm 2's waits, Algorithm 3's threshold)
-are rebuilt from the learned distributions every `recompute_every` outcomes in
-`observe`, or when the proxy's background task calls `recompute`. A DiSCo-D decision
+are rebuilt from the learned distributions by the proxy's background task every
+`recompute_interval_s` (policies.base.Recomputing), or with that 0 (offline use) every
+`recompute_every` outcomes in `observe`. A DiSCo-D decision
 is the server with the device as a `Hedge` after w(l); a DiSCo-S decision is the
 device, with the server as a `Hedge` at 0 for the prompts Algorithm 3 races.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from pydantic import BaseModel
@@ -80,6 +82,11 @@ class Disco:
 
     # -- tables, off the request path ------------------------------------------------
 
+    @property
+    def recompute_interval_s(self) -> float:
+        """The proxy's background task recomputes this often (policies.base.Recomputing)."""
+        return self._p.recompute_interval_s
+
     def recompute(self) -> None:
         """Rebuild both tables for the configured budget from the windows."""
         self._mass = LengthMass.of(self._lengths.sorted()) if len(self._lengths) else None
@@ -108,7 +115,7 @@ class Disco:
     # -- the request path --------------------------------------------------------------
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
-        return self.decide(ctx, view)
+        return self.decide(ctx, view, ctx.budget)  # (the client's x-laneway-budget)
 
     def decide(self, ctx: RequestContext, view: ClusterView,
                budget: float | None = None) -> Decision:
@@ -154,6 +161,8 @@ class Disco:
                 self._ttft.add(outcome.e2e_s, censored=True)
         elif outcome.ttft_s is not None and outcome.prompt_tokens:
             self._device.add(outcome.prompt_tokens, outcome.ttft_s)
+        if self._p.recompute_interval_s > 0.0:  # the proxy's background task does it
+            return
         self._since_recompute += 1
         if self._since_recompute >= self._p.recompute_every:
             self._since_recompute = 0
@@ -183,11 +192,29 @@ class Disco:
             return None
         t_m = (self._ecdf.quantile(self._p.migration_quantile) if target_side == "server"
                else self._line.ttft(context))
-        if _buffered(progress, self._p.read_rate) < buffer_target(self._p.read_rate, t_m):
+        read_rate = self._p.read_rate if ctx.read_rate is None else ctx.read_rate
+        if _buffered(progress, read_rate) < buffer_target(read_rate, t_m):
             return None
         return Decision(target, f"disco: migrate to the cheaper decoder (t_m {t_m:.3g}s)")
 
     # -- backends ----------------------------------------------------------------------
+
+    def check_fleet(self, labels: Sequence[Mapping[str, str]]) -> str | None:
+        """Both sides labelled (one for the one-sided baselines), and no other side."""
+        for at, backend in enumerate(labels):
+            if backend.get("side", "server") not in ("device", "server"):
+                return (f"backends[{at}].labels.side: {backend['side']!r} is neither "
+                        "`device` nor `server`")
+        sides = [backend.get("side") for backend in labels]
+        needed = {"server_only": ("server",), "device_only": ("device",)}.get(
+            self._p.strategy, ("device", "server"))
+        missing = [side for side in needed if side not in sides]
+        if not missing:
+            return None
+        return (f"backends[].labels.side: the disco policy (strategy {self._p.strategy}) "
+                f"needs at least one backend labelled "
+                f"{' and one '.join(f'`side: {side}`' for side in needed)}; none is "
+                f"labelled {' or '.join(f'`side: {side}`' for side in missing)}")
 
     def _split(self, view: ClusterView) -> tuple[list[Backend], list[Backend]]:
         devices: list[Backend] = []

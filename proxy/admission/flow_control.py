@@ -168,6 +168,11 @@ class FlowControl:
             return view
         return dataclasses.replace(view, candidates=room)
 
+    def has_room(self, backend: Backend) -> bool:
+        """Whether `backend` takes one more request now (always, with flow control off):
+        a race's delayed hedge asks before it opens (proxy/relay/race.py)."""
+        return bool(self._room(ClusterView((backend,), {}, {}, 0.0)))
+
     def _room(self, view: ClusterView) -> tuple[Backend, ...]:
         settings = self._settings()
         cfg = settings.flow_control

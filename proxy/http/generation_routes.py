@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -37,6 +38,7 @@ from proxy.migration.eligibility import (
 from proxy.migration.legs import Leg
 from proxy.migration.tracked_relay import TrackedRelay
 from proxy.observability.access_log import note, wait_ms
+from proxy.relay.race import NoWinner, Race, RaceLeg, new_race, run_race
 from proxy.relay.stream_accounting import (
     MESSAGES_END,
     RESPONSES_END,
@@ -56,7 +58,7 @@ from proxy.request_context import (
 )
 from proxy.routing.kv_transfer import handle_of, without_handle
 from proxy.runtime import Runtime
-from proxy.types import Backend, Endpoint, Outcome, Prediction, RequestContext
+from proxy.types import Backend, Endpoint, Hedge, Outcome, Prediction, RequestContext
 
 _PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
                                "responses": "/v1/responses", "messages": "/v1/messages"}
@@ -174,6 +176,7 @@ class Exchange:
         self.fallback_from: str | None = None  # the requested model, once it fell back
         self.place = place  # its place in flow control's queue
         self.queued_s = 0.0  # time it waited there
+        self.race: Race | None = None  # the policy's hedged race, if it asked for one
 
     async def run(self, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -256,30 +259,41 @@ class Exchange:
                 raise RequestDropped(f"request dropped by the routing policy: {decision.drop}")
             tried.append(backend.name)
             self.backend_name = backend.name
-            tracked = self._tracked_on(backend.name)
+            hedge = decision.hedge
+            if hedge is not None and hedge.backend.name == backend.name:
+                hedge = None  # (a race against itself would only double the work)
+            tracked = self._tracked_on(backend.name) and (
+                hedge is None or self._tracked_on(hedge.backend.name))
+            open_on = functools.partial(
+                self._open_on, body=body if tracked else self.body,
+                stream=stream if tracked else ctx.stream, kv_on=backend, kv_handle=kv_handle)
+
             guard = contextlib.ExitStack()
-            guard.enter_context(rt.registry.guard(backend.name))
+            self.race = None
             try:
-                opened = await rt.upstream.open(
-                    backend, _PATHS[ctx.endpoint],
-                    self._upstream_body(body if tracked else self.body,
-                                        rt.registry.model_on(backend, ctx.model), kv_handle,
-                                        backend),
-                    self.headers, stream if tracked else ctx.stream)
+                if hedge is None:  # the common case: no task, no race
+                    if "side" in backend.labels:  # (DiSCo's backends)
+                        rt.metrics.decided(rt.router.policy_name, backend, None)
+                    guard.enter_context(rt.registry.guard(backend.name))
+                    opened = await open_on(backend)
+                else:
+                    tried.append(hedge.backend.name)
+                    opened = await self._race(backend, hedge, open_on, guard, failures)
                 if tracked and not opened.complete:
                     await self._relay_tracked(opened, guard, pred)
                     return True
             except UpstreamFailure as failure:
                 guard.close()
-                failures.append(failure)
-                rt.upstream_failed(failure, ctx.model)
-                self._observe_attempt(backend.name, 504 if failure.kind == "timeout" else 502)
+                self._attempt_failed(failure, failures)
                 if failure.kind != "connect":  # it may have pulled (so freed) the KV blocks
                     kv_handle = None
                 continue
+            except NoWinner:  # each leg's failure is in `failures` already
+                kv_handle = None
+                continue
             except asyncio.CancelledError:
                 guard.close()
-                if self.relay is None:
+                if self.relay is None and self.race is None:
                     self._observe_attempt(backend.name, 499)
                 raise
             with guard:
@@ -292,6 +306,16 @@ class Exchange:
                     self._account(opened)
             return True
         return False
+
+    def _open_on(self, target: Backend, *, body: bytes, stream: bool, kv_on: Backend,
+                 kv_handle: Mapping[str, Any] | None) -> Awaitable[Opened]:
+        """Send the request to `target` (with the KV handle only if it is `kv_on`)."""
+        rt, ctx = self.rt, self.ctx
+        return rt.upstream.open(
+            target, _PATHS[ctx.endpoint],
+            self._upstream_body(body, rt.registry.model_on(target, ctx.model),
+                                kv_handle if target is kv_on else None, target),
+            self.headers, stream)
 
     def _tracked_on(self, backend: str) -> bool:
         """Whether the request is tracked on `backend`: not on one seen streaming
@@ -351,18 +375,19 @@ class Exchange:
             relay.close()
             if self.relay is not None:
                 self.finished = True
-                outcome = self.outcome = relay.final_outcome(self.client_gone)
-                rt.metrics.observe(outcome)
-                rt.router.observe(outcome)
+                assert relay.leg is not None  # (the leg it ended on)
+                self._observe(relay.final_outcome(self.client_gone), relay.leg.backend)
 
-    def _observe_attempt(self, backend: str, status: int) -> None:
-        """Tell the policy that its pick did not get a response (see Policy.observe)."""
+    def _observe_attempt(self, backend: str, status: int, ran_s: float | None = None
+                         ) -> None:
+        """Tell the policy that its pick did not get a response (see Policy.observe);
+        `ran_s`: how long that leg ran (default: since the request arrived)."""
         ctx = self.ctx
         self.rt.router.observe(Outcome(
             request_id=ctx.request_id, model=ctx.model, backend=backend,
             policy=self.rt.router.policy_name, status=status, ok=False,
-            started_at=ctx.arrived_at, ttft_s=None, e2e_s=time.monotonic() - ctx.arrived_at,
-            completion_tokens=0))
+            started_at=ctx.arrived_at, ttft_s=None, completion_tokens=0,
+            e2e_s=time.monotonic() - ctx.arrived_at if ran_s is None else ran_s))
 
     async def _respond(self, opened: Opened) -> None:
         self.tally = StreamTally(time.monotonic(), _ENDS.get(self.ctx.endpoint))
@@ -394,11 +419,82 @@ class Exchange:
             started_at=ctx.arrived_at, ttft_s=ttft, e2e_s=now - ctx.arrived_at,
             completion_tokens=tokens, prompt_tokens=prompt_tokens, tpot_s=tpot,
         )
-        self.outcome = outcome
         if ctx.endpoint == "responses" and status == 200:
             response_id = response_id_in(opened.head)
             if response_id is not None:
                 self.rt.responses.learn(response_id, opened.backend.name)
-        self.rt.metrics.observe(outcome)
-        self.rt.router.observe(outcome)
+        self._observe(outcome, opened.backend)
+
+    def _observe(self, outcome: Outcome, backend: Backend) -> None:
+        """The request's final outcome (it ended on `backend`), to metrics and to the
+        policy. After a race the policy learns the winning leg's own times (from its
+        start: a hedge starts `delay_s` after the request); the loser was observed as
+        it was aborted (`_race`). Requests on backends with a `side` label (DiSCo) count
+        their tokens per side and their cost."""
+        self.outcome = outcome
+        metrics = self.rt.metrics
+        metrics.observe(outcome)
+        race = self.race
+        if race is None or race.winner is None:
+            self.rt.router.observe(outcome)
+            if "side" in backend.labels:
+                metrics.observe_leg(backend, outcome.prompt_tokens, outcome.completion_tokens)
+            return
+        winner, loser = race.winner, race.loser
+        assert winner.started_at is not None
+        late = winner.started_at - self.ctx.arrived_at
+        self.rt.router.observe(dataclasses.replace(
+            outcome, e2e_s=outcome.e2e_s - late,
+            ttft_s=None if outcome.ttft_s is None else outcome.ttft_s - late))
+        metrics.observe_leg(backend, outcome.prompt_tokens, outcome.completion_tokens)
+        if loser is not None and loser.started_at is not None and loser.failure is None:
+            # an aborted leg paid its prefill: the whole prompt, as the budget counts it
+            metrics.observe_leg(loser.backend, outcome.prompt_tokens, 0)
+
+    async def _race(self, backend: Backend, hedge: Hedge,
+                    open_on: Callable[[Backend], Awaitable[Opened]],
+                    guard: contextlib.ExitStack, failures: list[UpstreamFailure]) -> Opened:
+        """The policy's race (proxy/relay/race.py): the winner's answer, its slot moved
+        into `guard`; the loser observed as aborted (499, no TTFT, `e2e_s` its run: a
+        censored sample). Raises NoWinner when both failed (each recorded in `failures`)."""
+        rt, ctx = self.rt, self.ctx
+        race = self.race = new_race(backend, hedge.backend, hedge.delay_s)
+        rt.metrics.decided(rt.router.policy_name, backend, hedge)
+
+        def failed(leg: RaceLeg) -> None:  # the other leg continues, or opens now
+            assert leg.failure is not None
+            self._attempt_failed(leg.failure, failures, leg.ran_s)
+
+        try:
+            await run_race(race, open_on, rt.registry.guard, rt.flow.has_room,
+                           ctx.endpoint == "chat",
+                           rt.settings.upstream.read_timeout_s, failed)
+        except asyncio.CancelledError:
+            for leg in (race.first, race.second):
+                if leg.started_at is not None and leg.failure is None:
+                    self._observe_attempt(leg.backend.name, 499, leg.ran_s)
+            raise
+        winner, loser = race.winner, race.loser
+        if winner is None:
+            raise NoWinner
+        if loser is not None and loser.started_at is not None and loser.failure is None:
+            self._observe_attempt(loser.backend.name, 499, loser.ran_s)
+        assert winner.opened is not None
+        guard.enter_context(winner.guard.pop_all())
+        self.backend_name = winner.backend.name
+        rt.metrics.race_won(winner, race.hedge_opened)
+        log.info("request %s: race %s vs %s (hedge after %.3f s, %s): %s won, token after "
+                 "%.3f s%s", ctx.request_id, backend.name, hedge.backend.name, hedge.delay_s,
+                 "opened" if race.hedge_opened else "full: not opened"
+                 if race.second.no_room else "not opened", winner.backend.name,
+                 winner.ran_s, "" if loser is None or loser.started_at is None else
+                 f"; {loser.backend.name} aborted after {loser.ran_s:.3f} s")
+        return winner.opened
+
+    def _attempt_failed(self, failure: UpstreamFailure, failures: list[UpstreamFailure],
+                        ran_s: float | None = None) -> None:
+        failures.append(failure)
+        self.rt.upstream_failed(failure, self.ctx.model)
+        self._observe_attempt(failure.backend.name, 504 if failure.kind == "timeout" else 502,
+                              ran_s)
 

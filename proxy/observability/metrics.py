@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy.types import Backend, BackendStats, Outcome, SloTarget
+from proxy.types import Backend, BackendStats, Hedge, Outcome, SloTarget
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
@@ -30,6 +30,7 @@ _STALL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5
 # accuracy), twice and four times either way
 _RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 4)
 _TOKEN_ERROR_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_PHASES = (("prefill", "cost_prefill"), ("decode", "cost_decode"))
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2)
 
 
@@ -170,6 +171,27 @@ class Metrics:
         self.state_sync = Histogram(
             "laneway_state_sync_seconds", "Duration of one exchange with the shared state",
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.side_decisions = Counter(
+            "laneway_side_decisions", "Decisions on backends with a `side` label "
+            "(DiSCo), by the side of the first leg and of the hedge (`none`: not raced)",
+            ["policy", "first", "hedge"], registry=r)
+        self.hedge_delay = Histogram(
+            "laneway_hedge_delay_seconds", "The delay a policy set before a hedge leg, "
+            "by the hedge's side", ["side"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.race_wins = Counter(
+            "laneway_race_wins", "Raced requests by the winner's side and leg (first or "
+            "hedge) and whether the hedge was opened (not: the first leg's token came "
+            "before its delay)", ["side", "leg", "hedge_opened"], registry=r)
+        self.side_prompt_tokens = Counter(
+            "laneway_side_prompt_tokens", "Prompt tokens per side (backends with a "
+            "`side` label): every started leg counts its whole prompt, also a race's "
+            "aborted one (the realized budget)", ["side"],
+            registry=r)
+        self.cost_units = Counter(
+            "laneway_cost_units", "Tokens on side-labelled backends times the price "
+            "labels (cost_prefill, cost_decode; their unit: $ per 1M tokens for a server, J "
+            "per token for a device), per backend and phase", ["backend", "phase"],
+            registry=r)
         r.register(_BackendCollector(registry))
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 
@@ -212,6 +234,32 @@ class Metrics:
         actual = outcome.completion_tokens
         self.length_ratio.labels(model).observe(predicted / actual)
         self.length_error.labels(model).observe(abs(predicted - actual))
+
+    def decided(self, policy: str, first: Backend, hedge: Hedge | None) -> None:
+        """A decision on side-labelled backends: which side leads, which one hedges
+        (DiSCo-D: server then device; DiSCo-S: device then server), after how long."""
+        if hedge is None:
+            self.side_decisions.labels(policy, side_of(first), "none").inc()
+            return
+        self.side_decisions.labels(policy, side_of(first), side_of(hedge.backend)).inc()
+        self.hedge_delay.labels(side_of(hedge.backend)).observe(hedge.delay_s)
+
+    def race_won(self, winner: Any, hedge_opened: bool) -> None:
+        """`winner`: the RaceLeg that kept the request (proxy/relay/race.py)."""
+        self.race_wins.labels(side_of(winner.backend), "hedge" if winner.hedge else "first",
+                              "yes" if hedge_opened else "no").inc()
+
+    def observe_leg(self, backend: Backend, prompt_tokens: int | None,
+                    completion_tokens: int) -> None:
+        """One started leg of a race: its prompt counts whole (as the budget counts it),
+        and what it cost at the backend's price labels."""
+        if prompt_tokens:
+            self.side_prompt_tokens.labels(side_of(backend)).inc(prompt_tokens)
+        for (phase, label), tokens in zip(_PHASES, (prompt_tokens or 0, completion_tokens),
+                                          strict=True):
+            price = _price(backend, label)
+            if price is not None and tokens:
+                self.cost_units.labels(backend.name, phase).inc(tokens * price)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -273,3 +321,17 @@ class _BackendCollector(Collector):
                 families["waiting"].add_metric(labels, stats.waiting)
                 families["kv"].add_metric(labels, stats.kv_usage)
         yield from families.values()
+
+
+def side_of(backend: Backend) -> str:
+    """A backend's side for DiSCo (its `side` label; unlabelled: server), as a label
+    value from a fixed set."""
+    return "device" if backend.labels.get("side") == "device" else "server"
+
+
+def _price(backend: Backend, label: str) -> float | None:
+    try:
+        price = float(backend.labels[label])
+    except (KeyError, ValueError):
+        return None
+    return price if 0.0 <= price < float("inf") else None

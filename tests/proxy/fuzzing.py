@@ -95,7 +95,8 @@ HEADER_VALUE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), ma
 HEADERS = st.dictionaries(st.sampled_from([
     "x-laneway-slo-ms", "x-laneway-expected-tokens", "x-laneway-priority", "x-session-id",
     "x-request-id", "x-laneway-migrate-after", "x-laneway-events", "x-laneway-backend",
-    "authorization", "x-api-key"]), HEADER_VALUE | st.sampled_from(["1", "0", "250", "-1"]),
+    "authorization", "x-api-key", "x-laneway-budget", "x-laneway-read-rate"]),
+    HEADER_VALUE | st.sampled_from(["1", "0", "250", "-1"]),
     max_size=4)
 # A move after the first tokens, forced (with `debug.allow_forced_migration`), in a
 # third of the cases: the migration path reads the body again to continue it elsewhere.

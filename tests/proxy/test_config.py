@@ -176,3 +176,36 @@ def test_serve_routes_with_the_policy_its_config_check_built(
     monkeypatch.setattr(server, "run", fake_run)
     assert cli.main(["serve", "--config", str(write(tmp_path, GOOD)), "--port", "0"]) == 0
     assert len(builds) == 1 and routed == builds
+
+
+def _disco(sides: list[str | None], params: str = "{}") -> str:
+    backends = ", ".join(
+        f"{{name: b{i}, url: 'http://x:{i + 1}', model: m"
+        + ("" if side is None else f", labels: {{side: {side}}}") + "}"
+        for i, side in enumerate(sides))
+    return f"backends: [{backends}]\npolicy: {{name: disco, params: {params}}}\n"
+
+
+@pytest.mark.parametrize(("sides", "params", "missing"), [
+    (["server", "server"], "{}", "`side: device`"),
+    (["device", None], "{}", "`side: server`"),  # unlabelled is not labelled
+    ([None], "{}", "`side: device` or `side: server`"),
+    (["server"], "{strategy: device_only}", "`side: device`"),
+])
+def test_disco_needs_a_backend_on_each_side(tmp_path: Path, sides: list[str | None],
+                                             params: str, missing: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, _disco(sides, params)))
+    message = str(info.value)
+    assert "backends[].labels.side" in message and f"none is labelled {missing}" in message
+
+
+def test_disco_refuses_an_unknown_side(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"backends\[1\]\.labels\.side: 'edge'"):
+        load_settings(write(tmp_path, _disco(["server", "edge", "device"])))
+
+
+def test_disco_with_both_sides_is_ok(tmp_path: Path) -> None:
+    assert load_settings(write(tmp_path, _disco(["device", "server", None]))).policy.name \
+        == "disco"
+    assert load_settings(write(tmp_path, _disco(["server"], "{strategy: server_only}")))

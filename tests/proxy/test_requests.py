@@ -3,20 +3,21 @@ import pytest
 
 from proxy.errors import InvalidRequest
 from proxy.request_context import build_context, normalized, parse_body, prefix_blocks
-from proxy.types import Endpoint
+from proxy.types import Endpoint, RequestContext
 
 LIMIT = 4096
 
 
 def ctx_of(body: dict[str, object], endpoint: Endpoint = "chat",
-           headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+           headers: dict[str, str] | None = None) -> RequestContext:
     return build_context(
         parse_body(orjson.dumps(body)), endpoint, headers or {},
         request_id="r1", max_tokens_limit=LIMIT, session_header="x-session-id", block_chars=8,
     )
 
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there, friend"}]}
+CHAT: dict[str, object] = {
+    "model": "m", "messages": [{"role": "user", "content": "hello there, friend"}]}
 
 
 def test_chat_context() -> None:
@@ -42,6 +43,22 @@ def test_expected_tokens_header() -> None:
 def test_bad_expected_tokens_header(value: str) -> None:
     with pytest.raises(InvalidRequest, match="x-laneway-expected-tokens"):
         ctx_of(CHAT, headers={"x-laneway-expected-tokens": value})
+
+
+def test_budget_and_read_rate_headers() -> None:
+    ctx = ctx_of(CHAT, headers={"x-laneway-budget": "0.25", "x-laneway-read-rate": "0"})
+    assert (ctx.budget, ctx.read_rate) == (0.25, 0.0)
+    assert (ctx_of(CHAT).budget, ctx_of(CHAT).read_rate) == (None, None)
+    assert ctx_of(CHAT, headers={"x-laneway-budget": "1"}).budget == 1.0
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("x-laneway-budget", "1.01"), ("x-laneway-budget", "-0.1"), ("x-laneway-budget", "nan"),
+    ("x-laneway-budget", "half"), ("x-laneway-read-rate", "inf"),
+    ("x-laneway-read-rate", "-1"), ("x-laneway-read-rate", "1e6")])
+def test_bad_budget_and_read_rate_headers(name: str, value: str) -> None:
+    with pytest.raises(InvalidRequest, match=name):
+        ctx_of(CHAT, headers={name: value})
 
 
 def test_content_parts_are_text() -> None:
@@ -127,6 +144,7 @@ def test_content_the_proxy_cannot_read_is_the_backends_to_judge() -> None:
     ctx = ctx_of({"model": "m", "messages": [{"role": "user", "content": 5},
                                              {"role": "user", "content": {}}, "hi"]})
     assert ctx.prompt_text == "user: \nuser: "
+    messages: object
     for messages in (None, [], "hi"):  # vLLM's Messages API takes [] after a system
         assert ctx_of({"model": "m", "messages": messages}).prompt_text == ""
     assert ctx_of({**CHAT, "user": []}).session is None  # (vLLM: a 400 on chat)

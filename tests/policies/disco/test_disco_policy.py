@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -85,6 +86,8 @@ def test_disco_s_races_only_the_long_prompts(tmp_path: Path) -> None:
     assert long.backend == DEVICE and long.hedge == Hedge(SERVER, 0.0)
     everything = policy.decide(ctx(SHORT), FLEET, budget=1.0)
     assert everything.hedge == Hedge(SERVER, 0.0)
+    asked = dataclasses.replace(ctx(SHORT), budget=1.0)  # the client's x-laneway-budget
+    assert policy.pick(asked, NO_PREDICTION, FLEET).hedge == Hedge(SERVER, 0.0)
 
 
 @pytest.mark.parametrize(("mode", "primary", "hedged"), [("device", SERVER, DEVICE),
@@ -113,8 +116,10 @@ def outcome(backend: str, status: int, ttft_s: float | None, e2e_s: float) -> Ou
 
 
 def test_a_lost_server_leg_is_censored_not_dropped(tmp_path: Path) -> None:
-    dropped = disco(tmp_path, exchange_rate=5.0, recompute_every=10, ttft_window=510)
-    censored = disco(tmp_path, exchange_rate=5.0, recompute_every=10, ttft_window=510)
+    dropped = disco(tmp_path, exchange_rate=5.0, recompute_every=10, ttft_window=510,
+                    recompute_interval_s=0)
+    censored = disco(tmp_path, exchange_rate=5.0, recompute_every=10, ttft_window=510,
+                     recompute_interval_s=0)
     before = censored.wait_table().w_tail
     for _ in range(10):  # aborted at 0.3 s: only known to be slower than that
         censored.observe(outcome("cloud", 499, None, 0.3))
@@ -136,6 +141,8 @@ def test_migration_waits_for_the_readers_buffer(tmp_path: Path) -> None:
     assert policy.reroute(request, pred, early, others) is None
     moved = policy.reroute(request, pred, ready, others)
     assert moved is not None and moved.backend == SERVER
+    machine = dataclasses.replace(request, read_rate=0.0)  # x-laneway-read-rate: 0
+    assert policy.reroute(machine, pred, early, others) is not None  # no buffer to fill
     off = disco(tmp_path, exchange_rate=5.0, migration=False)
     assert off.reroute(request, pred, ready, others) is None
     # the server decodes cheaper than the device: never back to the device
