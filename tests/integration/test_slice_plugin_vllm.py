@@ -57,10 +57,18 @@ async def tokens_over_time(client: httpx.AsyncClient, server: Running, tpot_ms: 
                            seconds: float) -> list[tuple[float, int]]:
     """(time, completion tokens so far) per streamed chunk, for `seconds`, then the
     stream is closed (an abort)."""
+    return await usage_over_time(client, f"{server.url}/v1/completions",
+                                 body(server, tpot_ms, 900, stream=True), seconds)
+
+
+async def usage_over_time(client: httpx.AsyncClient, url: str, request: dict[str, Any],
+                          seconds: float, headers: dict[str, str] | None = None
+                          ) -> list[tuple[float, int]]:
+    """(time, completion tokens so far) per chunk of the stream `request` opens at
+    `url` (continuous usage stats), for `seconds`; then the stream is closed."""
     seen: list[tuple[float, int]] = []
     deadline = time.monotonic() + seconds
-    async with client.stream("POST", f"{server.url}/v1/completions",
-                             json=body(server, tpot_ms, 900, stream=True)) as response:
+    async with client.stream("POST", url, json=request, headers=headers) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {"):

@@ -9,7 +9,6 @@ they are (migration off: a plain byte relay).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 
@@ -19,6 +18,7 @@ import pytest
 from bench.harness.ports import free_port
 from bench.harness.proxy_process import ProxyProcess, running_proxy
 from bench.models.backends import Running, Spec, start, stop
+from tests.integration.test_slice_plugin_vllm import tokens_between, usage_over_time
 
 pytestmark = pytest.mark.vllm
 
@@ -55,23 +55,8 @@ async def tokens_over_time(client: httpx.AsyncClient, proxy: ProxyProcess, model
             "ignore_eos": True, "stream": True, "priority": -100,
             "vllm_xargs": {"laneway_tpot_ms": 1, "laneway_utility": 1e6},
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    seen: list[tuple[float, int]] = []
-    deadline = time.monotonic() + seconds
-    async with client.stream("POST", f"{proxy.url}/v1/completions", json=body,
-                             headers={"x-laneway-slo-class": slo_class}) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                usage = json.loads(line[6:]).get("usage") or {}
-                seen.append((time.monotonic(), int(usage.get("completion_tokens", 0))))
-            if time.monotonic() > deadline:
-                break
-    return seen
-
-
-def tokens_between(seen: list[tuple[float, int]], start_s: float, end_s: float) -> int:
-    inside = [n for t, n in seen if start_s <= t <= end_s]
-    return inside[-1] - inside[0] if len(inside) > 1 else 0
+    return await usage_over_time(client, f"{proxy.url}/v1/completions", body, seconds,
+                                 headers={"x-laneway-slo-class": slo_class})
 
 
 def test_classes_through_the_proxy_decode_at_their_rates(
