@@ -69,6 +69,11 @@ class ServerConfig(_Section):
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line + "
                                   "headers larger than this get 431 (cut while read)")
     max_header_count: int = Field(100, ge=8, description="more header lines get 431")
+    max_body_bytes_in_flight: int = Field(64 * 1024 * 1024, ge=1024, description="the "
+                                          "bodies of all requests in progress (their "
+                                          "content-length; max_body_bytes for a chunked "
+                                          "one) add up to at most this: past it, 503 "
+                                          "before the body is read")
     max_json_depth: int = Field(64, ge=2, le=200, description="JSON bodies nested deeper "
                                 "(arrays, objects) get 400")
     max_tokens_limit: int = Field(131_072, gt=0, description="larger max_tokens get 400")

@@ -19,6 +19,11 @@ answer, holds a connection, and what the request holds, for ever. Here, per conn
   paused that long) aborts the connection, so the request ends and releases what it
   held (its in-flight count, flow-control slot, backend request).
 
+And across the process's connections: the bodies of the requests in progress (their
+`content-length`, `max_body_bytes` for a chunked one) add up to at most
+`max_body_bytes_in_flight`; a request past it gets 503 before its body is read, so no
+number of clients makes the proxy hold (and parse) more than that.
+
 The timers hang on the transport's own callbacks (data, parser events, pause and
 resume of writing): nothing runs per relayed chunk. uvicorn's own 400 (a malformed
 request) is answered in OpenAI's error shape too.
@@ -36,6 +41,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from proxy.errors import (
     HeadersTooLarge,
     InvalidRequest,
+    Overloaded,
     ProxyError,
     RequestTimeout,
     error_response,
@@ -54,6 +60,15 @@ class ConnectionLimits:
     write_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024
     max_header_count: int = 100
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
+
+
+class BodyBudget:
+    """The body bytes the process's requests in progress hold (one per server)."""
+
+    def __init__(self) -> None:
+        self.held = 0
 
 
 class _Refused(Exception):
@@ -62,6 +77,8 @@ class _Refused(Exception):
 
 class _Guarded(HttpToolsProtocol):
     limits = ConnectionLimits()  # set by `guarded_protocol`
+    budget = BodyBudget()  # ditto
+    _body_held = 0  # what this connection's request holds of `budget`
     on_refused: Callable[[ProxyError], None] = staticmethod(lambda _: None)  # ditto
     _read_timer: asyncio.TimerHandle | None = None  # idle, headers or body deadline
     _write_timer: asyncio.TimerHandle | None = None
@@ -109,6 +126,7 @@ class _Guarded(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._hold_body()
         self._began, self._in_body, self._head_bytes = False, True, 0
         left = self.limits.request_timeout_s - (self.loop.time() - self._began_at)
         self._arm(max(left, 0.0), self._body_expired)
@@ -122,6 +140,7 @@ class _Guarded(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._release_body()
         self._await_next()
 
     def _await_next(self) -> None:
@@ -146,6 +165,7 @@ class _Guarded(HttpToolsProtocol):
             self._write_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._release_body()
         self._disarm()
         if self._write_timer is not None:
             self._write_timer.cancel()
@@ -158,6 +178,32 @@ class _Guarded(HttpToolsProtocol):
         err = self._refusal or InvalidRequest(f"{msg} (malformed HTTP/1.1)")
         self._refusal = None
         self._refuse(err)
+
+    def _hold_body(self) -> None:
+        """Count the request's body against the process's budget, or refuse it (503)."""
+        self._release_body()  # (a pipelined request after one answered early)
+        size = 0
+        for name, value in self.headers:
+            if name == b"content-length" and value.isdigit():
+                size = int(value)
+            elif name == b"transfer-encoding":
+                size = self.limits.max_body_bytes  # chunked: as large as allowed
+        if not size:
+            return
+        if self.budget.held + size > self.limits.max_body_bytes_in_flight:
+            log.warning("%s: request bodies in progress would exceed %d bytes "
+                        "(server.max_body_bytes_in_flight); answered 503", self.client,
+                        self.limits.max_body_bytes_in_flight)
+            self._refusal = Overloaded(
+                "The proxy holds as many request bodies as it may "
+                "(server.max_body_bytes_in_flight); retry shortly.", retry_after_s=1)
+            raise _Refused
+        self.budget.held += size
+        self._body_held = size
+
+    def _release_body(self) -> None:
+        self.budget.held -= self._body_held
+        self._body_held = 0
 
     def _arm(self, delay_s: float, expired: Callable[[], None]) -> None:
         self._disarm()
@@ -253,4 +299,5 @@ def guarded_protocol(limits: ConnectionLimits,
     """uvicorn's `http` protocol class, holding each connection to `limits`;
     `on_refused` is called for each error it answers itself (to count it)."""
     return type("GuardedHttpTools", (_Guarded,),
-                {"limits": limits, "on_refused": staticmethod(on_refused)})
+                {"limits": limits, "on_refused": staticmethod(on_refused),
+                 "budget": BodyBudget()})

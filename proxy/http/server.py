@@ -23,7 +23,9 @@ def connection_limits(settings: Settings) -> ConnectionLimits:
     return ConnectionLimits(
         header_timeout_s=server.header_timeout_s, request_timeout_s=server.request_timeout_s,
         keep_alive_s=server.keep_alive_s, write_timeout_s=server.write_timeout_s,
-        max_header_bytes=server.max_header_bytes, max_header_count=server.max_header_count)
+        max_header_bytes=server.max_header_bytes, max_header_count=server.max_header_count,
+        max_body_bytes=server.max_body_bytes,
+        max_body_bytes_in_flight=server.max_body_bytes_in_flight)
 
 
 def uvicorn_config(settings: Settings, app: LanewayApp) -> uvicorn.Config:
