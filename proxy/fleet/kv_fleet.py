@@ -89,13 +89,15 @@ class KvFleet:
             if self._subscribers.get(backend) is not subscribers:
                 return  # removed (or replaced) before it started
             for subscriber in subscribers:
+                endpoint = subscriber.source.endpoint
                 try:
                     await subscriber.start()
                 except Exception as exc:  # a bad or taken address: route without events
                     log.error("backend %s: KV events from %s not followed: %s", backend,
-                              subscriber.source.endpoint, exc)
-            log.info("backend %s: following KV events from %s", backend,
-                     subscribers[0].source.endpoint)
+                              endpoint, exc)
+                else:
+                    log.info("backend %s: following KV events %s %s", backend,
+                             "bound at" if subscriber.source.bind else "from", endpoint)
 
     async def _stop(self, backend: str, subscribers: Sequence[KvEventSubscriber]) -> None:
         async with self._lock:

@@ -13,7 +13,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from proxy.config import Settings
+from proxy.config import KvEventsConfig, Settings
+from proxy.fleet.kv_fleet import KvFleet
 from proxy.reconfigure import apply_settings
 from proxy.runtime import Runtime
 from tests.proxy.test_kv_events import TOPIC, FakePublisher, stored, until
@@ -112,3 +113,14 @@ async def test_the_lifespan_starts_and_closes_the_subscribers(context: zmq.async
     await _unsubscribed(publisher)
     assert rt.kv.config_of("cached") is None
     await publisher.close()
+
+
+async def test_an_endpoint_that_cannot_bind_costs_only_its_events(
+        caplog: pytest.LogCaptureFixture) -> None:
+    kv = KvFleet()
+    kv.add("a", KvEventsConfig(endpoint="tcp://192.0.2.1:5557", bind=True))  # not ours
+    await kv.settled()
+    assert "not followed" in caplog.text
+    assert kv.config_of("a") is not None and kv.index.size("a") == 0
+    await kv.close()
+    assert kv.config_of("a") is None
