@@ -15,6 +15,7 @@ Not measured yet: a local tokenizer (no round trip) against `/tokenize`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import ssl
@@ -30,6 +31,10 @@ from proxy.routing.stages import ModelOn, base_model
 from proxy.types import Backend, CachedPrefix, ClusterView, Prediction, RequestContext
 
 log = logging.getLogger("laneway")
+# Hashing costs ~7 µs a block (sha256; 14 with sha256_cbor): a longer prompt is hashed in
+# a worker thread, where the GIL's switch interval keeps the other streams flowing
+# (a 32k-token prompt in blocks of 16 is 15-27 ms of hashing).
+INLINE_BLOCKS = 256
 # what of a request body shapes its tokens (vLLM's TokenizeChatRequest fields)
 _CHAT_KEYS = ("messages", "add_generation_prompt", "continue_final_message",
               "add_special_tokens", "chat_template", "chat_template_kwargs", "tools")
@@ -66,14 +71,13 @@ class CachedPrefixStage:
         tokens = await self._tokens(ctx, data, followed[0][0])
         if tokens is None:
             return pred
-        chains: dict[KvEventsConfig, list[int]] = {}
-        cached: dict[str, int] = {}
-        for backend, cfg in followed:
-            chain = chains.get(cfg)
-            if chain is None:
-                chain = chains[cfg] = self._hasher(cfg).chain(tokens)
-            cached[backend.name] = self._kv.index.longest_prefix(backend.name, chain) \
-                * cfg.block_size
+        hashers = {cfg: self._hasher(cfg) for _, cfg in followed}
+        if len(tokens) // min(c.block_size for c in hashers) > INLINE_BLOCKS:
+            chains = await asyncio.to_thread(_chains, hashers, tokens)
+        else:
+            chains = _chains(hashers, tokens)
+        cached = {backend.name: self._kv.index.longest_prefix(backend.name, chains[cfg])
+                  * cfg.block_size for backend, cfg in followed}
         return dataclasses.replace(pred, cached_prefix_tokens=cached)
 
     def _hasher(self, cfg: KvEventsConfig) -> BlockHasher:
@@ -122,3 +126,8 @@ class CachedPrefixStage:
                 and all(isinstance(t, int) for t in prompt)):
             return [int(t) for t in prompt]
         return None  # several prompts, the Responses and Messages APIs: not looked up
+
+
+def _chains(hashers: dict[KvEventsConfig, BlockHasher],
+            tokens: list[int]) -> dict[KvEventsConfig, list[int]]:
+    return {cfg: hasher.chain(tokens) for cfg, hasher in hashers.items()}

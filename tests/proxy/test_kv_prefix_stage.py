@@ -4,6 +4,7 @@ from kv_aware's declaration; `backends[].kv_events` validated."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -195,3 +196,23 @@ def test_a_bind_endpoint_may_be_bound_by_one_backend_only() -> None:
     assert validate_settings({"backends": [ok]}).backends[0].kv_events is not None
     with pytest.raises(ConfigError, match="bound by two backends"):
         validate_settings({"backends": [ok, _backend("b", endpoint="tcp://*:5557", bind=True)]})
+
+
+async def test_a_long_prompt_is_hashed_off_the_loop_to_the_same_result(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    threaded: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def recording(func: Any, /, *args: Any) -> Any:
+        threaded.append(func.__name__)
+        return await to_thread(func, *args)
+
+    monkeypatch.setattr(asyncio, "to_thread", recording)
+    long = list(range(16 * 300))  # past INLINE_BLOCKS
+    kv = FakeKv({"b0": CFG})
+    kv.index.store("b0", 0, BlockHasher("sha256", 16).chain(long)[:299])
+    pred = await _predict(kv, Tokenizer(), {"model": "m", "prompt": long}, _fleet(1),
+                          "completions")
+    assert pred.cached_prefix_tokens == {"b0": 299 * 16} and threaded == ["_chains"]
+    await _predict(kv, Tokenizer(), CHAT, _fleet(1))  # 80 tokens: on the loop
+    assert threaded == ["_chains"]
