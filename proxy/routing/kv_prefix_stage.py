@@ -68,7 +68,9 @@ class CachedPrefixStage:
                     if (cfg := self._kv.config_of(b.name)) is not None]
         if not followed:
             return pred
-        tokens = await self._tokens(ctx, data, followed[0][0])
+        # the least busy of them tokenizes (vLLM tokenizes in its API server process)
+        tokenizer = min((b for b, _ in followed), key=view.inflight_of)
+        tokens = await self._tokens(ctx, data, tokenizer)
         if tokens is None:
             return pred
         hashers = {cfg: self._hasher(cfg) for _, cfg in followed}

@@ -44,8 +44,9 @@ def _ctx(endpoint: str = "chat") -> RequestContext:
                           max_tokens=4)
 
 
-def _view(candidates: tuple[Backend, ...]) -> ClusterView:
-    return ClusterView(candidates, {}, {}, 0.0)
+def _view(candidates: tuple[Backend, ...], inflight: dict[str, int] | None = None
+          ) -> ClusterView:
+    return ClusterView(candidates, {}, inflight or {}, 0.0)
 
 
 class Tokenizer:
@@ -65,11 +66,13 @@ class Tokenizer:
 
 
 async def _predict(kv: FakeKv, tokenizer: Tokenizer, data: dict[str, Any],
-                   candidates: tuple[Backend, ...], endpoint: str = "chat") -> Prediction:
+                   candidates: tuple[Backend, ...], endpoint: str = "chat",
+                   inflight: dict[str, int] | None = None) -> Prediction:
     stage = CachedPrefixStage(CachedPrefix(0.5), kv, model_on=lambda b, m: f"{m}@{b.name}",
                               transport=httpx.MockTransport(tokenizer))
     try:
-        return await stage.predict(_ctx(endpoint), data, Prediction(), _view(candidates))
+        return await stage.predict(_ctx(endpoint), data, Prediction(),
+                                   _view(candidates, inflight))
     finally:
         await stage.close()
 
@@ -88,6 +91,9 @@ async def test_each_candidate_gets_the_tokens_its_cache_holds() -> None:
     assert url == "http://b0:8000/tokenize"
     assert body == {"model": "m@b0", "messages": CHAT["messages"],
                     "chat_template_kwargs": {"x": 1}}
+    busy = {"b0": 3, "b1": 1, "b2": 0}  # the least busy followed one tokenizes
+    again = await _predict(kv, tokenizer, CHAT, fleet, inflight=busy)
+    assert again == pred and tokenizer.asked[-1][0] == "http://b1:8000/tokenize"
 
 
 async def test_each_hashing_config_gets_its_own_chain() -> None:
