@@ -3,6 +3,7 @@
 import policies.disco
 import policies.eldr
 import policies.goodput.policy
+import policies.kv_aware
 import policies.least_request
 import policies.lowest_tpm
 import policies.power_of_two

@@ -102,6 +102,39 @@ class ServerConfig(_Section):
         "(CORS), e.g. [https://app.example.com], or [\"*\"] for any; empty: no CORS")
 
 
+class KvEventsConfig(_Section):
+    """Where a vLLM backend publishes its KV cache events (`--kv-events-config`), and
+    how it hashes its blocks; docs/kv_events.md."""
+
+    endpoint: str = Field(pattern=r"^(tcp|ipc)://.+", description="vLLM's PUB socket, "
+                          "e.g. tcp://10.0.0.5:5557; with `bind`, the address this proxy "
+                          "binds and vLLM connects to")
+    replay_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc)://.+", description="vLLM's "
+                                        "replay (ROUTER) socket, e.g. tcp://10.0.0.5:5558; "
+                                        "null: a gap drops the backend's blocks instead")
+    topic: str = Field("", description="vLLM's `topic`; only this exact topic is read")
+    bind: bool = Field(False, description="this proxy binds `endpoint` (vLLM connects when "
+                       "its endpoint has no `*` or `::`); false: connect to vLLM's")
+    data_parallel_size: int = Field(1, ge=1, le=1024, description="ranks; rank r publishes "
+                                    "on the endpoint's port + r")
+    hash_algo: Literal["sha256", "sha256_cbor"] = Field(
+        "sha256", description="the server's --prefix-caching-hash-algo (xxhash: unsupported)")
+    hash_seed: str | None = Field(None, description="the server's PYTHONHASHSEED verbatim; "
+                                  "null: unset")
+    block_size: int = Field(16, ge=1, le=65_536, description="the server's --block-size "
+                            "(vLLM's default: 16 on GPU, 128 on CPU)")
+
+    @model_validator(mode="after")
+    def _connectable(self) -> KvEventsConfig:
+        if not self.bind and ("*" in self.endpoint or "//[::]" in self.endpoint):
+            raise ValueError(f"kv_events.endpoint {self.endpoint!r} is a bind address: "
+                             "give the backend's address to connect to, or set bind: true")
+        if self.replay_endpoint is not None and "*" in self.replay_endpoint:
+            raise ValueError(f"kv_events.replay_endpoint {self.replay_endpoint!r} is a bind "
+                             "address: vLLM binds it; give the backend's address")
+        return self
+
+
 class BackendConfig(_Section):
     name: str = Field(min_length=1)
     url: HttpUrl
@@ -110,6 +143,8 @@ class BackendConfig(_Section):
     api_key: SecretStr | None = Field(None, description="sent to this backend as "
                                       "`Authorization: Bearer <key>` (vLLM's --api-key) "
                                       "instead of the client's; null: upstream.api_key")
+    kv_events: KvEventsConfig | None = Field(None, description="the backend's KV cache "
+                                             "events (policy kv_aware); null: none")
 
     @field_validator("url")
     @classmethod
@@ -505,6 +540,10 @@ class Settings(BaseSettings):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"duplicate backend names: {', '.join(dupes)}")
+        bound = [b.kv_events.endpoint for b in backends if b.kv_events and b.kv_events.bind]
+        twice = sorted({e for e in bound if bound.count(e) > 1})
+        if twice:
+            raise ValueError(f"kv_events endpoints bound by two backends: {', '.join(twice)}")
         return backends
 
     @model_validator(mode="after")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.base import Policy
-from proxy.config import ConfigError, Settings, load_settings_and_policy
+from proxy.config import ConfigError, KvEventsConfig, Settings, load_settings_and_policy
 from proxy.routing.router import Router
 from proxy.runtime import Runtime, backends_from
 from proxy.types import Backend
@@ -36,15 +36,17 @@ def switch_policy(rt: Runtime, name: str, params: dict[str, Any], policy: Policy
     caller) from the next request on."""
     rt.replace_router(Router(policy, rt.metrics,
                              log_decisions=rt.settings.debug.log_decisions,
-                             model_on=rt.registry.model_on, tls=rt.tls))
+                             model_on=rt.registry.model_on, tls=rt.tls, kv=rt.kv))
     policy_cfg = rt.settings.policy.model_copy(update={"name": name, "params": params})
     rt.settings = rt.settings.model_copy(update={"policy": policy_cfg})
     log.info("policy switched to %s %s", name, params)
 
 
-def add_backend(rt: Runtime, backend: Backend) -> None:
-    """Raises ValueError if the name is taken; the poller scrapes it from its next round."""
+def add_backend(rt: Runtime, backend: Backend, kv_events: KvEventsConfig | None = None) -> None:
+    """Raises ValueError if the name is taken; the poller scrapes it from its next round,
+    and its KV events (if any) are followed from now on."""
     rt.registry.add(backend)
+    rt.kv.add(backend.name, kv_events)
     log.info("backend %s (%s, %s) added", backend.name, backend.url, backend.model)
 
 
@@ -56,6 +58,7 @@ def remove_backend(rt: Runtime, name: str, migrate: bool = True) -> int:
     rt.registry.remove(name)
     rt.poller.forget(name)
     rt.outliers.forget(name)
+    rt.kv.remove(name)
     log.info("backend %s removed; %d tracked streams asked to move", name, moving)
     return moving
 
@@ -64,7 +67,8 @@ def apply_settings(rt: Runtime, new: Settings, policy: Policy) -> dict[str, Any]
     """Apply what can change at runtime (`policy`: `new.policy` already built, used if
     it changed); returns what changed and what needs a restart."""
     old = rt.settings
-    changes: dict[str, Any] = _apply_backends(rt, backends_from(new))
+    changes: dict[str, Any] = _apply_backends(rt, backends_from(new),
+                                              {b.name: b.kv_events for b in new.backends})
     if new.model_groups != old.model_groups:
         rt.registry.set_groups(new.model_groups)
         changes["model_groups"] = sorted(new.model_groups)
@@ -83,17 +87,19 @@ def apply_settings(rt: Runtime, new: Settings, policy: Policy) -> dict[str, Any]
     return changes
 
 
-def _apply_backends(rt: Runtime, wanted: list[Backend]) -> dict[str, Any]:
+def _apply_backends(rt: Runtime, wanted: list[Backend],
+                    kv_events: dict[str, KvEventsConfig | None]) -> dict[str, Any]:
     current = {b.name: b for b in rt.registry.all()}
     target = {b.name: b for b in wanted}
     changed = [n for n in target.keys() & current.keys()
-               if _identity(target[n]) != _identity(current[n])]
+               if _identity(target[n]) != _identity(current[n])
+               or kv_events.get(n) != rt.kv.config_of(n)]
     removed = sorted(current.keys() - target.keys())
     for name in removed + changed:
         remove_backend(rt, name)
     added = sorted(target.keys() - current.keys())
     for name in added + changed:
-        add_backend(rt, target[name])
+        add_backend(rt, target[name], kv_events.get(name))
     return {"added": added, "removed": removed, "replaced": sorted(changed)}
 
 

@@ -21,6 +21,7 @@ from proxy.config import BackendConfig, Settings
 from proxy.errors import InvalidRequest, ModelNotFound, ProxyError
 from proxy.fleet.active_streams import ActiveStreams
 from proxy.fleet.discovery import ModelDiscovery
+from proxy.fleet.kv_fleet import KvFleet
 from proxy.fleet.outliers import Outliers
 from proxy.fleet.poller import Poller
 from proxy.fleet.registry import Registry
@@ -76,13 +77,14 @@ class Runtime:
         self.config_path = config_path  # re-read by SIGHUP and POST /admin/reload
         self.registry = Registry(backends_from(settings), settings.model_groups,
                                  panic=settings.poller.route_when_all_unhealthy)
-        self.metrics = Metrics(self.registry)
+        self.kv = KvFleet()  # KV events of the backends with `kv_events` (from start())
+        self.metrics = Metrics(self.registry, self.kv)
         if policy is None:
             policy = build_policy(settings.policy.name, settings.policy.params)
         # https backends' CA (None: the system's)
         self.tls = upstream_context(settings.upstream.tls_ca_file)
         self.router = Router(policy, self.metrics, log_decisions=settings.debug.log_decisions,
-                             model_on=self.registry.model_on, tls=self.tls)
+                             model_on=self.registry.model_on, tls=self.tls, kv=self.kv)
         self._retired: set[asyncio.Task[None]] = set()  # routers of earlier policies
         self.least_inflight = LeastInflight()  # picks for proxy/http/passthrough_routes.py
         self.responses = ResponseHomes(settings.responses.remember)  # stored responses' homes
@@ -127,6 +129,8 @@ class Runtime:
         """Poll once so that health is known before the first request, then keep polling."""
         if self.tracing is not None:
             await self.tracing.start()
+        for cfg in self.settings.backends:
+            self.kv.add(cfg.name, cfg.kv_events)
         await self.poller.poll_once()
         healthy = [b.name for b in self.registry.all() if self.registry.is_healthy(b.name)]
         log.info("policy %s; %d/%d backends healthy: %s", self.router.policy_name,
@@ -145,6 +149,7 @@ class Runtime:
         for task in (self._poll_task, self._sync_task, self._discover_task,
                      self._recompute_task):
             await stop_task(task)
+        await self.kv.close()
         await self.replicator.store.close()
         await self._relay_session.close()
         await self.poller.scraper.close()

@@ -206,6 +206,10 @@ class Prediction:
     # () when the predictor failed or timed out.
     expert_scores: tuple[float, ...] | None = None
     expert_lengths: tuple[float, ...] | None = None
+    # kv_aware: per candidate with KV events, the prompt's leading tokens its KV cache holds
+    # (exact, from its events; proxy/routing/kv_prefix_stage.py); a candidate without events is
+    # absent; None when the stage did not run or could not tokenize the prompt.
+    cached_prefix_tokens: Mapping[str, int] | None = None
 
 
 NO_PREDICTION = Prediction()
@@ -235,4 +239,14 @@ class BatchedBuckets:
     timeout_s: float
 
 
-StageSpec = PrefillSignature | BatchedBuckets
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """The prompt tokenized as the backend does (its `/tokenize`, chat template applied),
+    hashed into vLLM's block chain and looked up in the exact index of each candidate's
+    KV events, into `Prediction.cached_prefix_tokens` (kv_aware;
+    proxy/routing/kv_prefix_stage.py)."""
+
+    tokenize_timeout_s: float  # past it the field stays None and the policy approximates
+
+
+StageSpec = PrefillSignature | BatchedBuckets | CachedPrefix

@@ -111,10 +111,14 @@ class KvEventSubscriber:
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
-        if self.source.bind:
-            sub.bind(self.source.endpoint)
-        else:
-            sub.connect(self.source.endpoint)
+        try:
+            if self.source.bind:
+                sub.bind(self.source.endpoint)
+            else:
+                sub.connect(self.source.endpoint)
+        except zmq.ZMQError:
+            sub.close(linger=0)  # an open socket would hang stop()'s context.term()
+            raise
         self._sub = sub
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         name = f"kv-events {self.source.backend} rank {self.source.rank}"

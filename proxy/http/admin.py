@@ -145,7 +145,7 @@ async def _add(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
     check_backend(rt.settings.admin, str(cfg.url), cfg.url.host or "")
     backend = backend_of(cfg)  # its own api_key, never upstream.api_key
     try:
-        add_backend(rt, backend)
+        add_backend(rt, backend, cfg.kv_events)
     except ValueError:
         raise Conflict(f"A backend named `{cfg.name}` exists already.") from None
     await rt.poller.poll_once()  # know its health before answering

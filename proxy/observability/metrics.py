@@ -18,7 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proxy.types import Backend, BackendStats, Hedge, Outcome, SloTarget
@@ -46,8 +46,15 @@ class Fleet(Protocol):
     def all(self) -> tuple[Backend, ...]: ...
 
 
+class KvCounts(Protocol):
+    """What the KV-event metrics read at scrape time (proxy/fleet/kv_fleet.py's `KvFleet`)."""
+
+    def counters(self) -> Iterator[tuple[str, str, int]]: ...
+    def sizes(self) -> Iterator[tuple[str, int]]: ...
+
+
 class Metrics:
-    def __init__(self, registry: Fleet) -> None:
+    def __init__(self, registry: Fleet, kv: KvCounts | None = None) -> None:
         # `_created` series double the output and nobody reads them.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
@@ -193,6 +200,8 @@ class Metrics:
             "per token for a device), per backend and phase", ["backend", "phase"],
             registry=r)
         r.register(_BackendCollector(registry))
+        if kv is not None:
+            r.register(_KvEventsCollector(kv))
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 
     def observe(self, outcome: Outcome) -> None:
@@ -335,3 +344,32 @@ def _price(backend: Backend, label: str) -> float | None:
     except (KeyError, ValueError):
         return None
     return price if 0.0 <= price < float("inf") else None
+
+
+class _KvEventsCollector(Collector):
+    """The KV-event subscribers' counters and the exact index's size, per configured
+    backend (policy kv_aware; docs/kv_events.md), read at scrape time."""
+
+    _HELP = {
+        "events": ("laneway_kv_events", "KV cache events applied to the index"),
+        "gaps": ("laneway_kv_event_gaps", "Event batches missed (a replay was asked)"),
+        "resyncs": ("laneway_kv_event_resyncs", "Times the backend's blocks were dropped "
+                    "and rebuilt from the replay buffer (a gap the replay could not fill, "
+                    "a restart)"),
+    }
+
+    def __init__(self, kv: KvCounts) -> None:
+        self._kv = kv
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        counters = {key: CounterMetricFamily(name, text, labels=["backend"])
+                    for key, (name, text) in self._HELP.items()}
+        for backend, key, value in self._kv.counters():
+            counters[key].add_metric([backend], value)
+        blocks = GaugeMetricFamily("laneway_kv_index_blocks", "KV blocks the exact index "
+                                   "holds for the backend (per rank and hash)",
+                                   labels=["backend"])
+        for backend, size in self._kv.sizes():
+            blocks.add_metric([backend], size)
+        yield from counters.values()
+        yield blocks

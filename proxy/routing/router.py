@@ -12,6 +12,7 @@ from typing import Any
 from policies.base import Policy, Rerouting
 from proxy.observability.metrics import Metrics
 from proxy.observability.tracing import current_span
+from proxy.routing.kv_prefix_stage import KvEvents
 from proxy.routing.stage_builder import stages_for
 from proxy.routing.stages import ModelOn, Stage, base_model
 from proxy.types import ClusterView, Decision, Outcome, Prediction, Progress, RequestContext
@@ -21,16 +22,18 @@ log = logging.getLogger("laneway.routing")
 
 class Router:
     def __init__(self, policy: Policy, metrics: Metrics, *, log_decisions: bool,
-                 model_on: ModelOn = base_model, tls: ssl.SSLContext | None = None) -> None:
+                 model_on: ModelOn = base_model, tls: ssl.SSLContext | None = None,
+                 kv: KvEvents | None = None) -> None:
         """`model_on`: Registry.model_on, and `tls`: the https backends' CA (None: the
-        system's), for stages that send the request themselves."""
+        system's), for stages that send the request themselves; `kv`: the fleet's KV
+        events (Runtime.kv), for a stage that reads them."""
         self.policy = policy
         self.policy_name = policy.name
         self._timer = metrics.decision.labels(policy.name)
         self._log_level = logging.INFO if log_decisions else logging.DEBUG
         reroute = getattr(policy, "reroute", None)
         self._rerouting: Rerouting | None = policy if callable(reroute) else None  # type: ignore[assignment]
-        self.stages: list[Stage] = stages_for(policy, model_on, tls)
+        self.stages: list[Stage] = stages_for(policy, model_on, tls, kv)
 
     @property
     def reroutes(self) -> bool:
