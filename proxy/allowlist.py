@@ -34,6 +34,8 @@ def backend_allowed(allowlist: list[str], url: str) -> bool:
             ipaddress.ip_address(host)
     except ValueError:
         address = None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # [::ffff:127.0.0.1] is 127.0.0.1, whatever it is written as
     for entry in map(allowlist_entry, allowlist):
         if isinstance(entry, str):
             if address is None and host == entry:
