@@ -100,13 +100,22 @@ def printable(text: str) -> str:
 
 class TextFormatter(logging.Formatter):
     """The usual line, then the record's fields (if any) as `key=value`; the message
-    and the fields escaped (`printable`), a traceback after them as it is."""
+    and the fields escaped (`printable`), a traceback after them with every line indented
+    and escaped, so no text inside one (an exception's message may quote a client) can
+    pass for a line of its own."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         return printable(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:
+        return "\n".join("  " + printable(line)
+                         for line in super().formatException(ei).splitlines())
+
+    def formatStack(self, stack_info: str) -> str:
+        return "\n".join("  " + printable(line) for line in stack_info.splitlines())
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)

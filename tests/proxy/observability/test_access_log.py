@@ -111,3 +111,18 @@ async def test_a_stream_the_client_left_says_so(caplog: pytest.LogCaptureFixture
     (line,) = access_lines(caplog)
     assert line["status"] == 200 and line["client_left"] is True
     assert line["backend"] == "f0" and line.get("completion_tokens", 0) < 1000  # type: ignore[operator]
+
+
+def test_a_traceback_cannot_forge_a_log_line() -> None:
+    """(Second review: tracebacks were printed as they are, and an exception's message
+    may carry client text.)"""
+    forged = "2026-01-01 00:00:00,000 INFO laneway: forged"
+    try:
+        raise ValueError(f"bad model\n{forged}\x1b[31m")
+    except ValueError:
+        record = logging.LogRecord("laneway", logging.ERROR, __file__, 1, "failed", (),
+                                   sys.exc_info())
+    first, *rest = TextFormatter().format(record).splitlines()
+    assert first.endswith("laneway: failed") and rest
+    assert all(line.startswith("  ") for line in rest)  # no line of its own
+    assert "\x1b" not in "".join(rest)
