@@ -87,6 +87,7 @@ class _Guarded(HttpToolsProtocol):
     _in_body = False  # its headers came, its body is being read
     _head_bytes = 0  # bytes read while awaiting or reading the headers
     _header_count = 0
+    _header_bytes = 0  # the request's header lines, as parsed
     _refusal: ProxyError | None = None  # the answer once the request is refused
     _idle = False  # the read timer is the keep-alive one (between requests)
 
@@ -107,6 +108,7 @@ class _Guarded(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._began, self._began_at, self._header_count = True, self.loop.time(), 0
+        self._header_bytes = 0
         if self._read_timer is None or self._idle:
             self._arm(self.limits.header_timeout_s, self._head_expired)
 
@@ -118,6 +120,10 @@ class _Guarded(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
+        self._header_bytes += len(name) + len(value) + 4  # "name: value\r\n"
+        if len(self.url) + self._header_bytes > self.limits.max_header_bytes:
+            self._refusal = self._too_large()  # (all of it in one read: no chunk count)
+            raise _Refused
         if self._header_count > self.limits.max_header_count:
             self._refusal = HeadersTooLarge(
                 f"The request has more than {self.limits.max_header_count} header lines "
