@@ -71,7 +71,7 @@ def emulator(profile: Path, model: str) -> Iterator[str]:
     """One emulated instance of `profile` in its own process, like a real server."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp, \
-            child(["-m", "proxy.cli", "emulate", "--n", "1", "--profile", str(profile),
+            child(["-m", "bench", "emulate", "--n", "1", "--profile", str(profile),
                    "--model", model, "--base-port", str(port),
                    "--config-out", f"{tmp}/emulated.yaml"],
                   f"http://127.0.0.1:{port}/health"):

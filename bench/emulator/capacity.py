@@ -107,7 +107,7 @@ def emulator_fleet(n: int, profile: str, processes: int) -> Iterator[tuple[list[
     base = free_port_range(n)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
     with tempfile.TemporaryDirectory() as tmp, child(
-            ["-m", "proxy.cli", "emulate", "--n", str(n), "--profile", profile,
+            ["-m", "bench", "emulate", "--n", str(n), "--profile", profile,
              "--base-port", str(base), "--processes", str(processes),
              "--config-out", f"{tmp}/emulated.yaml"], f"{urls[0]}/health") as proc:
         wait_ok(f"{urls[-1]}/health", proc)

@@ -98,7 +98,7 @@ def emulated(n: int, profiles: Sequence[str] = GPU_PROFILES, time_dilation: floa
     base = free_port_range(n)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
     with tempfile.TemporaryDirectory() as tmp, child(
-            ["-m", "proxy.cli", "emulate", "--n", str(n), "--profile", ",".join(profiles),
+            ["-m", "bench", "emulate", "--n", str(n), "--profile", ",".join(profiles),
              "--model", MODEL, "--base-port", str(base), "--time-dilation", f"{time_dilation:g}",
              "--config-out", f"{tmp}/emulated.yaml"], f"{urls[0]}/health") as proc:
         wait_ok(f"{urls[-1]}/health", proc)
@@ -141,8 +141,9 @@ def proxy_config(fleet_: Fleet, variant: Variant, artifact: Path | None,
 
 
 def cli(*args: str) -> None:
-    cmd = [sys.executable, "-m", "proxy.cli", *args]
-    print("+ laneway " + " ".join(args[:2]) + " ...", flush=True)
+    """`python -m bench ARGS` (the harness: solo, run, report), in the checkout."""
+    cmd = [sys.executable, "-m", "bench", *args]
+    print("+ python -m bench " + " ".join(args[:1]) + " ...", flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
@@ -176,7 +177,7 @@ def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
     """Solo, then every variant (per scale where asked); result files by label."""
     solo = work / "solo.jsonl"
     targets = [arg for url in fleet_.solo_urls(plan.solo_tier) for arg in ("--target", url)]
-    cli("bench", "solo", *plan.workload, *targets, "--max-requests", str(plan.solo_requests),
+    cli("solo", *plan.workload, *targets, "--max-requests", str(plan.solo_requests),
         "--out", str(solo), "--no-progress")
     files: dict[str, list[Path]] = {}
     for variant in plan.variants:
@@ -195,7 +196,7 @@ def run_all(plan: Plan, fleet_: Fleet, work: Path) -> dict[str, list[Path]]:
             out = work / f"{name}.jsonl"
             slo = ["--solo", str(solo), "--slo-scale", str(scale or 2.0),
                    "--slo-base", plan.slo_base]
-            cli("bench", "run", *plan.workload, "--config", str(config), "--label", name,
+            cli("run", *plan.workload, "--config", str(config), "--label", name,
                 "--out", str(out), "--time-limit", str(plan.time_limit_s), "--no-progress",
                 *slo, *log)
             files.setdefault(variant.label, []).append(out)
@@ -209,7 +210,7 @@ def run_peer(plan: Plan, fleet_: Fleet, variant: Variant, solo: Path, work: Path
         raise ValueError(f"unknown peer {variant.peer!r}")
     out = work / f"{variant.label}.jsonl"
     with vllm_router(*(b["url"] for b in fleet_.backends), policy=variant.policy) as (url, _):
-        cli("bench", "run", *plan.workload, "--target", url, "--policy", variant.policy,
+        cli("run", *plan.workload, "--target", url, "--policy", variant.policy,
             "--label", variant.label, "--out", str(out), "--time-limit",
             str(plan.time_limit_s), "--no-progress", "--solo", str(solo), "--slo-scale", "2",
             "--slo-base", plan.slo_base)
@@ -239,5 +240,5 @@ def report(files: dict[str, list[Path]], solo: Path, out_dir: Path,
            slo_base: str = "request") -> None:
     """`python -m bench report` over the single-run variants: report.md, summary.json, PNGs."""
     single = [str(p[0]) for p in files.values() if len(p) == 1]
-    cli("bench", "report", *single, "--solo", str(solo), "--out-dir", str(out_dir),
+    cli("report", *single, "--solo", str(solo), "--out-dir", str(out_dir),
         "--slo-base", slo_base)

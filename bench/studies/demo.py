@@ -155,8 +155,9 @@ def _shared_model(config: dict[str, Any]) -> str:
     return max(set(models), key=models.count)
 
 
-def laneway(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "proxy.cli", *args], check=True, cwd=REPO)
+def dev_tool(*args: str) -> None:
+    """`python -m bench ARGS` (local backends), in the checkout."""
+    subprocess.run([sys.executable, "-m", "bench", *args], check=True, cwd=REPO)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="least_request")
     args = parser.parse_args(argv)
     config_path = STATE / "demo.yaml"
-    laneway("backends", "up", "--n", "3", "--variants", "small,small,large",
+    dev_tool("backends", "up", "--n", "3", "--variants", "small,small,large",
             "--config-out", str(config_path), "--shared", str(args.shared))
     try:
         config: dict[str, Any] = yaml.safe_load(config_path.read_text())
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(x-laneway-migrate-after); same text as unmoved: {same}\n{moves}")
         return 1 if errors or not same or "laneway_migrations_total" not in moves else 0
     finally:
-        laneway("backends", "down")
+        dev_tool("backends", "down")
 
 
 if __name__ == "__main__":

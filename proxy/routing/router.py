@@ -62,8 +62,10 @@ class Router:
                 "laneway.reason": decision.drop or decision.reason,
                 "laneway.candidates": len(view.candidates), "laneway.decision_us": took * 1e6})
         if log.isEnabledFor(self._log_level):
-            log.log(self._log_level, "request %s model=%s -> %s (%s; %d candidates)",
-                    ctx.request_id, ctx.model, decision.backend.name, decision.reason,
+            # (the client's own x-request-id beside the proxy's unique one, to find it by)
+            sent = f" (x-request-id {ctx.client_id})" if ctx.client_id else ""
+            log.log(self._log_level, "request %s%s model=%s -> %s (%s; %d candidates)",
+                    ctx.request_id, sent, ctx.model, decision.backend.name, decision.reason,
                     len(view.candidates))
         return decision
 

@@ -156,5 +156,5 @@ def test_proxy_pd_mode_gets_the_signature_from_a_prefill_leg(
         log = (Path(proxy.config_path).parent / "proxy.log").read_text()
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     assert record(moe_backend, "pd-1")["prompt_tokens"] > 0  # the prefill leg's record
-    decision = next(line for line in log.splitlines() if "request pd-1" in line)
+    decision = next(line for line in log.splitlines() if "(x-request-id pd-1)" in line)
     assert "-> d0" in decision and "locality band of 1" in decision, log[-3000:]
