@@ -294,7 +294,7 @@ train-qos-drl: install
 # decisions side by side (~45 min), then the simulator table and the headroom routers
 # (~25 min) and the two agents live over five draws of the arrivals (~30 min, a quiet
 # machine) → docs/results/qos_drl_paper/ (docs/qos_drl.md, "The paper's edge")
-# where `laneway train qos-drl` checkpoints live
+# where `python -m bench train qos-drl` checkpoints live
 QOS_POLICIES := $${LANEWAY_HOME:-.laneway}/policies
 QOS_PAPER_AGENTS := --checkpoint $(QOS_POLICIES)/qos-drl-paper/best.pt \
 	--baseline-checkpoint $(QOS_POLICIES)/qos-baseline-rl-paper/best.pt
