@@ -40,6 +40,9 @@ class FakePublisher:
 
     def __init__(self, context: zmq.asyncio.Context, replay: bool = True) -> None:
         self.pub = context.socket(zmq.XPUB)  # XPUB: shows when the subscriber is in
+        # every (un)subscription, not only a topic's first and last: a replaced
+        # subscriber's close and its successor's subscribe may cross in ZMQ's I/O thread
+        self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)
         self.pub.bind("tcp://127.0.0.1:0")
         self.router = context.socket(zmq.ROUTER)
         self.router.bind("tcp://127.0.0.1:0")
@@ -73,6 +76,7 @@ class FakePublisher:
         endpoint = self.endpoint
         self.pub.close(linger=0)
         self.pub = context.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)
         for _ in range(100):  # the closed socket's port is released asynchronously
             try:
                 self.pub.bind(endpoint)

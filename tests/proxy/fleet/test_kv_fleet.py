@@ -46,6 +46,15 @@ async def _unsubscribed(publisher: FakePublisher) -> None:
     assert message == [b"\x00" + TOPIC]
 
 
+async def _resubscribed(publisher: FakePublisher) -> None:
+    """The old subscriber's unsubscription and the new one's subscription, in the order
+    ZMQ's I/O thread delivers them (the old socket is closed first, but its
+    disconnection can reach the publisher after the new socket's subscription)."""
+    messages = [await asyncio.wait_for(publisher.pub.recv_multipart(), 5.0)
+                for _ in range(2)]
+    assert sorted(messages) == [[b"\x00" + TOPIC], [b"\x01" + TOPIC]]
+
+
 def _sample(rt: Runtime, name: str) -> str:
     return next(line for line in rt.metrics.render().decode().splitlines()
                 if line.startswith(name + '{backend="cached"}'))
@@ -72,8 +81,7 @@ async def test_reload_starts_and_stops_a_backends_subscriber(
         assert changes["replaced"] == ["cached"]
         assert rt.kv.index.size("cached") == 0
         await rt.kv.settled()
-        await _unsubscribed(publisher)
-        await publisher.subscribed()
+        await _resubscribed(publisher)
         cfg = rt.kv.config_of("cached")
         assert cfg is not None and cfg.block_size == 128
         await publisher.publish(1, [stored(7)])  # 0 was heard by the old one: a replay
