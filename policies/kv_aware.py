@@ -20,7 +20,7 @@ from typing import ClassVar
 from pydantic import BaseModel, Field
 
 from policies.base import PARAMS_CONFIG, register
-from policies.load_helpers import LeastInflight
+from policies.load_helpers import CacheOrLeast
 from policies.prefix_index import PrefixIndex
 from proxy.types import (
     CachedPrefix,
@@ -54,30 +54,23 @@ class KvAware:
     def __init__(self, params: KvAwareParams) -> None:
         self._params = params
         self._sent = PrefixIndex(params.max_entries)  # the approximation, as prefix_aware's
-        self._least = LeastInflight()
+        self._choose = CacheOrLeast(params.balance_abs_threshold,
+                                    params.balance_rel_threshold).choose
 
     def stages(self) -> tuple[StageSpec, ...]:
         return (CachedPrefix(self._params.tokenize_timeout_s),)
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         scores = self._scores(ctx, pred, view)
-        least, least_load = self._least.pick(view)
         best = max(view.candidates,
                    key=lambda b: (scores.get(b.name, 0), -view.inflight_of(b)))
         tokens = scores.get(best.name, 0)
         exact = pred.cached_prefix_tokens is not None and best.name in pred.cached_prefix_tokens
-        how = "cached" if exact else "sent (approx.)"
-        if tokens < self._params.min_match_tokens:
-            choice = least
-            reason = f"longest prefix {tokens} tokens, too short; least in-flight {least_load}"
-        elif self._overloaded(view.inflight_of(best), least_load):
-            choice = least
-            reason = (f"{tokens} prefix tokens {how} on {best.name}, overloaded "
-                      f"({view.inflight_of(best)} vs {least_load}); least in-flight")
-        else:
-            choice, reason = best, f"{tokens} prefix tokens {how} on {best.name}"
-        self._sent.remember(ctx.prompt_blocks, choice.name)
-        return Decision(choice, reason)
+        decision = self._choose(view, best,
+                                f"{tokens} prefix tokens {'cached' if exact else 'sent (approx.)'}",
+                                tokens >= self._params.min_match_tokens)
+        self._sent.remember(ctx.prompt_blocks, decision.backend.name)
+        return decision
 
     def observe(self, outcome: Outcome) -> None:
         pass
@@ -96,8 +89,3 @@ class KvAware:
             if name not in scores:
                 scores[name] = int(depth * tokens_per_block)
         return scores
-
-    def _overloaded(self, best_load: int, least_load: int) -> bool:
-        p = self._params
-        return (best_load - least_load > p.balance_abs_threshold
-                and best_load > p.balance_rel_threshold * (least_load + 1))

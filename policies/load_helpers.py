@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING
 
-from proxy.types import Backend, ClusterView
+from proxy.types import Backend, ClusterView, Decision
 
 if TYPE_CHECKING:
     from _typeshed import SupportsRichComparison
@@ -60,6 +60,34 @@ class LeastInflight:
         loads = inflight_loads(view)
         at = self._argmin(loads)
         return view.candidates[at], loads[at]
+
+
+class CacheOrLeast:
+    """The cache-aware policies' last step: their best-cached backend, or the least
+    loaded when the match is too short or the best is overloaded.
+
+    The guard follows SGLang's cache-aware router (`balance_abs_threshold`,
+    `balance_rel_threshold`; see policies/prefix_aware.py for where it differs): the
+    best is overloaded when both its in-flight gap to the least loaded and its ratio to
+    `least + 1` exceed them. `match` describes the match in the decision's reason.
+    """
+
+    __slots__ = ("_abs", "_least", "_rel")
+
+    def __init__(self, balance_abs_threshold: int, balance_rel_threshold: float) -> None:
+        self._abs, self._rel = balance_abs_threshold, balance_rel_threshold
+        self._least = LeastInflight()
+
+    def choose(self, view: ClusterView, best: Backend | None, match: str,
+               long_enough: bool) -> Decision:
+        least, least_load = self._least.pick(view)
+        if best is None or not long_enough:
+            return Decision(least, f"{match}, too short; least in-flight {least_load}")
+        best_load = view.inflight_of(best)
+        if best_load - least_load > self._abs and best_load > self._rel * (least_load + 1):
+            return Decision(least, f"{match} on {best.name}, overloaded "
+                                   f"({best_load} vs {least_load}); least in-flight")
+        return Decision(best, f"{match} on {best.name}")
 
 
 class CandidatesByName:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field
 
 from policies.base import PARAMS_CONFIG, register
-from policies.load_helpers import CandidatesByName, LeastInflight
+from policies.load_helpers import CacheOrLeast, CandidatesByName
 from policies.prefix_index import blocks_from_wire, blocks_to_wire
 from proxy.types import Backend, ClusterView, Decision, Outcome, Prediction, RequestContext
 
@@ -43,24 +43,17 @@ class PrefixAware:
     def __init__(self, params: PrefixAwareParams) -> None:
         self._params = params
         self._index: OrderedDict[bytes, str] = OrderedDict()
-        self._least = LeastInflight()
+        self._choose = CacheOrLeast(params.balance_abs_threshold,
+                                    params.balance_rel_threshold).choose
         self._by_name = CandidatesByName()
         self._outbox: deque[list[str]] | None = None  # writes to replicate, once asked
 
     def pick(self, ctx: RequestContext, pred: Prediction, view: ClusterView) -> Decision:
         matched, depth = self._longest_match(ctx.prompt_blocks, view)
-        least, least_load = self._least.pick(view)
-        if matched is None or depth < self._params.min_match_blocks:
-            choice = least
-            reason = f"prefix match {depth} blocks, too short; least in-flight {least_load}"
-        elif self._overloaded(view.inflight_of(matched), least_load):
-            choice = least
-            reason = (f"prefix match {depth} blocks on {matched.name}, overloaded "
-                      f"({view.inflight_of(matched)} vs {least_load}); least in-flight")
-        else:
-            choice, reason = matched, f"prefix match {depth} blocks on {matched.name}"
-        self._remember(ctx.prompt_blocks, choice.name)
-        return Decision(choice, reason)
+        decision = self._choose(view, matched, f"prefix match {depth} blocks",
+                                depth >= self._params.min_match_blocks)
+        self._remember(ctx.prompt_blocks, decision.backend.name)
+        return decision
 
     def observe(self, outcome: Outcome) -> None:
         pass
@@ -98,11 +91,6 @@ class PrefixAware:
             if backend is not None:
                 return backend, depth
         return None, 0
-
-    def _overloaded(self, matched_load: int, least_load: int) -> bool:
-        p = self._params
-        return (matched_load - least_load > p.balance_abs_threshold
-                and matched_load > p.balance_rel_threshold * (least_load + 1))
 
     def _remember(self, blocks: tuple[bytes, ...], name: str) -> None:
         self._insert(blocks, name)
