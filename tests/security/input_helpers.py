@@ -62,39 +62,42 @@ def proxy_config(backend_url: str, model: str = "fake", **sections: Any) -> dict
             "poller": {"interval_s": 0.2}, **sections}
 
 
-class Recorder:
-    """A backend that answers every POST with a small chat completion and keeps what it
-    received (headers and JSON body), to see what the proxy forwards."""
+Answer = tuple[int, dict[str, str], bytes]  # status, headers beyond the defaults, body
+CHAT_COMPLETION = json.dumps({
+    "id": "x", "object": "chat.completion", "model": "fake", "choices": [
+        {"index": 0, "finish_reason": "stop",
+         "message": {"role": "assistant", "content": "ok"}}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+
+class FakeBackend:
+    """A backend on a thread of the test process: it answers what the poller reads
+    (GET /v1/models, /metrics) and every POST with `post`'s answer, so a test can keep
+    what the proxy forwards and answer as it needs."""
 
     def __init__(self) -> None:
-        self.requests: list[tuple[dict[str, str], Any]] = []
-        recorder = self
+        backend = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def do_GET(self) -> None:  # /metrics, /v1/models: what the poller reads
-                body = (b'{"object":"list","data":[{"id":"fake","object":"model"}]}'
-                        if self.path.startswith("/v1/models")
-                        else b"vllm:num_requests_running 0\n")
-                self._answer(body)
+            def do_GET(self) -> None:
+                self._answer((200, {}, b'{"object":"list","data":[{"id":"fake","object":"model"}]}'
+                              if self.path.startswith("/v1/models")
+                              else b"vllm:num_requests_running 0\n"))
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("content-length", 0)))
-                recorder.requests.append(({k.lower(): v for k, v in self.headers.items()},
-                                          json.loads(raw)))
-                self._answer(json.dumps({
-                    "id": "x", "object": "chat.completion", "model": "fake", "choices": [
-                        {"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "ok"}}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1,
-                              "total_tokens": 2}}).encode())
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                self._answer(backend.post(self.path, headers, raw))
 
-            def _answer(self, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
+            def _answer(self, answer: Answer) -> None:
+                status, headers, body = answer
+                self.send_response(status)
+                for name, value in {"content-type": "application/json", **headers,
+                                    "content-length": str(len(body))}.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -102,9 +105,25 @@ class Recorder:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def post(self, path: str, headers: dict[str, str], body: bytes) -> Answer:
+        return 200, {}, CHAT_COMPLETION
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class Recorder(FakeBackend):
+    """Answers every POST with a small chat completion and keeps what it received
+    (headers and JSON body), to see what the proxy forwards."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[dict[str, str], Any]] = []
+        super().__init__()
+
+    def post(self, path: str, headers: dict[str, str], body: bytes) -> Answer:
+        self.requests.append((headers, json.loads(body)))
+        return super().post(path, headers, body)
 
 
 def connect(url: str, rcvbuf: int | None = None) -> socket.socket:

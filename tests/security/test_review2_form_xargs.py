@@ -6,50 +6,28 @@ real `laneway serve` and a backend that keeps the bytes it was sent."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from bench.harness.proxy_process import ProxyProcess, running_proxy
-from tests.security.input_helpers import proxy_config
+from tests.security.input_helpers import Answer, FakeBackend, proxy_config
 
 PATH = "/v1/audio/transcriptions"
 
 
-class _Backend:
+class _Backend(FakeBackend):
     """Answers every POST with a transcription and keeps the bodies it was sent."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
-        backend = self
+        super().__init__()
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:  # what the poller reads
-                self._answer(b'{"object":"list","data":[{"id":"fake"}]}'
-                             if self.path.startswith("/v1/models")
-                             else b"vllm:num_requests_running 0\n")
-
-            def do_POST(self) -> None:
-                backend.bodies.append(self.rfile.read(int(self.headers["content-length"])))
-                self._answer(b'{"text":"ok"}')
-
-            def _answer(self, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def post(self, path: str, headers: dict[str, str], body: bytes) -> Answer:
+        self.bodies.append(body)
+        return 200, {}, b'{"text":"ok"}'
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +37,7 @@ def served() -> Iterator[tuple[ProxyProcess, _Backend]]:
         with running_proxy(proxy_config(backend.url)) as proxy:
             yield proxy, backend
     finally:
-        backend.server.shutdown()
-        backend.server.server_close()
+        backend.close()
 
 
 def _upload(proxy: ProxyProcess, *fields: tuple[str, bytes]) -> httpx.Response:
