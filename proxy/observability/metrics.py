@@ -294,30 +294,22 @@ def slo_met(target: SloTarget, outcome: Outcome) -> bool:
 class _BackendCollector(Collector):
     """Backend gauges read from the registry at scrape time."""
 
+    _HELP = {
+        "inflight": ("laneway_backend_inflight", "Requests open on the backend via this proxy"),
+        "cluster": ("laneway_backend_cluster_inflight", "Requests open on the backend via "
+                    "every replica (shared state)"),
+        "healthy": ("laneway_backend_healthy", "1 if the backend is routable"),
+        "running": ("laneway_backend_running", "vllm:num_requests_running at the last scrape"),
+        "waiting": ("laneway_backend_waiting", "vllm:num_requests_waiting at the last scrape"),
+        "kv": ("laneway_backend_kv_usage", "KV-cache usage fraction at the last scrape"),
+    }
+
     def __init__(self, registry: Fleet) -> None:
         self._registry = registry
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        families = {
-            "inflight": GaugeMetricFamily(
-                "laneway_backend_inflight", "Requests open on the backend via this proxy",
-                labels=["backend", "model"]),
-            "cluster": GaugeMetricFamily(
-                "laneway_backend_cluster_inflight", "Requests open on the backend via "
-                "every replica (shared state)", labels=["backend", "model"]),
-            "healthy": GaugeMetricFamily(
-                "laneway_backend_healthy", "1 if the backend is routable",
-                labels=["backend", "model"]),
-            "running": GaugeMetricFamily(
-                "laneway_backend_running", "vllm:num_requests_running at the last scrape",
-                labels=["backend", "model"]),
-            "waiting": GaugeMetricFamily(
-                "laneway_backend_waiting", "vllm:num_requests_waiting at the last scrape",
-                labels=["backend", "model"]),
-            "kv": GaugeMetricFamily(
-                "laneway_backend_kv_usage", "KV-cache usage fraction at the last scrape",
-                labels=["backend", "model"]),
-        }
+        families = {key: GaugeMetricFamily(name, text, labels=["backend", "model"])
+                    for key, (name, text) in self._HELP.items()}
         for backend in self._registry.all():
             labels = [backend.name, backend.model]
             stats = self._registry.stats.get(backend.name)
