@@ -69,8 +69,10 @@ async def test_sends_at_the_arrival_times() -> None:
     async with serve_fake(FakeConfig(tpot_s=0.001)) as fake:
         results = await collect(requests(arrivals), fake.url)
     assert [r.arrival_s for r in results] == arrivals
+    # never early; late by less than the gap to the next arrival (a busy machine's
+    # scheduling delay is tens of ms, a sender that waits for a wrong time is not)
     for result in results:
-        assert result.arrival_s - 0.002 <= result.sent_s <= result.arrival_s + 0.05
+        assert result.arrival_s - 0.002 <= result.sent_s < result.arrival_s + 0.1
 
 
 async def test_count_and_schedule_bounds() -> None:
