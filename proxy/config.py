@@ -368,6 +368,10 @@ class ApiKeyConfig(_Section):
                           "with a lower priority")
     slo_class: str | None = Field(None, description="the SLO class (`slo_classes`) of "
                                   "this key's requests; null: `default_slo_class`")
+    hints: bool = Field(False, description="honour this key's routing hints "
+                        "(`x-laneway-slo-ms`, `x-laneway-expected-tokens`, "
+                        "`x-laneway-budget`, `x-laneway-read-rate`); false: they are "
+                        "ignored, since they buy a tighter SLO or a larger cost budget")
 
 
 class SloClassConfig(_Section):

@@ -13,6 +13,7 @@ the backend agree on them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -38,6 +39,9 @@ EXPECTED_TOKENS_HEADER = "x-laneway-expected-tokens"
 BUDGET_HEADER = "x-laneway-budget"
 READ_RATE_HEADER = "x-laneway-read-rate"
 _MAX_READ_RATE = 1000.0  # tokens/s (as the disco policy's `read_rate` param)
+# The context's fields the four headers above set: a client's own with `auth` off, a
+# key's only when it is allowed hints (they buy a tighter SLO or a larger cost budget).
+_HINTS = ("slo_ms", "expected_tokens", "budget", "read_rate")
 
 
 # A client's `x-request-id` is echoed and logged only if it is this short and plain;
@@ -172,6 +176,15 @@ def build_context(
         read_rate=_bounded_header(headers, READ_RATE_HEADER, _MAX_READ_RATE,
                                   f"a number of tokens/s from 0 to {_MAX_READ_RATE:g}"),
     )
+
+
+def without_hints(ctx: RequestContext) -> RequestContext:
+    """`ctx` with no routing hints (`x-laneway-slo-ms`, `-expected-tokens`, `-budget`,
+    `-read-rate`): what a request admitted under a key without `hints` routes on."""
+    if all(getattr(ctx, name) is None for name in _HINTS):
+        return ctx
+    return dataclasses.replace(ctx, slo_ms=None, expected_tokens=None, budget=None,
+                               read_rate=None)
 
 
 def choices_of(data: Mapping[str, Any]) -> int:

@@ -34,6 +34,7 @@ class ApiKey:
     tokens_per_minute: int | None = None
     priority: int = 0  # flow control: higher leaves the queue first
     slo_class: str | None = None  # its requests' SLO class (None: the default one)
+    hints: bool = False  # its routing-hint headers are honoured (config.ApiKeyConfig)
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -41,7 +42,7 @@ class ApiKey:
     @classmethod
     def from_config(cls, cfg: ApiKeyConfig) -> ApiKey:
         return cls(cfg.name, frozenset(cfg.models), cfg.requests_per_minute,
-                   cfg.tokens_per_minute, cfg.priority, cfg.slo_class)
+                   cfg.tokens_per_minute, cfg.priority, cfg.slo_class, cfg.hints)
 
 
 @dataclass(frozen=True, slots=True)

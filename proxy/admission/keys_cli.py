@@ -36,7 +36,8 @@ def _add(args: argparse.Namespace) -> int:
     entry: dict[str, Any] = {"name": args.name,
                              "models": [m for m in (args.models or "").split(",") if m],
                              "requests_per_minute": args.rpm, "tokens_per_minute": args.tpm,
-                             "priority": args.priority}
+                             "priority": args.priority, "slo_class": args.slo_class,
+                             "hints": args.hints}
 
     async def store() -> None:
         client = aioredis.Redis.from_url(args.redis_url)
@@ -66,4 +67,8 @@ def add_cli(subparsers: Any) -> None:
     add.add_argument("--tpm", type=int, help="tokens per minute")
     add.add_argument("--priority", type=int, default=0,
                      help="flow control: higher leaves the queue first (default 0)")
+    add.add_argument("--slo-class", help="its requests' SLO class (default: "
+                     "default_slo_class)")
+    add.add_argument("--hints", action="store_true", help="honour its routing-hint "
+                     "headers (x-laneway-slo-ms, -expected-tokens, -budget, -read-rate)")
     add.set_defaults(func=_add)

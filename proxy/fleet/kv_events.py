@@ -45,6 +45,12 @@ from proxy.fleet.kv_index import KvIndex
 from proxy.fleet.kv_wire import Decoder
 
 log = logging.getLogger("laneway.kv_events")
+# On a socket we bind (anyone on its network may connect), a message past this size
+# drops the connection before it is read (ZMQ's MAXMSGSIZE; the sender may reconnect).
+# A batch of vLLM's is a few hundred KB for a 100k-token prefill. Not on a socket we
+# connect: there the sender is the configured server, and ZMQ would not reconnect
+# after such a drop (a protocol error ends the session for good).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,6 +116,8 @@ class KvEventSubscriber:
     async def start(self) -> None:
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        if self.source.bind:
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         try:
             if self.source.bind:

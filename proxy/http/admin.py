@@ -55,7 +55,13 @@ from proxy.errors import (
     ProxyError,
 )
 from proxy.http import lora_admin
-from proxy.http.admin_guard import check_backend, check_body_type, check_request, check_save_path
+from proxy.http.admin_guard import (
+    check_backend,
+    check_body_type,
+    check_kv_events,
+    check_request,
+    check_save_path,
+)
 from proxy.reconfigure import add_backend, reload_config, remove_backend, switch_policy
 from proxy.runtime import Runtime, backend_of
 
@@ -143,6 +149,7 @@ async def _add(rt: Runtime, parts: list[str], body: bytes) -> tuple[int, Any]:
     except ValidationError as exc:
         raise InvalidRequest(_first_error(exc)) from None
     check_backend(rt.settings.admin, str(cfg.url), cfg.url.host or "")
+    check_kv_events(rt.settings.admin, cfg.kv_events)
     backend = backend_of(cfg)  # its own api_key, never upstream.api_key
     try:
         add_backend(rt, backend, cfg.kv_events)

@@ -14,7 +14,7 @@ from proxy.errors import Forbidden, Unauthorized, UnsupportedMediaType
 from proxy.hashing import hash_key
 
 if TYPE_CHECKING:
-    from proxy.config import AdminConfig
+    from proxy.config import AdminConfig, KvEventsConfig
 
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 _ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
@@ -65,6 +65,23 @@ def check_backend(cfg: AdminConfig, url: str, host: str) -> None:
     if not backend_allowed(cfg.backend_allowlist, url):
         raise Forbidden(f"The admin API may not add a backend at {host}: not in "
                         "admin.backend_allowlist.", param="url")
+
+
+def check_kv_events(cfg: AdminConfig, kv_events: KvEventsConfig | None) -> None:
+    """An added backend's KV events come only from hosts `admin.backend_allowlist`
+    lists, over TCP, to a socket the proxy connects (binding one, which whoever reaches
+    it can feed forged events, is the config file's decision)."""
+    if kv_events is None:
+        return
+    if kv_events.bind:
+        raise Forbidden("The admin API may not make the proxy bind a KV events socket "
+                        "(kv_events.bind); set it in the config file.", param="kv_events")
+    for endpoint in (kv_events.endpoint, kv_events.replay_endpoint):
+        if endpoint is not None and not (endpoint.startswith("tcp://")
+                                         and backend_allowed(cfg.backend_allowlist, endpoint)):
+            raise Forbidden(f"The admin API may not follow KV events at {endpoint[:80]}: "
+                            "not a tcp:// address in admin.backend_allowlist.",
+                            param="kv_events")
 
 
 def _hostname(host: str) -> str:

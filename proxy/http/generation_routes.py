@@ -55,6 +55,7 @@ from proxy.request_context import (
     normalized,
     parse_body,
     without_client_controls,
+    without_hints,
 )
 from proxy.routing.kv_transfer import handle_of, without_handle
 from proxy.runtime import Runtime
@@ -96,6 +97,8 @@ async def handle_completion(
         forced = forced_after(headers, rt.settings.debug.allow_forced_migration)
         place = rt.queue_place(grant, headers)
         ctx = dataclasses.replace(ctx, slo_class=class_of(rt.settings, grant, headers))
+        if grant is not None and not grant.key.hints:
+            ctx = without_hints(ctx)
     except ClientGone:
         return
     except ProxyError as err:

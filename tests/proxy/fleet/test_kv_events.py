@@ -306,3 +306,38 @@ def test_rank_sources_offset_the_ports() -> None:
         (2, "tcp://10.0.0.5:5559", "tcp://10.0.0.5:5560")]
     assert all(s.topic == "kv" and s.backend == "a" for s in ranks)
     assert rank_sources(KvEventSource("a", "tcp://h:5557"), 2)[1].replay_endpoint is None
+
+
+
+async def test_a_bound_socket_refuses_an_oversized_message() -> None:
+    """Whoever reaches a socket the proxy binds cannot make it take in an unbounded
+    message: ZMQ drops that connection past MAX_MESSAGE_BYTES before reading it, the
+    sender may connect again, and later batches are read as usual."""
+    from proxy.fleet.kv_events import MAX_MESSAGE_BYTES
+
+    index = KvIndex()
+    async with KvEventSubscriber(KvEventSource("a", "tcp://127.0.0.1:0", bind=True),
+                                 index) as subscriber:
+        assert subscriber._sub is not None
+        endpoint = str(subscriber._sub.getsockopt_string(zmq.LAST_ENDPOINT))
+        context = zmq.asyncio.Context()
+        pub = context.socket(zmq.XPUB)
+        pub.setsockopt(zmq.XPUB_VERBOSER, 1)
+        pub.connect(endpoint)
+        assert (await pub.recv_multipart()) == [b"\x01"]
+        huge = stored(1)
+        huge["token_ids"] = [1] * (MAX_MESSAGE_BYTES + 1)  # a byte a token in msgpack
+        await pub.send_multipart([b"", (0).to_bytes(8, "big"),
+                                  msgspec.msgpack.encode([1.0, [huge], 0])])
+        # dropped, and the connecting side's reconnection subscribes again (its
+        # unsubscription, if any, may come first)
+        heard = [await asyncio.wait_for(pub.recv_multipart(), 5.0)]
+        if heard[0] == [b"\x00"]:
+            heard.append(await asyncio.wait_for(pub.recv_multipart(), 5.0))
+        assert heard[-1] == [b"\x01"]
+        await pub.send_multipart([b"", (0).to_bytes(8, "big"),
+                                  msgspec.msgpack.encode([1.0, [stored(2)], 0])])
+        await until(lambda: subscriber.next_seq == 1)
+        assert index.size("a") == 1 and index.copies("a", 0, 1) == 0
+        pub.close(linger=0)
+        context.term()
