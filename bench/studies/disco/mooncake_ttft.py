@@ -14,6 +14,10 @@ figure was looked at:
 * "near saturation" = the first k whose median TTFT is at least `KNEE` times the median
   at k = 1 (queues have formed, the fleet still keeps up); its TTFTs are F.
 
+The first run's ladder (1, 1.5, 2, 3, ...) went from a median of 0.66 s at k = 2 to 6.5 s
+at k = 3, past the knee into an overloaded fleet; the ladder was made finer between 2
+and 3 before the simulator was run on either result.
+
     python -m bench.studies.disco.mooncake_ttft [--shared datasets] [--out FILE]
 """
 
@@ -40,7 +44,7 @@ GPUS = 8
 PROFILE = "h100-80gb"
 CONTEXT = 131_072  # Llama-3.1-8B's context
 REQUESTS = 1000
-LADDER = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
+LADDER = (1.0, 1.5, 2.0, 2.25, 2.5, 2.75, 3.0, 4.0, 6.0, 8.0, 12.0)
 KNEE = 2.0
 BLOCK_TOKENS = 512  # tokens per trace hash id
 VOCAB = 30_000
